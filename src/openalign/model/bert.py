@@ -1,0 +1,97 @@
+"""BERT (Devlin et al. 2019) as ALIGN's text tower: the last layer's [CLS] vector is the text feature.
+
+Post-LayerNorm encoder identical in function to transformers' BertModel (so its weights load), with a
+fused QKV projection and PyTorch's scaled-dot-product attention. There is no pooler: ALIGN projects
+the raw [CLS] vector, and an unused parameter would force DDP's find_unused_parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openalign.config import TextTowerConfig
+from openalign.model.layers import maybe_checkpointed
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: TextTowerConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        # Captions are a single segment, so every token has token type 0.
+        x = self.word(input_ids) + self.position.weight[:length] + self.token_type.weight[0]
+        return self.dropout(self.norm(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: TextTowerConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, cfg.ffn_size)
+        self.ffn_out = nn.Linear(cfg.ffn_size, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.attention_dropout = cfg.attention_dropout
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cls_only: bool = False) -> torch.Tensor:
+        """``mask`` is boolean [B, 1, 1, L], True where a key may be attended. With ``cls_only`` only the
+        first position is computed: the last layer's other outputs are never used."""
+        b, length, h = x.shape
+        heads = self.num_heads
+        q, k, v = self.qkv(x).view(b, length, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+        if cls_only:
+            q, x = q[:, :, :1], x[:, :1]
+        p = self.attention_dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        a = a.transpose(1, 2).reshape(b, q.shape[2], h)
+        x = self.attn_norm(x + self.dropout(self.attn_out(a)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+
+
+class Bert(nn.Module):
+    """BERT encoder: ``forward`` maps token ids [B, L] and a 0/1 mask to [CLS] features [B, hidden]."""
+
+    def __init__(self, cfg: TextTowerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = BertEmbeddings(cfg)
+        self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+        self.num_features = cfg.hidden_size
+        self.gradient_checkpointing = cfg.gradient_checkpointing
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """BERT init: truncated-free N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        with torch.no_grad():
+            self.embeddings.word.weight[self.cfg.pad_token_id].zero_()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = attention_mask.bool()[:, None, None, :]
+        x = self.embeddings(input_ids)
+        checkpoint = self.gradient_checkpointing and self.training
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = maybe_checkpointed(checkpoint, layer)(x, mask, i == last)
+        return x[:, 0]

@@ -1,0 +1,150 @@
+"""The ALIGN dual encoder: two towers, linear projections into one space, and a learned temperature."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openalign.config import ModelConfig
+from openalign.model.bert import Bert
+from openalign.model.efficientnet import EfficientNet
+
+
+class DualEncoder(nn.Module):
+    """Image and text encoders whose L2-normalised outputs are compared by cosine similarity.
+
+    Logits are ``image_emb @ text_emb.T / temperature``. The image feature is projected only when its
+    width differs from ``embed_dim`` (the paper projects B1/B3/B5 to 640; B7 and L2 are used as is);
+    the text [CLS] feature always goes through a linear layer, as in the paper.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.image = EfficientNet(config.image)
+        self.text = Bert(config.text)
+        d = config.embed_dim
+        self.image_proj = nn.Linear(self.image.num_features, d) if self.image.num_features != d else None
+        self.text_proj = nn.Linear(self.text.num_features, d)
+        for proj in (self.image_proj, self.text_proj):
+            if proj is not None:
+                # TF dense init, as the paper's code base uses: U(±1/sqrt(fan_out)).
+                bound = 1.0 / math.sqrt(d)
+                nn.init.uniform_(proj.weight, -bound, bound)
+                nn.init.zeros_(proj.bias)
+        init = config.temperature_init
+        value = torch.tensor(math.log(init) if config.temperature_param == "log" else init)
+        self.temperature_param = nn.Parameter(value, requires_grad=config.learn_temperature)
+        if config.image.channels_last:
+            self.image.to(memory_format=torch.channels_last)
+        if config.image.batch_norm == "sync":
+            self.image = nn.SyncBatchNorm.convert_sync_batchnorm(self.image)
+
+    @property
+    def embed_dim(self) -> int:
+        return self.config.embed_dim
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        """σ > 0 (0-dim). Learned directly it is kept above 1e-4 so a bad step cannot flip its sign."""
+        if self.config.temperature_param == "log":
+            return self.temperature_param.exp()
+        return self.temperature_param.clamp(min=1e-4)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"temperature_param"}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.image.gradient_checkpointing = enable
+        self.text.gradient_checkpointing = enable
+
+    # ------------------------------------------------------------------ encoding
+
+    def check_pixels(self, pixel_values: torch.Tensor) -> None:
+        if not isinstance(pixel_values, torch.Tensor):
+            raise TypeError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
+        if pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
+            raise ValueError(f"pixel_values must have shape [B, 3, H, W], got {list(pixel_values.shape)}")
+        if not pixel_values.is_floating_point():
+            raise ValueError(
+                f"pixel_values must be floating point (normalised pixels), got {pixel_values.dtype}; "
+                "convert uint8 images with openalign's transforms first"
+            )
+        if pixel_values.shape[0] == 0:
+            raise ValueError("pixel_values is an empty batch")
+
+    def check_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        cfg = self.config.text
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [B, L] with B, L > 0, got {list(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if input_ids.shape[1] > cfg.max_position_embeddings:
+            raise ValueError(
+                f"input_ids has {input_ids.shape[1]} tokens per row; the model has "
+                f"{cfg.max_position_embeddings} positions"
+            )
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary [0, {cfg.vocab_size}); "
+                "was the text tokenised with this model's tokenizer?"
+            )
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}"
+                )
+            if not bool(attention_mask[:, 0].all()):
+                raise ValueError("attention_mask must keep the first ([CLS]) token of every row")
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Unnormalised image embeddings [B, embed_dim]."""
+        x = self.image(pixel_values)
+        return self.image_proj(x) if self.image_proj is not None else x
+
+    def text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Unnormalised text embeddings [B, embed_dim]."""
+        if attention_mask is not None:
+            input_ids, attention_mask = trim_padding(input_ids, attention_mask)
+        return self.text_proj(self.text(input_ids, attention_mask))
+
+    def encode_image(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """L2-normalised image embeddings [B, embed_dim] from normalised pixels [B, 3, H, W]."""
+        self.check_pixels(pixel_values)
+        x = self.image_features(pixel_values)
+        return F.normalize(x, dim=-1) if normalize else x
+
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
+    ) -> torch.Tensor:
+        """L2-normalised text embeddings [B, embed_dim] from token ids and a 1/0 attention mask."""
+        self.check_tokens(input_ids, attention_mask)
+        x = self.text_features(input_ids, attention_mask)
+        return F.normalize(x, dim=-1) if normalize else x
+
+    def forward(
+        self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both normalised embeddings, the inputs of ``openalign.loss.contrastive_loss``."""
+        return self.encode_image(pixel_values), self.encode_text(input_ids, attention_mask)
+
+
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop trailing columns that are padding in every row.
+
+    Captions are padded to the maximum length (64) for fixed shapes, but most are far shorter; keys
+    that are masked out contribute nothing, so cutting them changes no output and saves most of the
+    text tower's work. Left padding is left alone.
+    """
+    lengths = attention_mask.sum(1)
+    keep = int(lengths.max())
+    if keep == attention_mask.shape[1] or bool(attention_mask[:, keep:].any()):
+        return input_ids, attention_mask
+    return input_ids[:, :keep], attention_mask[:, :keep]

@@ -1,0 +1,197 @@
+"""EfficientNet (Tan & Le 2019) as ALIGN's image tower.
+
+The feature is the global average pool of the last MBConv block's output: ALIGN does not train the
+1×1 head convolution, so it is not built (640 channels for B7, 1376 for L2). Padding follows
+TensorFlow's "SAME" rule at every input size, so TF-trained weights give TF's numbers; the "hf" mode
+reproduces transformers' fixed paddings instead, so its checkpoints give its numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openalign.config import ImageTowerConfig
+from openalign.model.layers import BatchNorm2d, drop_path, maybe_checkpointed
+
+
+def round_filters(channels: int, width: float, divisor: int = 8) -> int:
+    """Scale a channel count by ``width`` and round to a multiple of ``divisor``, never losing > 10 %."""
+    scaled = channels * width
+    rounded = max(divisor, int(scaled + divisor / 2) // divisor * divisor)
+    if rounded < 0.9 * scaled:
+        rounded += divisor
+    return int(rounded)
+
+
+def round_repeats(repeats: int, depth: float) -> int:
+    return int(math.ceil(depth * repeats))
+
+
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """TF "SAME": output ceil(size / stride), the extra pixel of an odd total pad going after."""
+    out = -(-size // stride)
+    total = max((out - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+Pad = tuple[int, int, int, int]  # left, right, top, bottom (F.pad order)
+
+
+class Conv2dSame(nn.Conv2d):
+    """Conv2d with TF SAME padding computed from the input size, or a fixed (possibly asymmetric) pad."""
+
+    def __init__(
+        self, cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, pad: Pad | None = None
+    ):
+        super().__init__(cin, cout, kernel, stride=stride, padding=0, groups=groups, bias=False)
+        if pad is None and stride == 1:
+            # An odd kernel at stride 1 pads symmetrically whatever the size: let the conv do it.
+            pad = (kernel // 2,) * 4
+        self.fixed_pad = pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_pad is None:
+            k, s = self.kernel_size[0], self.stride[0]
+            top, bottom = same_padding(x.shape[-2], k, s)
+            left, right = same_padding(x.shape[-1], k, s)
+            pad = (left, right, top, bottom)
+        else:
+            pad = self.fixed_pad
+        left, right, top, bottom = pad
+        if left == right and top == bottom:
+            return F.conv2d(x, self.weight, None, self.stride, (top, left), 1, self.groups)
+        return F.conv2d(F.pad(x, pad), self.weight, None, self.stride, 0, 1, self.groups)
+
+
+class ConvBN(nn.Module):
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel: int,
+        cfg: ImageTowerConfig,
+        stride: int = 1,
+        groups: int = 1,
+        act: bool = True,
+        pad: Pad | None = None,
+    ):
+        super().__init__()
+        self.conv = Conv2dSame(cin, cout, kernel, stride, groups, pad)
+        virtual = cfg.virtual_batch_size if cfg.batch_norm == "virtual" else None
+        self.bn = BatchNorm2d(cout, eps=cfg.bn_eps, momentum=1.0 - cfg.bn_momentum, virtual_batch_size=virtual)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bn(self.conv(x))
+        return F.silu(x) if self.act else x
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, reduced: int):
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, reduced, 1)
+        self.expand = nn.Conv2d(reduced, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.mean((2, 3), keepdim=True)
+        return x * torch.sigmoid(self.expand(F.silu(self.reduce(s))))
+
+
+class MBConv(nn.Module):
+    """Inverted residual block: 1×1 expand, k×k depthwise, squeeze-excitation, 1×1 project."""
+
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel: int,
+        stride: int,
+        expand_ratio: int,
+        drop_rate: float,
+        cfg: ImageTowerConfig,
+        depthwise_pad: Pad | None,
+    ):
+        super().__init__()
+        mid = cin * expand_ratio
+        self.expand = ConvBN(cin, mid, 1, cfg) if expand_ratio != 1 else None
+        self.depthwise = ConvBN(mid, mid, kernel, cfg, stride=stride, groups=mid, pad=depthwise_pad)
+        self.se = SqueezeExcite(mid, max(1, int(cin * cfg.se_ratio))) if cfg.se_ratio > 0 else None
+        self.project = ConvBN(mid, cout, 1, cfg, act=False)
+        self.residual = stride == 1 and cin == cout
+        self.drop_rate = drop_rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.expand(x) if self.expand is not None else x
+        h = self.depthwise(h)
+        if self.se is not None:
+            h = self.se(h)
+        h = self.project(h)
+        if self.residual:
+            h = drop_path(h, self.drop_rate, self.training) + x
+        return h
+
+
+class EfficientNet(nn.Module):
+    """EfficientNet feature extractor: ``forward`` maps [B, 3, H, W] pixels to [B, num_features]."""
+
+    def __init__(self, cfg: ImageTowerConfig):
+        super().__init__()
+        self.cfg = cfg
+        width, div = cfg.width_coefficient, cfg.depth_divisor
+        hf = cfg.padding == "hf"
+        stem = round_filters(cfg.stem_channels, width, div)
+        self.stem = ConvBN(3, stem, 3, cfg, stride=2, pad=(0, 1, 0, 1) if hf else None)
+
+        stages = list(
+            zip(
+                cfg.kernel_sizes,
+                cfg.num_repeats,
+                cfg.in_channels,
+                cfg.out_channels,
+                cfg.expand_ratios,
+                cfg.strides,
+                strict=True,
+            )
+        )
+        total = sum(round_repeats(r, cfg.depth_coefficient) for _, r, *_ in stages)
+        blocks = []
+        for kernel, repeats, cin, cout, expand, stride in stages:
+            cin, cout = round_filters(cin, width, div), round_filters(cout, width, div)
+            for j in range(round_repeats(repeats, cfg.depth_coefficient)):
+                idx = len(blocks)
+                s = stride if j == 0 else 1
+                pad = None
+                if hf and s == 2:
+                    half = kernel // 2
+                    symmetric = idx in cfg.hf_depthwise_padding
+                    pad = (half, half, half, half) if symmetric else (half - 1, half, half - 1, half)
+                rate = cfg.drop_connect_rate * idx / total
+                blocks.append(MBConv(cin if j == 0 else cout, cout, kernel, s, expand, rate, cfg, pad))
+        self.blocks = nn.ModuleList(blocks)
+        self.num_features = round_filters(cfg.out_channels[-1], width, div)
+        self.gradient_checkpointing = cfg.gradient_checkpointing
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """TF EfficientNet init: convs N(0, 2 / fan_out) with fan_out = k·k·out / groups."""
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+                nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / fan_out))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.cfg.channels_last:
+            pixel_values = pixel_values.contiguous(memory_format=torch.channels_last)
+        x = self.stem(pixel_values)
+        for block in self.blocks:
+            x = maybe_checkpointed(self.gradient_checkpointing and self.training, block)(x)
+        return x.mean((2, 3))

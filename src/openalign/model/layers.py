@@ -1,0 +1,98 @@
+"""Building blocks shared by both towers: batch norm policies, stochastic depth, checkpointing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d that can normalise each group of ``virtual_batch_size`` samples with its own statistics.
+
+    ALIGN trained with 16 pairs per TPU core and per-core batch statistics; "virtual" (ghost) batches
+    reproduce that regularisation on a device that holds far more than 16 samples. Running statistics
+    are updated once per forward with the mean of the groups' statistics.
+    """
+
+    def __init__(self, num_features: int, eps: float, momentum: float, virtual_batch_size: int | None = None):
+        super().__init__(num_features, eps=eps, momentum=momentum)
+        self.virtual_batch_size = virtual_batch_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vb = self.virtual_batch_size
+        if not (self.training and vb and x.shape[0] > vb):
+            return super().forward(x)
+        groups = x.split(vb)
+        out = torch.cat(
+            [F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups]
+        )
+        if self.track_running_stats:
+            with torch.no_grad():
+                mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)
+                var = torch.stack([g.var((0, 2, 3), correction=1 if g.numel() > g.shape[1] else 0) for g in groups])
+                self.running_mean.lerp_(mean, self.momentum)
+                self.running_var.lerp_(var.mean(0), self.momentum)
+                self.num_batches_tracked.add_(1)
+        return out
+
+
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth: drop the whole residual branch of a sample with probability ``rate``.
+
+    Per sample, not per element: element dropout here (as in transformers' port) is a different
+    regulariser from the one EfficientNet was trained with.
+    """
+    if not training or rate == 0.0:
+        return x
+    keep = 1.0 - rate
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return x * mask.div_(keep)
+
+
+@contextmanager
+def frozen_bn_stats(module: nn.Module) -> Iterator[None]:
+    """Batch norm inside ``module`` normalises with batch statistics but leaves running statistics alone."""
+    saved = []
+    for m in module.modules():
+        if isinstance(m, _BatchNorm) and m.track_running_stats:
+            saved.append((m, m.momentum, m.num_batches_tracked.clone()))
+            m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, tracked in saved:
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(tracked)
+
+
+def checkpointed(module: nn.Module, *args: Any) -> Any:
+    """Run ``module`` under activation checkpointing, updating batch-norm running statistics once.
+
+    The backward pass re-runs the forward; without the guard every batch norm would fold the same
+    batch into its running statistics twice. Dropout and stochastic depth replay the same random
+    draws because checkpoint restores the RNG state.
+    """
+    calls = 0
+
+    def run(*inner: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return module(*inner)
+        with frozen_bn_stats(module):
+            return module(*inner)
+
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+def maybe_checkpointed(enabled: bool, module: nn.Module) -> Callable[..., Any]:
+    if enabled and torch.is_grad_enabled():
+        return lambda *args: checkpointed(module, *args)
+    return module

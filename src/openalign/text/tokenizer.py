@@ -1,0 +1,119 @@
+"""BERT-style WordPiece tokenisation with the paper's 64-token limit.
+
+Files are the formats people already have: a Hugging Face ``tokenizer.json`` or a BERT ``vocab.txt``
+(as in a transformers AlignModel directory), so a tokenizer trained here loads in transformers too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _bert_pipeline(backend: Backend, lowercase: bool) -> Backend:
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    if cls is not None and sep is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+        )
+    return backend
+
+
+class Tokenizer:
+    """Turns captions into ``input_ids`` and ``attention_mask`` tensors of a fixed length."""
+
+    def __init__(self, backend: Backend, max_length: int = 64):
+        self.backend = backend
+        self.max_length = max_length
+        for token in ("[PAD]", "[CLS]", "[SEP]"):
+            if backend.token_to_id(token) is None:
+                raise ValueError(f"the vocabulary has no {token} token; it is not a BERT WordPiece vocabulary")
+        self.pad_id: int = backend.token_to_id("[PAD]")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __call__(
+        self, texts: str | list[str], max_length: int | None = None, pad_to_max: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Tokenise, truncate to ``max_length`` (default 64) and pad with [PAD] to it (or to the longest)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        length = max_length or self.max_length
+        encodings = self.backend.encode_batch([str(t) for t in texts])
+        rows = []
+        for enc in encodings:
+            ids = enc.ids
+            if len(ids) > length:
+                # Keep the closing [SEP] so truncated captions look like complete ones to the encoder.
+                ids = [*ids[: length - 1], ids[-1]]
+            rows.append(ids)
+        width = length if pad_to_max else max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, : len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``tokenizer.json`` and ``vocab.txt`` into directory ``path``."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(out / "tokenizer.json"))
+        vocab = sorted(self.backend.get_vocab().items(), key=lambda kv: kv[1])
+        (out / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab))
+        return out
+
+
+def load_tokenizer(path: str | Path, max_length: int = 64) -> Tokenizer:
+    """Load ``tokenizer.json`` or ``vocab.txt``, given as the file or a directory holding either
+    (an openalign checkpoint, a vocabulary directory, or a transformers AlignModel directory)."""
+    p = Path(path)
+    if p.is_dir():
+        for name in ("tokenizer.json", "vocab.txt"):
+            if (p / name).is_file():
+                p = p / name
+                break
+        else:
+            raise FileNotFoundError(f"{path}: no tokenizer.json or vocab.txt in this directory")
+    if not p.is_file():
+        raise FileNotFoundError(f"{path}: no such tokenizer file")
+    if p.suffix == ".json":
+        return Tokenizer(Backend.from_file(str(p)), max_length)
+    lowercase = True
+    config = p.parent / "tokenizer_config.json"
+    if config.is_file():
+        lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True))
+    backend = Backend(models.WordPiece.from_file(str(p), unk_token="[UNK]"))
+    return Tokenizer(_bert_pipeline(backend, lowercase), max_length)
+
+
+def train_wordpiece(
+    texts: Iterable[str], vocab_size: int = 100_000, lowercase: bool = True, min_frequency: int = 2
+) -> Tokenizer:
+    """Learn a WordPiece vocabulary from captions (the paper: 100k pieces from its training data)."""
+    backend = Backend(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(_bert_pipeline(backend, lowercase))
