@@ -55,7 +55,9 @@ class ImageTowerConfig:
     virtual_batch_size: int = 16  # samples per statistics group with batch_norm="virtual" (TPU per-core)
     bn_eps: float = 1e-3
     bn_momentum: float = 0.99  # TF convention (running = m·running + (1-m)·batch); torch gets 1 - m
-    padding: Literal["same", "hf"] = "same"  # "same": TF SAME at any input size; "hf": transformers' port
+    # "same": TF SAME at any input size; "hf": transformers' port (fixed paddings, and no residual on
+    # a stage's first block even where its input and output widths agree)
+    padding: Literal["same", "hf"] = "same"
     hf_depthwise_padding: tuple[int, ...] = ()  # with padding="hf": blocks whose stride-2 pad is symmetric
     gradient_checkpointing: bool = False
     channels_last: bool = False
@@ -178,9 +180,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
             f"unknown config key '{prefix}{unknown[0]}'; valid keys{' in ' + where if where else ''}: "
             + ", ".join(sorted(fields))
         )
-    kwargs = {
-        name: _coerce(value, hints[name], f"{where}.{name}" if where else name) for name, value in data.items()
-    }
+    kwargs = {name: _coerce(value, hints[name], f"{where}.{name}" if where else name) for name, value in data.items()}
     return cls(**kwargs)
 
 

@@ -24,11 +24,11 @@ def round_filters(channels: int, width: float, divisor: int = 8) -> int:
     rounded = max(divisor, int(scaled + divisor / 2) // divisor * divisor)
     if rounded < 0.9 * scaled:
         rounded += divisor
-    return int(rounded)
+    return rounded
 
 
 def round_repeats(repeats: int, depth: float) -> int:
-    return int(math.ceil(depth * repeats))
+    return math.ceil(depth * repeats)
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -44,9 +44,7 @@ Pad = tuple[int, int, int, int]  # left, right, top, bottom (F.pad order)
 class Conv2dSame(nn.Conv2d):
     """Conv2d with TF SAME padding computed from the input size, or a fixed (possibly asymmetric) pad."""
 
-    def __init__(
-        self, cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, pad: Pad | None = None
-    ):
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, pad: Pad | None = None):
         super().__init__(cin, cout, kernel, stride=stride, padding=0, groups=groups, bias=False)
         if pad is None and stride == 1:
             # An odd kernel at stride 1 pads symmetrically whatever the size: let the conv do it.
@@ -170,7 +168,10 @@ class EfficientNet(nn.Module):
                     symmetric = idx in cfg.hf_depthwise_padding
                     pad = (half, half, half, half) if symmetric else (half - 1, half, half - 1, half)
                 rate = cfg.drop_connect_rate * idx / total
-                blocks.append(MBConv(cin if j == 0 else cout, cout, kernel, s, expand, rate, cfg, pad))
+                block = MBConv(cin if j == 0 else cout, cout, kernel, s, expand, rate, cfg, pad)
+                if hf and j == 0:
+                    block.residual = False  # transformers' port never adds one to a stage's first block
+                blocks.append(block)
         self.blocks = nn.ModuleList(blocks)
         self.num_features = round_filters(cfg.out_channels[-1], width, div)
         self.gradient_checkpointing = cfg.gradient_checkpointing

@@ -29,11 +29,17 @@ _VISION_NAMES = [
     ("vision_model.embeddings.batchnorm.", "image.stem.bn."),
     ("vision_model.encoder.blocks.{i}.expansion.expand_conv.weight", "image.blocks.{i}.expand.conv.weight"),
     ("vision_model.encoder.blocks.{i}.expansion.expand_bn.", "image.blocks.{i}.expand.bn."),
-    ("vision_model.encoder.blocks.{i}.depthwise_conv.depthwise_conv.weight", "image.blocks.{i}.depthwise.conv.weight"),
+    (
+        "vision_model.encoder.blocks.{i}.depthwise_conv.depthwise_conv.weight",
+        "image.blocks.{i}.depthwise.conv.weight",
+    ),
     ("vision_model.encoder.blocks.{i}.depthwise_conv.depthwise_norm.", "image.blocks.{i}.depthwise.bn."),
     ("vision_model.encoder.blocks.{i}.squeeze_excite.reduce.", "image.blocks.{i}.se.reduce."),
     ("vision_model.encoder.blocks.{i}.squeeze_excite.expand.", "image.blocks.{i}.se.expand."),
-    ("vision_model.encoder.blocks.{i}.projection.project_conv.weight", "image.blocks.{i}.project.conv.weight"),
+    (
+        "vision_model.encoder.blocks.{i}.projection.project_conv.weight",
+        "image.blocks.{i}.project.conv.weight",
+    ),
     ("vision_model.encoder.blocks.{i}.projection.project_bn.", "image.blocks.{i}.project.bn."),
 ]
 _TEXT_NAMES = [
@@ -50,12 +56,10 @@ _TEXT_NAMES = [
 ]
 _QKV = re.compile(r"text_model\.encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.(weight|bias)$")
 _PREFIX_RULES = [
-    (re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)")), ours)
-    for hf, ours in _VISION_NAMES + _TEXT_NAMES
+    (re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)")), ours) for hf, ours in _VISION_NAMES + _TEXT_NAMES
 ]
 _REVERSE_RULES = [
-    (re.compile(re.escape(ours).replace(r"\{i\}", r"(\d+)")), hf)
-    for hf, ours in _VISION_NAMES + _TEXT_NAMES
+    (re.compile(re.escape(ours).replace(r"\{i\}", r"(\d+)")), hf) for hf, ours in _VISION_NAMES + _TEXT_NAMES
 ]
 
 
@@ -166,9 +170,7 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         name = name.removeprefix("align.")
-        if name.startswith("text_model.pooler.") or name.endswith("position_ids") or name.endswith(
-            "token_type_ids"
-        ):
+        if name.startswith("text_model.pooler.") or name.endswith("position_ids") or name.endswith("token_type_ids"):
             continue  # ALIGN never uses BERT's pooler; the id buffers are derived
         if name == "temperature":
             t = tensor.float()
@@ -217,7 +219,9 @@ def load_hf_align(path: str | Path, map_location: str | torch.device = "cpu") ->
     # Batch-norm step counters are not saved by every transformers version; they are unused in eval.
     missing = [k for k in missing if not k.endswith("num_batches_tracked")]
     if missing or unexpected:
-        raise ConfigError(f"{path}: checkpoint does not fit its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConfigError(
+            f"{path}: checkpoint does not fit its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model.to(map_location).eval()
 
 
@@ -242,6 +246,19 @@ def depthwise_padding_for(cfg: ModelConfig) -> tuple[list[int], bool]:
     return symmetric, stem_exact
 
 
+def model_blocks(cfg: ModelConfig) -> list[bool]:
+    """For each block: whether it starts a stage at stride 1 with equal input and output widths."""
+    im = cfg.image
+    flags = []
+    for repeats, cin, cout, stride in zip(im.num_repeats, im.in_channels, im.out_channels, im.strides, strict=True):
+        same = round_filters(cin, im.width_coefficient, im.depth_divisor) == round_filters(
+            cout, im.width_coefficient, im.depth_divisor
+        )
+        n = round_repeats(repeats, im.depth_coefficient)
+        flags += [stride == 1 and same] + [False] * (n - 1)
+    return flags
+
+
 def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     im, tx = cfg.image, cfg.text
     width = round_filters(im.out_channels[-1], im.width_coefficient, im.depth_divisor)
@@ -252,6 +269,12 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         )
     if im.stem_channels != 32:
         raise ConfigError("transformers' AlignVision fixes the stem at 32 channels before scaling")
+    first_residual = [i for i, b in enumerate(model_blocks(cfg)) if b]
+    if first_residual and im.padding != "hf":
+        raise ConfigError(
+            f"block {first_residual[0]} starts a stage with equal input and output widths, so it has a residual "
+            "connection that transformers' AlignVision cannot express"
+        )
     if im.padding == "hf":
         dw_padding, stem_exact = list(im.hf_depthwise_padding), True
     else:
@@ -354,7 +377,11 @@ def export_hf_align(model: DualEncoder, path: str | Path, tokenizer_dir: str | P
     state["text_model.pooler.dense.bias"] = torch.zeros(h)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"), {"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in state.items()},
+        str(out / "model.safetensors"),
+        {"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_for(cfg), indent=2) + "\n")
     if tokenizer_dir is not None:
@@ -364,7 +391,11 @@ def export_hf_align(model: DualEncoder, path: str | Path, tokenizer_dir: str | P
         tok.save(out)
         (out / "tokenizer_config.json").write_text(
             json.dumps(
-                {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": cfg.text.max_length},
+                {
+                    "tokenizer_class": "BertTokenizer",
+                    "do_lower_case": True,
+                    "model_max_length": cfg.text.max_length,
+                },
                 indent=2,
             )
             + "\n"

@@ -30,9 +30,7 @@ class BatchNorm2d(nn.BatchNorm2d):
         if not (self.training and vb and x.shape[0] > vb):
             return super().forward(x)
         groups = x.split(vb)
-        out = torch.cat(
-            [F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups]
-        )
+        out = torch.cat([F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups])
         if self.track_running_stats:
             with torch.no_grad():
                 mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)

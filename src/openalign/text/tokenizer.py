@@ -24,7 +24,9 @@ def _bert_pipeline(backend: Backend, lowercase: bool) -> Backend:
     cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     if cls is not None and sep is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
         )
     return backend
 
@@ -113,7 +115,10 @@ def train_wordpiece(
     backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(_bert_pipeline(backend, lowercase))

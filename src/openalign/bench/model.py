@@ -1,0 +1,238 @@
+"""``openalign bench model``: training throughput of our dual encoder against transformers' AlignModel.
+
+Both models are built from the same config and fed the same batch; each is measured in a fresh
+process (so peak memory is its own and neither warms the other's caches), in alternating rounds,
+keeping each one's best round. Model FLOP utilisation divides the nominal FLOPs of a step (three
+times the forward FLOPs counted by PyTorch on transformers' model, which does all the work a padded
+batch asks for) by the step time and by a matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from openalign.config import model_config
+from openalign.loss import contrastive_loss
+from openalign.model.efficientnet import round_filters
+
+TEXT_LENGTH = 64
+
+
+@dataclass
+class BenchSettings:
+    preset: str = "b0-tiny"
+    image_size: int | None = None
+    batch_size: int = 16
+    steps: int = 5
+    warmup: int = 2
+    rounds: int = 2
+    device: str = "cpu"
+    bf16: bool = False
+    compile: bool = False
+    channels_last: bool = False
+    text_lengths: str = "alt-text"
+    baseline: bool = True
+    json_path: str | None = None
+
+
+def bench_config(settings: BenchSettings) -> Any:
+    """The preset, with embed_dim set to the image feature width so that transformers can express it
+    (its AlignModel has no image projection; the projection is a negligible part of a step)."""
+    cfg = model_config(settings.preset)
+    width = round_filters(cfg.image.out_channels[-1], cfg.image.width_coefficient, cfg.image.depth_divisor)
+    overrides: dict[str, Any] = {"embed_dim": width, "image": {"channels_last": settings.channels_last}}
+    if settings.image_size:
+        overrides["image_size"] = settings.image_size
+    return model_config(cfg, **overrides)
+
+
+def make_batch(cfg: Any, settings: BenchSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    b, size = settings.batch_size, cfg.image_size
+    pixels = torch.rand(b, 3, size, size, generator=gen) * 2 - 1
+    ids = torch.randint(1000, cfg.text.vocab_size, (b, TEXT_LENGTH), generator=gen)
+    if settings.text_lengths == "full":
+        lengths = torch.full((b,), TEXT_LENGTH)
+    else:
+        # ALIGN keeps alt-texts of 3–20 words; as wordpieces plus [CLS]/[SEP] that is about 6–32 tokens.
+        lengths = torch.randint(6, 33, (b,), generator=gen)
+    mask = (torch.arange(TEXT_LENGTH)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    ids[:, 0] = 2
+    return pixels, ids, mask
+
+
+def _build(which: str, cfg: Any) -> tuple[torch.nn.Module, Any]:
+    if which == "openalign":
+        from openalign.model import DualEncoder
+
+        ours = DualEncoder(cfg)
+        return ours, lambda p, i, m: (*ours(p, i, m), ours.temperature)
+    import transformers
+
+    from openalign.model.hf import model_config_to_hf
+
+    hf_dict = model_config_to_hf(cfg)
+    hf_cfg = transformers.AlignConfig(
+        text_config=hf_dict["text_config"],
+        vision_config=hf_dict["vision_config"],
+        projection_dim=hf_dict["projection_dim"],
+    )
+    hf = transformers.AlignModel(hf_cfg)
+
+    def forward(p: torch.Tensor, i: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = hf(pixel_values=p, input_ids=i, attention_mask=m)
+        return out.image_embeds, out.text_embeds, hf.temperature
+
+    return hf, forward
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
+    """One contender's figures, measured in the calling process."""
+    torch.manual_seed(0)
+    device = torch.device(settings.device)
+    cfg = bench_config(settings)
+    model, forward = _build(which, cfg)
+    model.to(device).train()
+    if settings.channels_last:
+        model.to(memory_format=torch.channels_last)
+    pixels, ids, mask = (t.to(device) for t in make_batch(cfg, settings))
+    if settings.channels_last:
+        pixels = pixels.contiguous(memory_format=torch.channels_last)
+    if settings.compile:
+        forward = torch.compile(forward)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+            image_emb, text_emb, temperature = forward(pixels, ids, mask)
+            loss = contrastive_loss(image_emb.float(), text_emb.float(), temperature)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # Forward FLOPs × 3 (backward ≈ 2 × forward): PyTorch's counter overstates depthwise-conv
+    # backward by the group count, so the backward pass is not counted directly.
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+        forward(pixels, ids, mask)
+    flops = 3 * counter.get_total_flops()
+    for _ in range(settings.warmup):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(settings.steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _peak_rss_mb()
+    return {
+        "model": which,
+        "step_s": sorted(times)[len(times) // 2],
+        "flops_per_step": flops,
+        "peak_mem_mb": peak,
+        "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS",
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
+
+
+def matmul_peak(device: str, bf16: bool) -> float:
+    """Achievable dense matmul FLOP/s on this device, the denominator of MFU."""
+    dev = torch.device(device)
+    n = 8192 if dev.type == "cuda" else 1536
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    best = float("inf")
+    for _ in range(6):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _child(which: str, settings: BenchSettings, queue: Any) -> None:
+    try:
+        queue.put(measure(which, settings))
+    except Exception as err:  # reported by the parent as one line
+        queue.put({"model": which, "error": f"{type(err).__name__}: {err}"})
+
+
+def _in_subprocess(which: str, settings: BenchSettings) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(which, settings, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if "error" in result:
+        raise RuntimeError(f"{which} benchmark failed: {result['error']}")
+    return result
+
+
+def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
+    cfg = bench_config(settings)
+    contenders = ["openalign", "transformers"] if settings.baseline else ["openalign"]
+    best: dict[str, dict[str, Any]] = {}
+    for r in range(settings.rounds):
+        for which in contenders if r % 2 == 0 else contenders[::-1]:
+            res = _in_subprocess(which, settings)
+            print(f"  round {r + 1} {which:>12}: {settings.batch_size / res['step_s']:.2f} pairs/s", flush=True)
+            if which not in best or res["step_s"] < best[which]["step_s"]:
+                best[which] = res
+    peak = matmul_peak(settings.device, settings.bf16)
+    nominal = best.get("transformers", best["openalign"])["flops_per_step"]
+    for res in best.values():
+        res["pairs_per_s"] = settings.batch_size / res["step_s"]
+        res["mfu"] = nominal / res["step_s"] / peak
+    lengths = "6-32 of 64" if settings.text_lengths == "alt-text" else "64 of 64"
+    print(
+        f"\nbench model: {settings.preset} at {cfg.image_size} px, batch {settings.batch_size}, caption tokens "
+        f"{lengths}, {settings.device}{' bf16' if settings.bf16 else ''}"
+        f"{' channels_last' if settings.channels_last else ''}{' compiled' if settings.compile else ''}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    per_pair = nominal / settings.batch_size / 1e9
+    print(f"nominal {per_pair:.2f} GFLOP per pair (fwd+bwd); matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'model':>12} {'pairs/s':>9} {'step s':>8} {'peak MB':>9} {'MFU':>7}")
+    for which in contenders:
+        res = best[which]
+        pairs, step, mem, mfu = res["pairs_per_s"], res["step_s"], res["peak_mem_mb"], res["mfu"] * 100
+        print(f"{which:>12} {pairs:9.2f} {step:8.3f} {mem:9.0f} {mfu:6.1f}%")
+    summary: dict[str, Any] = {
+        "settings": dataclasses.asdict(settings),
+        "image_size": cfg.image_size,
+        "matmul_peak_flops": peak,
+        "results": best,
+    }
+    if "transformers" in best:
+        ratio = best["openalign"]["pairs_per_s"] / best["transformers"]["pairs_per_s"]
+        summary["speedup"] = ratio
+        print(f"openalign / transformers pairs/s: {ratio:.2f}x")
+    if settings.json_path:
+        with open(settings.json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary

@@ -1,0 +1,191 @@
+"""ALIGN's normalised-softmax contrastive loss, with in-batch negatives gathered across ranks.
+
+Image-to-text and text-to-image cross-entropies with label smoothing are summed (Jia et al. 2021, eq. 1-3).
+Under ``torch.distributed`` each rank scores only its own rows against the global batch, so memory is
+O(n * N) per rank rather than O(N^2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["contrastive_loss", "global_loss_value"]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """Concatenate every rank's rows (sizes may differ); backward hands each row its summed gradient.
+
+    Every rank scores its own rows against all gathered rows, so a row's gradient is spread over all ranks;
+    summing over ranks and keeping this rank's slice gives the owner the gradient of the sum of all ranks'
+    losses.
+    """
+
+    @staticmethod
+    def forward(ctx, local: Tensor, sizes: list[int], rank: int) -> Tensor:  # type: ignore[override]
+        # all_gather needs equal shapes, so ranks with fewer rows pad up to the largest and strip afterwards.
+        padded = local.new_zeros((max(sizes), *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        buckets = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(buckets, padded)
+        ctx.start = sum(sizes[:rank])
+        ctx.stop = ctx.start + sizes[rank]
+        return torch.cat([bucket[:size] for bucket, size in zip(buckets, sizes, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        # Cloned because all_reduce works in place and autograd may still hold this buffer.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.start : ctx.stop], None, None
+
+
+def _local_logits(
+    image_emb: Tensor, text_emb: Tensor, temperature: Tensor | float, gather: bool
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """This rank's rows against every column: (image->text logits [n, N], text->image logits [n, N],
+    global column index of each row's positive [n], number of ranks whose rows were gathered)."""
+    n = image_emb.shape[0]
+    world, rank = _world()
+    if gather and world > 1:
+        size = torch.tensor([n], device=image_emb.device)
+        sizes_list = [torch.empty_like(size) for _ in range(world)]
+        dist.all_gather(sizes_list, size)
+        sizes = [int(s) for s in sizes_list]
+        # One collective for both modalities instead of two.
+        both = _AllGatherRows.apply(torch.cat([image_emb, text_emb], dim=1), sizes, rank)
+        all_images, all_texts = both.split(image_emb.shape[1], dim=1)
+        offset = sum(sizes[:rank])
+    else:
+        world, all_images, all_texts, offset = 1, image_emb, text_emb, 0
+    if all_images.shape[0] == 0:
+        raise ValueError("contrastive_loss got an empty global batch")
+    positives = torch.arange(offset, offset + n, device=image_emb.device)
+    logits_i2t = image_emb @ all_texts.T / temperature
+    logits_t2i = text_emb @ all_images.T / temperature
+    return logits_i2t, logits_t2i, positives, world
+
+
+def _num_negatives(num_columns: int, negatives_fraction: float) -> int:
+    # Rounded half up: Python's round() would give a 2-column batch at fraction 0.5 no negative at all.
+    return int(negatives_fraction * (num_columns - 1) + 0.5)
+
+
+def _sample_columns(
+    positives: Tensor, num_columns: int, num_negatives: int, generator: torch.Generator | None
+) -> Tensor:
+    """Column indices [n, 1 + num_negatives]: column 0 is each row's positive, the rest a uniformly random
+    subset of that row's other columns, drawn independently per row."""
+    scores = torch.rand(positives.shape[0], num_columns, generator=generator, device=positives.device)
+    # Above any uniform draw, so top-k always keeps the positive and puts it first.
+    scores.scatter_(1, positives[:, None], 2.0)
+    return scores.topk(num_negatives + 1, dim=1).indices
+
+
+def _summed_cross_entropy(
+    logits: Tensor,
+    positives: Tensor,
+    label_smoothing: float,
+    negatives_fraction: float,
+    generator: torch.Generator | None,
+) -> Tensor:
+    num_negatives = _num_negatives(logits.shape[1], negatives_fraction)
+    if num_negatives == logits.shape[1] - 1:
+        return F.cross_entropy(logits, positives, reduction="sum", label_smoothing=label_smoothing)
+    columns = _sample_columns(positives, logits.shape[1], num_negatives, generator)
+    return F.cross_entropy(
+        logits.gather(1, columns),
+        torch.zeros_like(positives),
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+
+
+def _validate(
+    image_emb: Tensor,
+    text_emb: Tensor,
+    temperature: Tensor | float,
+    label_smoothing: float,
+    negatives_fraction: float,
+) -> None:
+    if image_emb.dim() != 2 or text_emb.dim() != 2:
+        raise ValueError(f"embeddings must be 2-D [n, D], got {tuple(image_emb.shape)} and {tuple(text_emb.shape)}")
+    if image_emb.shape[1] != text_emb.shape[1]:
+        raise ValueError(f"embedding widths differ: image {image_emb.shape[1]}, text {text_emb.shape[1]}")
+    if image_emb.shape[0] != text_emb.shape[0]:
+        raise ValueError(f"batch sizes differ: {image_emb.shape[0]} images, {text_emb.shape[0]} texts")
+    if not image_emb.is_floating_point() or image_emb.dtype != text_emb.dtype:
+        raise ValueError(
+            f"embeddings must share one floating dtype, got image {image_emb.dtype}, text {text_emb.dtype}"
+        )
+    if not 0 < negatives_fraction <= 1:
+        raise ValueError(f"negatives_fraction must be in (0, 1], got {negatives_fraction}")
+    if not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if isinstance(temperature, Tensor):
+        if temperature.dim() != 0:
+            raise ValueError(f"temperature tensor must be 0-dim, got shape {tuple(temperature.shape)}")
+    elif not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite float or a 0-dim tensor, got {temperature!r}")
+
+
+def contrastive_loss(
+    image_emb: Tensor,
+    text_emb: Tensor,
+    temperature: Tensor | float,
+    label_smoothing: float = 0.1,
+    negatives_fraction: float = 1.0,
+    gather: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Image-to-text plus text-to-image softmax cross-entropy over in-batch negatives, as a 0-dim tensor.
+
+    ``image_emb`` and ``text_emb`` are this rank's L2-normalised [n, D] embeddings of paired samples;
+    ``logits = image_emb @ text_emb.T / temperature``. Each direction is averaged over the N rows of the
+    batch and the two are summed. ``label_smoothing`` puts ``1 - eps`` on the positive and ``eps`` spread
+    uniformly over the row's columns, as ``F.cross_entropy``. A tensor ``temperature`` (0-dim) receives
+    gradients; its value is not checked, to avoid a device sync per step.
+
+    With ``gather`` and more than one rank, every rank's embeddings become extra negatives (N = sum of the
+    ranks' n, which may differ) and gradients flow back to their owners. Each rank returns (W/N) times the
+    sum over its own rows because the gather's backward sums every rank's contribution into the owner and
+    DDP then divides by W, so the averaged gradients equal those of the global-batch loss. For the same
+    reason the returned value is not the global loss; ``global_loss_value`` recovers it for logging.
+    Without ``gather`` each rank computes the loss of its local batch alone.
+
+    ``negatives_fraction < 1`` (the paper's ablation) scores each row against its positive and an
+    independently drawn uniform subset of fraction * (N - 1) (rounded half up) other columns, smoothing then
+    spreading over those columns only. Subsets are drawn from ``generator`` (on the embeddings' device), a
+    separate draw per direction; give each rank its own seed, or ranks draw the same subsets for their rows.
+    When the subset would be every column nothing is drawn and the loss is the full one.
+    """
+    _validate(image_emb, text_emb, temperature, label_smoothing, negatives_fraction)
+    logits_i2t, logits_t2i, positives, world = _local_logits(image_emb, text_emb, temperature, gather)
+    total = sum(
+        _summed_cross_entropy(logits, positives, label_smoothing, negatives_fraction, generator)
+        for logits in (logits_i2t, logits_t2i)
+    )
+    return total * (world / logits_i2t.shape[1])
+
+
+def global_loss_value(loss: Tensor) -> Tensor:
+    """Detached mean over ranks of ``contrastive_loss``'s value: the global-batch loss, for logging.
+
+    A collective: every rank must call it. Single-process it returns the loss unchanged (detached).
+    """
+    value = loss.detach().clone()
+    world, _ = _world()
+    if world > 1:
+        dist.all_reduce(value)
+        value /= world
+    return value

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openalign
+from openalign.config import merge
+
+
+def tiny_overrides(**extra: object) -> dict[str, object]:
+    """A dual encoder small enough to run a training step in milliseconds."""
+    base: dict[str, object] = {
+        "image": {"width_coefficient": 0.25, "depth_coefficient": 0.34, "drop_connect_rate": 0.2},
+        "text": {"vocab_size": 101, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "max_length": 16},
+        "embed_dim": 24,
+        "image_size": 32,
+    }
+    return merge(base, extra)
+
+
+@pytest.fixture
+def tiny_model() -> openalign.DualEncoder:
+    torch.manual_seed(0)
+    return openalign.create_model("nano", **tiny_overrides())

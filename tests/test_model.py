@@ -1,0 +1,284 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import openalign
+from conftest import tiny_overrides
+from openalign.config import ConfigError, model_config
+from openalign.model.dual_encoder import trim_padding
+from openalign.model.efficientnet import Conv2dSame, EfficientNet, MBConv, same_padding
+from openalign.model.layers import BatchNorm2d
+
+
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# Published parameter counts (timm's efficientnet_b0 / tf_efficientnet_b7 / tf_efficientnet_l2 and
+# bert-base-uncased) minus the parts ALIGN does not build: the 1×1 head conv + its BN + the 1000-way
+# classifier, and BERT's pooler. An error in channel rounding, depth rounding or SE width changes them.
+@pytest.mark.parametrize(
+    ("preset", "image_params", "features"),
+    [
+        ("b0-tiny", 5_288_548 - (320 * 1280 + 2 * 1280) - (1280 * 1000 + 1000), 320),
+        ("b7-tiny", 66_347_960 - (640 * 2560 + 2 * 2560) - (2560 * 1000 + 1000), 640),
+        ("l2-tiny", 480_309_308 - (1376 * 5504 + 2 * 5504) - (5504 * 1000 + 1000), 1376),
+    ],
+)
+def test_efficientnet_matches_published_sizes(preset: str, image_params: int, features: int) -> None:
+    with torch.device("meta"):
+        model = openalign.create_model(preset)
+    assert _params(model.image) == image_params
+    assert model.image.num_features == features
+    assert model.embed_dim == (1376 if preset.startswith("l2") else 640)
+    assert (model.image_proj is None) == (features == model.embed_dim)
+
+
+def test_bert_base_matches_published_size() -> None:
+    with torch.device("meta"):
+        model = openalign.create_model("b0-base", **{"text.vocab_size": 30522})
+    assert _params(model.text) == 109_482_240 - (768 * 768 + 768)
+
+
+@pytest.mark.parametrize("size", [7, 8, 15, 16, 289, 290])
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_conv_same_padding_is_tf_same(size: int, kernel: int) -> None:
+    torch.manual_seed(0)
+    conv = Conv2dSame(2, 3, kernel, stride=2)
+    x = torch.randn(1, 2, size, size)
+    # TF SAME, written out: output ceil(n/s); total pad split with the extra pixel after.
+    out_size = math.ceil(size / 2)
+    total = max((out_size - 1) * 2 + kernel - size, 0)
+    before, after = total // 2, total - total // 2
+    ref = F.conv2d(F.pad(x, (before, after, before, after)), conv.weight, stride=2)
+    y = conv(x)
+    assert y.shape[-1] == out_size
+    torch.testing.assert_close(y, ref)
+    assert same_padding(size, kernel, 2) == (before, after)
+
+
+def test_batchnorm_uses_tf_momentum() -> None:
+    model = EfficientNet(model_config("nano", **tiny_overrides()).image)
+    bn = model.stem.bn
+    assert bn.eps == 1e-3 and bn.momentum == pytest.approx(0.01)
+    x = torch.randn(4, 3, 32, 32)
+    model.train()
+    conv_out = model.stem.conv(x)
+    model.stem(x)
+    # running = 0.99 · running + 0.01 · batch (TF's decay 0.99), not the other way round
+    torch.testing.assert_close(bn.running_mean, 0.01 * conv_out.mean((0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+def test_stochastic_depth_drops_whole_samples() -> None:
+    cfg = model_config("nano", **tiny_overrides()).image
+    torch.manual_seed(0)
+    block = MBConv(16, 16, 3, 1, 6, 0.5, cfg, None).train()
+    x = torch.randn(64, 16, 8, 8)
+    block.drop_rate = 0.0
+    branch = block(x) - x
+    block.drop_rate = 0.5
+    dropped = block(x) - x
+    kept = dropped.flatten(1).abs().sum(1) > 0
+    assert 10 < int(kept.sum()) < 54  # about half, and per sample: never a partial mask
+    torch.testing.assert_close(dropped[kept], branch[kept] / 0.5, rtol=1e-4, atol=1e-5)
+    assert torch.all(dropped[~kept] == 0)
+    block.eval()
+    assert torch.equal(block(x), block(x))
+
+
+def test_drop_rate_rises_linearly_over_blocks() -> None:
+    model = EfficientNet(model_config("b0-tiny").image)
+    rates = [b.drop_rate for b in model.blocks]
+    assert len(rates) == 16
+    assert rates == pytest.approx([0.2 * i / 16 for i in range(16)])
+
+
+def test_virtual_batch_norm_normalises_each_group_separately() -> None:
+    torch.manual_seed(0)
+    bn = BatchNorm2d(5, eps=1e-3, momentum=0.01, virtual_batch_size=4).train()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(10, 5, 3, 3) * 3 + 1
+    y = bn(x)
+    groups = x.split(4)  # 4 + 4 + 2
+    for g, yg in zip(groups, y.split(4), strict=True):
+        mean = g.mean((0, 2, 3), keepdim=True)
+        var = g.var((0, 2, 3), unbiased=False, keepdim=True)
+        ref = (g - mean) / torch.sqrt(var + 1e-3) * bn.weight[:, None, None] + bn.bias[:, None, None]
+        torch.testing.assert_close(yg, ref, rtol=1e-5, atol=1e-5)
+    group_mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)
+    group_var = torch.stack([g.var((0, 2, 3)) for g in groups]).mean(0)
+    torch.testing.assert_close(bn.running_mean, 0.01 * group_mean)
+    torch.testing.assert_close(bn.running_var, 0.99 + 0.01 * group_var)
+    bn.eval()
+    torch.testing.assert_close(bn(x), F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=1e-3))
+
+
+def test_virtual_batch_norm_from_config() -> None:
+    model = openalign.create_model("nano", **tiny_overrides(image={"batch_norm": "virtual", "virtual_batch_size": 2}))
+    assert model.image.stem.bn.virtual_batch_size == 2
+    model.train()
+    a = model.encode_image(torch.randn(4, 3, 32, 32))
+    assert torch.isfinite(a).all()
+
+
+def _step(model: openalign.DualEncoder, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(6, 3, 32, 32, generator=gen)
+    ids = torch.randint(1, 101, (6, 12), generator=gen)
+    torch.manual_seed(seed)
+    img, txt = model(pixels, ids)
+    loss = (img @ txt.T / model.temperature).logsumexp(1).sum()
+    model.zero_grad()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_matches_plain_and_counts_bn_once() -> None:
+    torch.manual_seed(0)
+    overrides = tiny_overrides(text={"vocab_size": 101, "num_layers": 2, "hidden_size": 32, "num_heads": 4})
+    plain = openalign.create_model("nano", **overrides).train()
+    ckpt = openalign.create_model("nano", **overrides).train()
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.set_grad_checkpointing(True)
+    loss_a, grads_a = _step(plain, seed=3)
+    loss_b, grads_b = _step(ckpt, seed=3)
+    torch.testing.assert_close(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values(), strict=True):
+        if "running" in name or "num_batches" in name:
+            torch.testing.assert_close(a, b, msg=name)
+
+
+def test_embeddings_are_unit_norm_and_temperature_positive(tiny_model: openalign.DualEncoder) -> None:
+    tiny_model.eval()
+    img = tiny_model.encode_image(torch.randn(3, 3, 32, 32))
+    txt = tiny_model.encode_text(torch.randint(1, 101, (3, 9)), torch.ones(3, 9, dtype=torch.long))
+    assert img.shape == txt.shape == (3, 24)
+    torch.testing.assert_close(img.norm(dim=-1), torch.ones(3))
+    torch.testing.assert_close(txt.norm(dim=-1), torch.ones(3))
+    assert tiny_model.temperature.ndim == 0 and tiny_model.temperature.item() == pytest.approx(1.0)
+    assert tiny_model.embed_dim == 24
+
+
+def test_temperature_options() -> None:
+    fixed = openalign.create_model("nano", **tiny_overrides(learn_temperature=False, temperature_init=1 / 64))
+    assert not fixed.temperature_param.requires_grad
+    assert fixed.temperature.item() == pytest.approx(1 / 64)
+    logt = openalign.create_model("nano", **tiny_overrides(temperature_param="log", temperature_init=0.5))
+    assert logt.temperature_param.item() == pytest.approx(math.log(0.5))
+    assert logt.temperature.item() == pytest.approx(0.5)
+    assert logt.no_weight_decay() == {"temperature_param"}
+
+
+def test_trimmed_padding_changes_nothing(tiny_model: openalign.DualEncoder) -> None:
+    tiny_model.eval()
+    ids = torch.randint(1, 101, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    for row, length in enumerate([3, 7, 5, 2]):
+        mask[row, length:] = 0
+        ids[row, length:] = 0
+    short_ids, _ = trim_padding(ids, mask)
+    assert short_ids.shape == (4, 7)
+    with torch.no_grad():
+        full = tiny_model.text_proj(tiny_model.text(ids, mask))  # the untrimmed computation
+        trimmed = tiny_model.encode_text(ids, mask, normalize=False)
+    torch.testing.assert_close(full, trimmed, rtol=1e-5, atol=1e-6)
+    # a row's embedding does not depend on how much padding follows it
+    alone = tiny_model.encode_text(ids[1:2, :7], mask[1:2, :7], normalize=False)
+    torch.testing.assert_close(alone[0], trimmed[1], rtol=1e-5, atol=1e-6)
+    left = torch.flip(mask, [1])
+    assert trim_padding(ids, left)[0].shape == (4, 16)
+
+
+def test_channels_last_gives_the_same_embeddings() -> None:
+    torch.manual_seed(0)
+    a = openalign.create_model("nano", **tiny_overrides()).eval()
+    b = openalign.create_model("nano", **tiny_overrides(image={"channels_last": True})).eval()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 33, 33)
+    torch.testing.assert_close(a.encode_image(x), b.encode_image(x), rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batch_norm_option() -> None:
+    model = openalign.create_model("nano", **tiny_overrides(image={"batch_norm": "sync"}))
+    assert isinstance(model.image.stem.bn, torch.nn.SyncBatchNorm)
+
+
+def test_save_and_load_round_trip(tmp_path, tiny_model: openalign.DualEncoder) -> None:
+    tiny_model.eval()
+    with torch.no_grad():
+        tiny_model.temperature_param.fill_(0.3)
+    openalign.save_model(tiny_model, tmp_path / "ckpt")
+    loaded = openalign.load_model(tmp_path / "ckpt")
+    assert loaded.config == tiny_model.config
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(loaded.encode_image(x), tiny_model.encode_image(x))
+    assert loaded.temperature.item() == pytest.approx(0.3)
+
+
+def test_load_model_rejects_unknown_directories(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        openalign.load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ConfigError, match="neither an openalign checkpoint nor a transformers AlignModel"):
+        openalign.load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("pixels", "message"),
+    [
+        (torch.randn(2, 32, 32), r"shape \[B, 3, H, W\]"),
+        (torch.randn(2, 1, 32, 32), r"shape \[B, 3, H, W\]"),
+        (torch.randint(0, 255, (2, 3, 32, 32), dtype=torch.uint8), "floating point"),
+        (torch.randn(0, 3, 32, 32), "empty batch"),
+    ],
+)
+def test_bad_pixels_fail_before_compute(tiny_model: openalign.DualEncoder, pixels: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_model.encode_image(pixels)
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask", "message"),
+    [
+        (torch.tensor([[1, 2, 101]]), None, r"token id 101 is outside the model's vocabulary \[0, 101\)"),
+        (torch.tensor([[1, -1]]), None, "token id -1"),
+        (torch.tensor([[1.0, 2.0]]), None, "integer token ids"),
+        (torch.tensor([1, 2]), None, r"shape \[B, L\]"),
+        (torch.ones(1, 65, dtype=torch.long), None, "positions"),
+        (torch.tensor([[1, 2]]), torch.tensor([[1, 1, 0]]), "attention_mask shape"),
+        (torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), r"\[CLS\]"),
+    ],
+)
+def test_bad_tokens_fail_before_compute(
+    tiny_model: openalign.DualEncoder, ids: torch.Tensor, mask: torch.Tensor | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_model.encode_text(ids, mask)
+
+
+def test_tokenizer_round_trip(tmp_path) -> None:
+    from openalign.text import load_tokenizer, train_wordpiece
+
+    captions = ["a red circle on green grass", "two blue squares beside a red circle"] * 20
+    tok = train_wordpiece(captions, vocab_size=120)
+    batch = tok(["a red circle", "blue squares on grass"], max_length=8)
+    assert batch["input_ids"].shape == (2, 8)
+    assert batch["input_ids"][0, 0].item() == tok.backend.token_to_id("[CLS]")
+    assert batch["attention_mask"].sum(1).tolist() == [5, 6]
+    long = tok(["red " * 40], max_length=8)["input_ids"][0]
+    assert long[-1].item() == tok.backend.token_to_id("[SEP]")  # truncation keeps the closing [SEP]
+    tok.save(tmp_path)
+    for source in (tmp_path, tmp_path / "tokenizer.json", tmp_path / "vocab.txt"):
+        again = load_tokenizer(source)
+        assert torch.equal(again(["a red circle"], max_length=8)["input_ids"], batch["input_ids"][:1])
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "nope")
