@@ -200,7 +200,7 @@ class Lamb(torch.optim.Optimizer):
         # Kept on-device with torch.where: no host sync per step.
         trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
         if group["max_trust_ratio"] is not None:
-            trust = trust.clamp_(max=group["max_trust_ratio"])
+            trust.clamp_(max=group["max_trust_ratio"])
         # The 0-d trust factors broadcast, so scaling and applying the update is one pass.
         torch._foreach_addcmul_(params, updates, trust.unbind(0), value=-group["lr"])
 
