@@ -1,0 +1,155 @@
+"""Image decoding and the paper's preprocessing: resize to 346, random 289 crop + flip to train, centre crop to eval.
+
+Web images come in every mode PIL knows; decoding turns each into 8-bit RGB or raises ``BadImage`` with a
+short reason, so a data pipeline can skip the sample and count why.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from openalign.config import ModelConfig
+
+# The paper resizes to 346 before cropping 289; other sizes keep the same ratio.
+RESIZE_RATIO = 346 / 289
+
+Transform = Callable[[Image.Image], torch.Tensor]
+
+
+class BadImage(ValueError):
+    """An image that cannot be used; ``reason`` is a short slug for counting skipped samples."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def decode_image(data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2) -> Image.Image:
+    """Decode encoded image bytes into an 8-bit RGB image.
+
+    The pixel count is checked from the header before any pixel is decoded, so a decompression bomb
+    (a small file declaring 20000×20000 pixels) costs nothing. Alpha is composited on white, as a
+    browser would show a transparent alt-text image; 16-bit and float images are rescaled to 8 bits.
+    """
+    if not data:
+        raise BadImage("empty", "zero bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise BadImage("too_large", f"{width}x{height} exceeds {max_pixels} pixels")
+            if min(width, height) < min_side:
+                raise BadImage("too_small", f"{width}x{height} has a side under {min_side} pixels")
+            image.load()
+    except BadImage:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise BadImage("too_large", str(err)) from err
+    except Exception as err:  # PIL raises many types (OSError, SyntaxError, ValueError...) for broken files
+        raise BadImage("corrupt", f"{type(err).__name__}: {err}") from err
+    try:
+        return _to_rgb(image)
+    except Exception as err:
+        raise BadImage("unsupported", f"mode {image.mode}: {err}") from err
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # Modes PIL cannot convert to RGB without clipping everything above 255 to white.
+        arr = np.asarray(image, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scaled = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
+        return Image.fromarray(scaled.astype(np.uint8), "L").convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def to_tensor(image: Image.Image, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """RGB image → float tensor [3, H, W] holding (pixel / 255 - mean) / std."""
+    arr = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
+    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
+    m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+    return x.sub_(m).div_(s)
+
+
+def _check_sizes(image_size: int, resize: int) -> None:
+    if image_size < 1 or resize < image_size:
+        raise ValueError(f"crop size {image_size} must be positive and no larger than the resize {resize}")
+
+
+def _resize(image: Image.Image, size: int) -> Image.Image:
+    if image.size == (size, size):
+        return image
+    # Square resize, as the paper does (346×346), so the crop sees the whole image whatever its aspect.
+    return image.resize((size, size), Image.BICUBIC, reducing_gap=3.0)
+
+
+def train_transform(
+    image_size: int = 289,
+    resize: int = 346,
+    mean: Sequence[float] = (0.5, 0.5, 0.5),
+    std: Sequence[float] = (0.5, 0.5, 0.5),
+    flip: bool = True,
+) -> Transform:
+    """Resize to ``resize``×``resize``, take a random ``image_size`` crop, flip half the images.
+
+    Randomness comes from torch's global generator, so a seeded DataLoader worker is reproducible.
+    """
+    _check_sizes(image_size, resize)
+
+    def apply(image: Image.Image) -> torch.Tensor:
+        image = _resize(image, resize)
+        top = int(torch.randint(0, resize - image_size + 1, ()).item())
+        left = int(torch.randint(0, resize - image_size + 1, ()).item())
+        image = image.crop((left, top, left + image_size, top + image_size))
+        if flip and bool(torch.rand(()) < 0.5):
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        return to_tensor(image, mean, std)
+
+    return apply
+
+
+def eval_transform(
+    image_size: int = 289,
+    resize: int = 346,
+    mean: Sequence[float] = (0.5, 0.5, 0.5),
+    std: Sequence[float] = (0.5, 0.5, 0.5),
+) -> Transform:
+    """Resize to ``resize``×``resize`` and take the centre ``image_size`` crop."""
+    _check_sizes(image_size, resize)
+    offset = (resize - image_size) // 2
+
+    def apply(image: Image.Image) -> torch.Tensor:
+        image = _resize(image, resize)
+        image = image.crop((offset, offset, offset + image_size, offset + image_size))
+        return to_tensor(image, mean, std)
+
+    return apply
+
+
+def model_resize(image_size: int) -> int:
+    """The pre-crop size for a crop of ``image_size`` (346 for the paper's 289)."""
+    return round(image_size * RESIZE_RATIO)
+
+
+def model_transform(config: ModelConfig, train: bool = False) -> Transform:
+    """The train or eval transform at the model's input size and pixel normalisation."""
+    size = config.image_size
+    kwargs = {"image_size": size, "resize": model_resize(size), "mean": config.pixel_mean, "std": config.pixel_std}
+    return train_transform(**kwargs) if train else eval_transform(**kwargs)

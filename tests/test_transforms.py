@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import openalign
+from openalign.data.transforms import (
+    BadImage,
+    decode_image,
+    eval_transform,
+    model_resize,
+    model_transform,
+    to_tensor,
+    train_transform,
+)
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **kw: object) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def gradient(w: int = 40, h: int = 30) -> Image.Image:
+    arr = np.zeros((h, w, 3), dtype=np.uint8)
+    arr[..., 0] = np.linspace(0, 255, w, dtype=np.uint8)[None, :]
+    arr[..., 1] = np.linspace(0, 255, h, dtype=np.uint8)[:, None]
+    arr[..., 2] = 77
+    return Image.fromarray(arr, "RGB")
+
+
+def test_decode_rgb_roundtrip() -> None:
+    img = gradient()
+    out = decode_image(encode(img))
+    assert out.mode == "RGB" and out.size == (40, 30)
+    assert np.array_equal(np.asarray(out), np.asarray(img))
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "CMYK", "RGBA", "LA", "I;16"])
+def test_decode_every_mode_gives_rgb(mode: str) -> None:
+    base = gradient()
+    if mode == "I;16":
+        img = Image.fromarray(np.asarray(base.convert("L"), dtype=np.uint16) * 257)
+    else:
+        img = base.convert(mode)
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    out = decode_image(encode(img, fmt))
+    assert out.mode == "RGB" and out.size == (40, 30)
+    if mode == "I;16":
+        # 16-bit is rescaled, not clipped to white: the darkest row stays dark, the brightest bright.
+        grey = np.asarray(out)[..., 0]
+        assert grey.min() < 10 and grey.max() > 245
+
+
+def test_alpha_composited_on_white() -> None:
+    img = Image.new("RGBA", (8, 8), (255, 0, 0, 0))  # fully transparent red
+    out = np.asarray(decode_image(encode(img)))
+    assert (out == 255).all()
+
+
+def test_bad_images_raise_with_reason() -> None:
+    with pytest.raises(BadImage) as e:
+        decode_image(b"")
+    assert e.value.reason == "empty"
+    with pytest.raises(BadImage) as e:
+        decode_image(b"definitely not an image")
+    assert e.value.reason == "corrupt"
+    data = encode(gradient(), "JPEG")
+    with pytest.raises(BadImage) as e:
+        decode_image(data[: len(data) // 2])
+    assert e.value.reason == "corrupt"
+    with pytest.raises(BadImage) as e:
+        decode_image(encode(Image.new("RGB", (1, 1))))
+    assert e.value.reason == "too_small"
+    # A decompression bomb: a few hundred bytes declaring 20000 x 20000 pixels.
+    bomb = encode(Image.new("1", (20000, 20000)))
+    assert len(bomb) < 100_000
+    with pytest.raises(BadImage) as e:
+        decode_image(bomb)
+    assert e.value.reason == "too_large"
+
+
+def test_to_tensor_normalisation() -> None:
+    img = Image.fromarray(np.array([[[0, 255, 51]]], dtype=np.uint8), "RGB")
+    x = to_tensor(img, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    assert x.shape == (3, 1, 1)
+    assert torch.allclose(x.flatten(), torch.tensor([-1.0, 1.0, 51 / 255 * 2 - 1]))
+
+
+def test_eval_transform_is_resize_then_centre_crop() -> None:
+    img = gradient(50, 70)
+    x = eval_transform(image_size=20, resize=24)(img)
+    ref = img.resize((24, 24), Image.BICUBIC, reducing_gap=3.0).crop((2, 2, 22, 22))
+    assert torch.equal(x, to_tensor(ref, (0.5,) * 3, (0.5,) * 3))
+
+
+def test_train_transform_crops_flips_and_is_seeded() -> None:
+    img = gradient(64, 48)
+    t = train_transform(image_size=16, resize=20)
+    torch.manual_seed(3)
+    a = t(img)
+    torch.manual_seed(3)
+    b = t(img)
+    assert a.shape == (3, 16, 16) and torch.equal(a, b)
+    resized = to_tensor(img.resize((20, 20), Image.BICUBIC, reducing_gap=3.0), (0.5,) * 3, (0.5,) * 3)
+    crops = {(i, j, f) for i in range(5) for j in range(5) for f in (False, True)}
+    seen = set()
+    for seed in range(60):
+        torch.manual_seed(seed)
+        x = t(img)
+        for i, j, f in crops:
+            ref = resized[:, i : i + 16, j : j + 16]
+            if torch.equal(x, ref.flip(-1) if f else ref):
+                seen.add((i, j, f))
+                break
+        else:
+            raise AssertionError("a train crop is not a flipped or plain window of the resized image")
+    assert any(f for *_, f in seen) and any(not f for *_, f in seen)
+    assert len({(i, j) for i, j, _ in seen}) > 5
+
+
+def test_bad_sizes_and_model_transform() -> None:
+    with pytest.raises(ValueError):
+        eval_transform(image_size=300, resize=289)
+    assert model_resize(289) == 346
+    cfg = openalign.model_config("nano")
+    x = model_transform(cfg)(gradient(90, 90))
+    assert x.shape == (3, cfg.image_size, cfg.image_size)
