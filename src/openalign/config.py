@@ -60,7 +60,9 @@ class ImageTowerConfig:
     padding: Literal["same", "hf"] = "same"
     hf_depthwise_padding: tuple[int, ...] = ()  # with padding="hf": blocks whose stride-2 pad is symmetric
     gradient_checkpointing: bool = False
-    channels_last: bool = False
+    # NHWC convolutions: oneDNN on CPU runs EfficientNet's depthwise convolutions ~3x faster in this layout,
+    # and it is the layout GPU tensor cores want under bf16.
+    channels_last: bool = True
 
 
 @dataclass

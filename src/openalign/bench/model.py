@@ -37,7 +37,7 @@ class BenchSettings:
     device: str = "cpu"
     bf16: bool = False
     compile: bool = False
-    channels_last: bool = False
+    memory_format: str = "default"  # default: each model's own; channels_last or contiguous: both
     text_lengths: str = "alt-text"
     baseline: bool = True
     json_path: str | None = None
@@ -48,7 +48,9 @@ def bench_config(settings: BenchSettings) -> Any:
     (its AlignModel has no image projection; the projection is a negligible part of a step)."""
     cfg = model_config(settings.preset)
     width = round_filters(cfg.image.out_channels[-1], cfg.image.width_coefficient, cfg.image.depth_divisor)
-    overrides: dict[str, Any] = {"embed_dim": width, "image": {"channels_last": settings.channels_last}}
+    overrides: dict[str, Any] = {"embed_dim": width}
+    if settings.memory_format != "default":
+        overrides["image"] = {"channels_last": settings.memory_format == "channels_last"}
     if settings.image_size:
         overrides["image_size"] = settings.image_size
     return model_config(cfg, **overrides)
@@ -106,10 +108,12 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
     cfg = bench_config(settings)
     model, forward = _build(which, cfg)
     model.to(device).train()
-    if settings.channels_last:
+    # transformers' model has no layout option: its default is contiguous (NCHW).
+    channels_last = cfg.image.channels_last if which == "openalign" else settings.memory_format == "channels_last"
+    if channels_last:
         model.to(memory_format=torch.channels_last)
     pixels, ids, mask = (t.to(device) for t in make_batch(cfg, settings))
-    if settings.channels_last:
+    if channels_last:
         pixels = pixels.contiguous(memory_format=torch.channels_last)
     if settings.compile:
         forward = torch.compile(forward)
@@ -152,6 +156,7 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
         "peak_mem_mb": peak,
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS",
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "layout": "NHWC" if channels_last else "NCHW",
     }
 
 
@@ -212,16 +217,17 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
     print(
         f"\nbench model: {settings.preset} at {cfg.image_size} px, batch {settings.batch_size}, caption tokens "
         f"{lengths}, {settings.device}{' bf16' if settings.bf16 else ''}"
-        f"{' channels_last' if settings.channels_last else ''}{' compiled' if settings.compile else ''}, "
+        f"{'' if settings.memory_format == 'default' else ' ' + settings.memory_format}"
+        f"{' compiled' if settings.compile else ''}, "
         f"{torch.get_num_threads()} threads"
     )
     per_pair = nominal / settings.batch_size / 1e9
     print(f"nominal {per_pair:.2f} GFLOP per pair (fwd+bwd); matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'model':>12} {'pairs/s':>9} {'step s':>8} {'peak MB':>9} {'MFU':>7}")
+    print(f"{'model':>12} {'layout':>6} {'pairs/s':>9} {'step s':>8} {'peak MB':>9} {'MFU':>7}")
     for which in contenders:
         res = best[which]
         pairs, step, mem, mfu = res["pairs_per_s"], res["step_s"], res["peak_mem_mb"], res["mfu"] * 100
-        print(f"{which:>12} {pairs:9.2f} {step:8.3f} {mem:9.0f} {mfu:6.1f}%")
+        print(f"{which:>12} {res['layout']:>6} {pairs:9.2f} {step:8.3f} {mem:9.0f} {mfu:6.1f}%")
     summary: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
         "image_size": cfg.image_size,
