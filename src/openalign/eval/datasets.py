@@ -1,0 +1,519 @@
+"""Loaders for evaluation sets in the formats they are distributed in.
+
+Retrieval: the Karpathy-split JSON of Flickr30K / MSCOCO (``dataset_flickr30k.json``, ``dataset_coco.json``)
+plus an image root; CLIP_benchmark-style WebDataset tars (an image and a ``txt`` member with one caption per
+line); a CSV of (image, caption) rows grouped by image. Classification: ImageNet-style class folders
+(WordNet ids, readable names, or ImageNet-V2's ``0..999``) and WebDataset tars with a ``cls`` member.
+
+Evaluation is strict where training is lenient: a missing image file, an unreadable image or a caption
+without an image is an error naming it, because dropping it would silently change the denominator and
+the number would no longer be comparable with anyone else's. Images are opened lazily, in order, so a
+50K-image set never sits in memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from openalign.eval.templates import SUBSETS, imagenet_classes, subset_indices
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"})
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "image")
+LAYOUTS = ("auto", "names", "wnids", "indices", *SUBSETS)
+_WNID = re.compile(r"^n\d{8}$")
+
+
+def _decode(data: bytes, where: str) -> Image.Image:
+    from openalign.data.transforms import BadImage, decode_image
+
+    try:
+        return decode_image(data)
+    except BadImage as err:
+        raise ValueError(f"{where}: unreadable image ({err})") from None
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """An RGB image from a file; a missing or undecodable file is an error naming the path."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: image file not found") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read image ({err.strerror or err})") from None
+    return _decode(data, str(path))
+
+
+class ImageSource(Sequence):
+    """The images of an eval set, opened lazily and in order each time it is iterated (a Sequence, so
+    progress bars know the total; indexing a shard-backed source re-reads its shards)."""
+
+    def __init__(self, names: Sequence[str], opener: Callable[[], Iterator[Image.Image]]):
+        self.names = list(names)  # a path or shard key per image, for messages and reports
+        self._opener = opener
+        self._paths: list[Path] | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> Image.Image:  # type: ignore[override]
+        if isinstance(index, slice):
+            raise TypeError("ImageSource does not support slicing")
+        index = range(len(self))[index]
+        if self._paths is not None:
+            return open_image(self._paths[index])
+        for i, image in enumerate(self._opener()):
+            if i == index:
+                return image
+        raise IndexError(index)
+
+    def __iter__(self) -> Iterator[Image.Image]:
+        count = 0
+        for image in self._opener():
+            count += 1
+            yield image
+        if count != len(self.names):
+            raise ValueError(f"expected {len(self.names)} images, read {count}; did the files change?")
+
+    @classmethod
+    def from_files(cls, paths: Sequence[str | Path]) -> ImageSource:
+        paths = [Path(p) for p in paths]
+        source = cls([str(p) for p in paths], lambda: (open_image(p) for p in paths))
+        source._paths = paths
+        return source
+
+    @classmethod
+    def from_shards(cls, urls: Sequence[str], keys: Sequence[tuple[str, str]]) -> ImageSource:
+        """Images stored in WebDataset shards, named by (url, key); the shards are re-read on iteration."""
+        wanted = list(keys)
+
+        def opener() -> Iterator[Image.Image]:
+            it = iter(wanted)
+            expected = next(it, None)
+            for sample in _read_shards(urls):
+                if expected is None:
+                    return
+                if (sample["__url__"], sample["__key__"]) != expected:
+                    continue  # a sample without an image or label, skipped the same way on the first pass
+                yield _decode(sample[_image_ext(sample)], f"{sample['__url__']}:{sample['__key__']}")
+                expected = next(it, None)
+            if expected is not None:
+                raise ValueError(f"{expected[0]}: sample {expected[1]!r} disappeared between reads")
+
+        return cls([f"{u}:{k}" for u, k in wanted], opener)
+
+
+def _read_shards(urls: Sequence[str]) -> Iterator[dict]:
+    from openalign.data.shards import read_samples
+
+    errors: list[str] = []
+
+    def on_error(reason: str, detail: str) -> None:
+        errors.append(f"{reason}: {detail}")
+
+    for url in urls:
+        yield from read_samples(url, on_error=on_error)
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise ValueError(f"{url}: unreadable evaluation shard: {errors[0]}{more}")
+
+
+def _image_ext(sample: dict) -> str:
+    for ext in WDS_IMAGE_EXTS:
+        if ext in sample:
+            return ext
+    members = ", ".join(k for k in sample if not k.startswith("__"))
+    raise ValueError(f"{sample['__url__']}: sample {sample['__key__']!r} has no image member (has: {members})")
+
+
+def _expand(spec: str) -> list[str]:
+    from openalign.data.shards import expand_urls
+
+    urls = expand_urls(spec)
+    missing = [u for u in urls if not u.startswith("pipe:") and not Path(u).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{missing[0]}: no such shard" + (f" ({len(missing)} missing)" if len(missing) > 1 else "")
+        )
+    return urls
+
+
+# --------------------------------------------------------------------------------------------------
+# Retrieval
+
+
+@dataclass
+class RetrievalSet:
+    """Images, captions and which image each caption describes (``text_image_ids[j]``)."""
+
+    name: str
+    images: ImageSource
+    captions: list[str]
+    text_image_ids: list[int]
+
+    def __post_init__(self) -> None:
+        if not len(self.images):
+            raise ValueError(f"{self.name}: the retrieval set has no images")
+        counts = [0] * len(self.images)
+        for i in self.text_image_ids:
+            counts[i] += 1
+        lonely = [self.images.names[i] for i, c in enumerate(counts) if c == 0]
+        if lonely:
+            raise ValueError(f"{self.name}: image {lonely[0]} has no caption ({len(lonely)} such images)")
+
+
+def _resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
+    """The first existing candidate path of every image; every missing one is reported by its first candidate."""
+    found, missing = [], []
+    for candidates in paths:
+        hit = next((p for p in candidates if p.is_file()), None)
+        if hit is None:
+            missing.append(candidates[0])
+        found.append(hit or candidates[0])
+    if missing:
+        more = f" ({len(missing)} of {len(paths)} images missing)" if len(missing) > 1 else ""
+        raise FileNotFoundError(f"{missing[0]}: image file not found, listed in {where}{more}")
+    return found
+
+
+def load_karpathy(path: str | Path, image_root: str | Path, split: str = "test") -> RetrievalSet:
+    """Flickr30K / MSCOCO from Karpathy's split JSON: ``images[]`` with ``split``, ``filename``, optional
+    ``filepath`` (COCO's ``val2014``) and ``sentences[].raw``. Images are looked up as
+    ``root/filepath/filename``, then ``root/filename``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such Karpathy split file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+        raise ValueError(f"{path}: expected a Karpathy split file with an 'images' list")
+    root = Path(image_root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{image_root}: no such image directory")
+    entries = [im for im in data["images"] if im.get("split") == split]
+    if not entries:
+        splits: dict[str, int] = {}
+        for im in data["images"]:
+            splits[str(im.get("split"))] = splits.get(str(im.get("split")), 0) + 1
+        have = ", ".join(f"{k} ({v})" for k, v in sorted(splits.items())) or "none"
+        raise ValueError(f"{path}: no images in split {split!r}; splits present: {have}")
+    candidates, captions, ids = [], [], []
+    for i, im in enumerate(entries):
+        if "filename" not in im:
+            raise ValueError(f"{path}: image entry {im.get('imgid', i)} has no 'filename'")
+        sub = im.get("filepath") or ""
+        candidates.append([root / sub / im["filename"], root / im["filename"]] if sub else [root / im["filename"]])
+        sentences = im.get("sentences") or []
+        if not sentences:
+            raise ValueError(f"{path}: image {im['filename']} has no sentences")
+        for s in sentences:
+            raw = s.get("raw") if isinstance(s, dict) else None
+            if raw is None and isinstance(s, dict) and s.get("tokens"):
+                raw = " ".join(s["tokens"])
+            if raw is None:
+                raise ValueError(
+                    f"{path}: sentence {s.get('sentid') if isinstance(s, dict) else s!r} has no 'raw' text"
+                )
+            captions.append(str(raw).strip())
+            ids.append(i)
+    files = _resolve_images(candidates, str(path))
+    name = str(data.get("dataset") or path.stem.removeprefix("dataset_"))
+    return RetrievalSet(name, ImageSource.from_files(files), captions, ids)
+
+
+def load_coco_captions(path: str | Path, image_root: str | Path) -> RetrievalSet:
+    """A COCO-style caption file (``captions_val2014.json``, nocaps): ``images[]`` with ``id`` and
+    ``file_name``, ``annotations[]`` with ``image_id`` and ``caption``. An annotation whose ``image_id``
+    matches no image is an error naming the id."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such caption file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
+        raise ValueError(f"{path}: expected COCO captions with 'images' and 'annotations' lists")
+    root = Path(image_root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{image_root}: no such image directory")
+    images = data.get("images") or []
+    if not images:
+        raise ValueError(f"{path}: the 'images' list is empty")
+    position = {im["id"]: i for i, im in enumerate(images)}
+    captions, ids = [], []
+    for ann in data["annotations"]:
+        if ann.get("image_id") not in position:
+            raise ValueError(
+                f"{path}: caption {ann.get('id')} refers to image_id {ann.get('image_id')!r}, which is not in 'images'"
+            )
+        captions.append(str(ann.get("caption", "")).strip())
+        ids.append(position[ann["image_id"]])
+    files = _resolve_images([[root / im["file_name"]] for im in images], str(path))
+    return RetrievalSet(path.stem, ImageSource.from_files(files), captions, ids)
+
+
+def load_retrieval_wds(spec: str) -> RetrievalSet:
+    """CLIP_benchmark-style WebDataset retrieval shards: per sample an image and a ``txt`` member holding
+    that image's captions, one per line."""
+    urls = _expand(spec)
+    keys, captions, ids = [], [], []
+    for sample in _read_shards(urls):
+        where = f"{sample['__url__']}:{sample['__key__']}"
+        _image_ext(sample)
+        if "txt" not in sample:
+            raise ValueError(f"{where}: sample has no 'txt' captions")
+        lines = [line.strip() for line in sample["txt"].decode("utf-8", "replace").splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{where}: the 'txt' member holds no caption")
+        for line in lines:
+            captions.append(line)
+            ids.append(len(keys))
+        keys.append((sample["__url__"], sample["__key__"]))
+    name = Path(urls[0]).parent.name or "wds"
+    return RetrievalSet(name, ImageSource.from_shards(urls, keys), captions, ids)
+
+
+_IMAGE_COLUMNS = ("image", "filepath", "image_path", "filename", "file", "path", "url")
+_CAPTION_COLUMNS = ("caption", "text", "title", "sentence", "raw")
+
+
+def _pick_column(fields: Sequence[str], choices: Sequence[str], what: str, path: Path) -> str:
+    lower = {f.lower().strip(): f for f in fields}
+    for c in choices:
+        if c in lower:
+            return lower[c]
+    raise ValueError(f"{path}: no {what} column (looked for {', '.join(choices)}; found {', '.join(fields)})")
+
+
+def load_retrieval_csv(path: str | Path, image_root: str | Path | None = None) -> RetrievalSet:
+    """A CSV (``.tsv``: tab-separated) with a header, an image column (``image``, ``filepath``, ...) and a
+    caption column (``caption``, ``text``, ...); rows of the same image are its captions. Relative image
+    paths are resolved against ``image_root``, by default the CSV's directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such CSV file")
+    root = Path(image_root) if image_root else path.parent
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        if not reader.fieldnames:
+            raise ValueError(f"{path}: empty CSV (a header row is required)")
+        image_col = _pick_column(reader.fieldnames, _IMAGE_COLUMNS, "image", path)
+        caption_col = _pick_column(reader.fieldnames, _CAPTION_COLUMNS, "caption", path)
+        order: dict[str, int] = {}
+        captions, ids = [], []
+        for line, row in enumerate(reader, 2):
+            image, caption = (row.get(image_col) or "").strip(), (row.get(caption_col) or "").strip()
+            if not image or not caption:
+                raise ValueError(f"{path}:{line}: empty {'image' if not image else 'caption'} field")
+            ids.append(order.setdefault(image, len(order)))
+            captions.append(caption)
+    if not order:
+        raise ValueError(f"{path}: no rows")
+    files = _resolve_images([[root / p] for p in order], str(path))
+    return RetrievalSet(path.stem, ImageSource.from_files(files), captions, ids)
+
+
+def load_retrieval(spec: str, images: str | Path | None = None, split: str = "test") -> RetrievalSet:
+    """``karpathy:FILE.json`` or ``coco:captions.json`` (both need ``images``), ``csv:FILE`` or
+    ``wds:SHARDS``; without a prefix the format follows the suffix (.json: Karpathy, .csv/.tsv, .tar)."""
+    kind, _, rest = spec.partition(":")
+    if kind not in ("karpathy", "coco", "csv", "wds") or not rest:
+        kind, rest = "", spec
+        suffix = Path(spec).suffix.lower()
+        kind = {".json": "karpathy", ".csv": "csv", ".tsv": "csv"}.get(suffix, "wds" if ".tar" in spec else "")
+        if not kind:
+            raise ValueError(f"cannot tell the format of retrieval dataset {spec!r}; prefix karpathy:, csv: or wds:")
+    if kind in ("karpathy", "coco"):
+        if images is None:
+            raise ValueError(f"a {kind} caption file needs the image root directory (images) for {rest}")
+        return load_karpathy(rest, images, split) if kind == "karpathy" else load_coco_captions(rest, images)
+    if kind == "csv":
+        return load_retrieval_csv(rest, images)
+    return load_retrieval_wds(rest)
+
+
+# --------------------------------------------------------------------------------------------------
+# Classification
+
+
+@dataclass
+class ClassificationSet:
+    """Labelled images; ``labels[i]`` indexes ``classnames``. ``class_ids`` are the folder names, WordNet
+    ids or indices the classes were found under (used to match classes across a train and a val set)."""
+
+    name: str
+    classnames: list[str]
+    class_ids: list[str]
+    labels: list[int]
+    images: ImageSource
+    skipped_files: list[str] = field(default_factory=list)  # non-image files in class folders
+
+    def __post_init__(self) -> None:
+        if not self.classnames:
+            raise ValueError(f"{self.name}: the class list is empty")
+        if not len(self.images):
+            raise ValueError(f"{self.name}: no images in any of the {len(self.classnames)} classes")
+
+
+def read_classnames(path: str | Path) -> list[str]:
+    """Class names, one per line in label order (``classnames.txt``), or a JSON list."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{path}: no such class names file")
+    text = p.read_text(encoding="utf-8")
+    names = json.loads(text) if p.suffix == ".json" else [line.strip() for line in text.splitlines()]
+    names = [str(n).strip() for n in names if str(n).strip()]
+    if not names:
+        raise ValueError(f"{path}: the class names file is empty")
+    return names
+
+
+def _imagenet_subset(subset: str) -> tuple[list[str], list[str]]:
+    classes = imagenet_classes()
+    chosen = [classes[i] for i in subset_indices(subset)]
+    ids = [str(c.index) for c in chosen] if subset == "imagenet-v2" else [c.wnid for c in chosen]
+    return ids, [c.name for c in chosen]
+
+
+def _detect_layout(folders: list[str], classnames: list[str] | None, root: Path) -> str:
+    if all(f.isdigit() for f in folders):
+        if classnames is None:
+            raise ValueError(
+                f"{root}: class folders are numbers; pass the class names file, or layout imagenet-v2 for ImageNet-V2"
+            )
+        return "indices"
+    if all(_WNID.match(f) for f in folders):
+        return "wnids"
+    return "names"
+
+
+def load_class_folders(
+    root: str | Path, layout: str = "auto", classnames: str | Path | None = None
+) -> ClassificationSet:
+    """Images in one folder per class.
+
+    ``layout``: ``names`` (folder names are the class names, ``_`` read as a space; sorted),
+    ``wnids`` (WordNet-id folders named from the ImageNet list; sorted), ``indices`` (folders ``0..N-1``
+    indexing the class names file), ``imagenet`` / ``imagenet-r`` / ``imagenet-a`` (the benchmark's fixed
+    1000 or 200 WordNet-id classes; a missing folder is a class without samples), ``imagenet-v2`` (folders
+    ``0..999``), or ``auto`` (numbers: indices; WordNet ids: wnids; anything else: names). A class names
+    file (one per line, in label order) replaces the names.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such class-folder directory")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
+        raise ValueError(f"{root}: no class folders")
+    names_file = read_classnames(classnames) if classnames else None
+    if layout == "auto":
+        layout = _detect_layout(folders, names_file, root)
+
+    if layout in SUBSETS:
+        class_ids, names = _imagenet_subset(layout)
+        known = set(class_ids)
+        stray = [f for f in folders if f not in known]
+        if stray:
+            raise ValueError(f"{root / stray[0]}: folder is not a class of {layout} ({len(stray)} such folders)")
+    elif layout == "indices":
+        if names_file is None:
+            raise ValueError(f"{root}: layout 'indices' needs a class names file")
+        bad = [f for f in folders if not f.isdigit() or int(f) >= len(names_file)]
+        if bad:
+            raise ValueError(f"{root / bad[0]}: folder is not a class index below {len(names_file)}")
+        class_ids, names = [str(i) for i in range(len(names_file))], list(names_file)
+    elif layout == "wnids":
+        lookup = {c.wnid: c.name for c in imagenet_classes()}
+        unknown = [f for f in folders if f not in lookup]
+        if unknown and names_file is None:
+            raise ValueError(f"{root / unknown[0]}: not an ImageNet WordNet id; pass a class names file")
+        class_ids, names = folders, [lookup.get(f, f) for f in folders]
+    else:
+        class_ids, names = folders, [f.replace("_", " ") for f in folders]
+    if names_file is not None and layout != "indices":
+        if len(names_file) != len(class_ids):
+            raise ValueError(f"{classnames}: {len(names_file)} class names for {len(class_ids)} classes in {root}")
+        names = list(names_file)
+
+    index = {cid: i for i, cid in enumerate(class_ids)}
+    present = set(folders)
+    files, labels, skipped = [], [], []
+    for cid in class_ids:
+        if cid not in present:
+            continue
+        for p in sorted((root / cid).rglob("*")):
+            if p.is_dir() or any(part.startswith(".") for part in p.relative_to(root).parts):
+                continue
+            if p.suffix.lower() in IMAGE_SUFFIXES:
+                files.append(p)
+                labels.append(index[cid])
+            else:
+                skipped.append(str(p))
+    name = _subset_name(layout, class_ids) or root.name
+    return ClassificationSet(name, names, class_ids, labels, ImageSource.from_files(files), skipped)
+
+
+def _subset_name(layout: str, class_ids: list[str]) -> str | None:
+    if layout in SUBSETS:
+        return layout
+    if layout == "wnids":
+        for subset in ("imagenet", "imagenet-r", "imagenet-a"):
+            if class_ids == _imagenet_subset(subset)[0]:
+                return subset
+    return None
+
+
+def load_classification_wds(spec: str, classnames: str | Path | None = None, layout: str = "auto") -> ClassificationSet:
+    """WebDataset shards whose samples hold an image and ``cls`` (the label as text). Class names come from
+    ``classnames`` (one per line), from a ``classnames.txt`` beside the shards, or, with layout imagenet /
+    imagenet-r / imagenet-a / imagenet-v2, from the ImageNet list (``cls`` indexing that benchmark's classes)."""
+    urls = _expand(spec)
+    beside = Path(urls[0]).parent / "classnames.txt"
+    if classnames:
+        names = read_classnames(classnames)
+        class_ids = [str(i) for i in range(len(names))]
+    elif layout in SUBSETS:
+        class_ids, names = _imagenet_subset(layout)
+    elif beside.is_file():
+        names = read_classnames(beside)
+        class_ids = [str(i) for i in range(len(names))]
+    else:
+        raise ValueError(f"{spec}: WebDataset classification needs a class names file (or layout imagenet)")
+    keys, labels = [], []
+    for sample in _read_shards(urls):
+        where = f"{sample['__url__']}:{sample['__key__']}"
+        _image_ext(sample)
+        raw = sample.get("cls")
+        if raw is None:
+            raise ValueError(f"{where}: sample has no 'cls' label")
+        try:
+            label = int(raw.decode().strip())
+        except ValueError:
+            raise ValueError(f"{where}: 'cls' is not an integer: {raw[:20]!r}") from None
+        if not 0 <= label < len(names):
+            raise ValueError(f"{where}: label {label} is outside the {len(names)} classes")
+        keys.append((sample["__url__"], sample["__key__"]))
+        labels.append(label)
+    name = layout if layout in SUBSETS else (Path(urls[0]).parent.name or "wds")
+    return ClassificationSet(name, names, class_ids, labels, ImageSource.from_shards(urls, keys))
+
+
+def load_classification(spec: str, layout: str = "auto", classnames: str | Path | None = None) -> ClassificationSet:
+    """``wds:SHARDS`` or a ``.tar`` spec: WebDataset; otherwise a directory of class folders."""
+    if spec.startswith("wds:"):
+        return load_classification_wds(spec[4:], classnames, layout)
+    if ".tar" in spec and not Path(spec).is_dir():
+        return load_classification_wds(spec, classnames, layout)
+    return load_class_folders(spec, layout, classnames)

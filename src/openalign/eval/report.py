@@ -1,0 +1,153 @@
+"""Results files and the Markdown table that puts our numbers beside the paper's.
+
+A result is written as ``<task>-<dataset>.json`` holding CLIP_benchmark's fields (dataset, model, task,
+metrics) plus the options it ran with; ``results.md`` is regenerated from every result file in the
+directory, so separate runs into one directory add up to one report.
+
+Paper numbers are shown only where the protocol is the same one the paper used: the same dataset, the
+same split size (Flickr30K 1K test images, MSCOCO 5K, the full ImageNet validation sets) and zero-shot
+use of the model. A different size means a different benchmark, so the paper's column is left out with
+the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PaperReference:
+    """Numbers from the ALIGN paper (and CLIP, which it compares to) for one task on one dataset."""
+
+    task: str
+    dataset: str
+    source: str  # the paper table the numbers come from
+    align: Mapping[str, float]
+    clip: Mapping[str, float] = field(default_factory=dict)
+    # metric -> value our result must have for the comparison to be fair (e.g. the number of test images)
+    requires: Mapping[str, float] = field(default_factory=dict)
+
+
+_RETRIEVAL_KEYS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+
+PAPER: list[PaperReference] = [
+    PaperReference(
+        "retrieval",
+        "flickr30k",
+        "Table 4, zero-shot Flickr30K (1K test)",
+        dict(zip(_RETRIEVAL_KEYS, (88.6, 98.7, 99.7, 75.7, 93.8, 96.8), strict=True)),
+        dict(zip(_RETRIEVAL_KEYS, (88.0, 98.7, 99.4, 68.7, 90.6, 95.2), strict=True)),
+        {"num_images": 1000, "num_captions": 5000},
+    ),
+    PaperReference(
+        "retrieval",
+        "mscoco",
+        "Table 4, zero-shot MSCOCO (5K test)",
+        dict(zip(_RETRIEVAL_KEYS, (58.6, 83.0, 89.7, 45.6, 69.8, 78.6), strict=True)),
+        dict(zip(_RETRIEVAL_KEYS, (58.4, 81.5, 88.1, 37.8, 62.4, 72.2), strict=True)),
+        {"num_images": 5000},
+    ),
+    PaperReference("zeroshot", "imagenet", "Table 3, zero-shot", {"top1": 76.4}, {"top1": 76.2}, {"num_images": 50000}),
+    PaperReference(
+        "zeroshot", "imagenet-r", "Table 3, zero-shot", {"top1": 92.2}, {"top1": 88.9}, {"num_images": 30000}
+    ),
+    PaperReference(
+        "zeroshot", "imagenet-a", "Table 3, zero-shot", {"top1": 75.8}, {"top1": 77.2}, {"num_images": 7500}
+    ),
+    PaperReference(
+        "zeroshot", "imagenet-v2", "Table 3, zero-shot", {"top1": 70.1}, {"top1": 70.1}, {"num_images": 10000}
+    ),
+]
+
+_ALIASES = {"coco": "mscoco", "coco5k": "mscoco", "mscoco5k": "mscoco", "flickr": "flickr30k", "f30k": "flickr30k"}
+
+
+def canonical_dataset(name: str) -> str:
+    """Lower-case, dashes for separators, common aliases folded ("COCO" -> "mscoco", "ImageNet_R" -> "imagenet-r")."""
+    key = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return _ALIASES.get(key.replace("-", ""), key)
+
+
+def paper_reference(task: str, dataset: str) -> PaperReference | None:
+    ds = canonical_dataset(dataset)
+    return next((p for p in PAPER if p.task == task and p.dataset == ds), None)
+
+
+def result_filename(result: Mapping[str, Any]) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{result['task']}-{result['dataset']}").strip("_")
+    return f"{slug}.json"
+
+
+def write_result(result: Mapping[str, Any], out_dir: str | Path) -> Path:
+    """Write one result JSON into ``out_dir`` (atomically, so an interrupted run never leaves half a file)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / result_filename(result)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(result), indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_results(out_dir: str | Path) -> list[dict[str, Any]]:
+    """Every result JSON in ``out_dir`` (files that are not results are ignored), sorted by task and dataset."""
+    results = []
+    for path in sorted(Path(out_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict) and {"task", "dataset", "metrics"} <= set(data):
+            results.append(data)
+    return sorted(results, key=lambda r: (r["task"], r["dataset"]))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        text = json.dumps(value) if not isinstance(value, str) else value
+        return text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.2f}"
+
+
+def markdown(results: Iterable[Mapping[str, Any]]) -> str:
+    """One table per result: metric, ours, and the paper's ALIGN and CLIP numbers where comparable."""
+    parts = ["# Evaluation results", ""]
+    for r in results:
+        metrics = r["metrics"]
+        model = f" — model `{r['model']}`" if r.get("model") else ""
+        parts += [f"## {r['task']} — {r['dataset']}{model}", ""]
+        ref = paper_reference(r["task"], r["dataset"])
+        mismatch = []
+        if ref is not None:
+            mismatch = [f"{k} {metrics.get(k)} (paper {v:g})" for k, v in ref.requires.items() if metrics.get(k) != v]
+        compare = ref is not None and not mismatch
+        if compare:
+            parts += ["| metric | ours | ALIGN (paper) | CLIP (paper) |", "|---|---:|---:|---:|"]
+        else:
+            parts += ["| metric | ours |", "|---|---:|"]
+        for key, value in metrics.items():
+            row = f"| {key} | {_fmt(value)} |"
+            if compare:
+                a, c = ref.align.get(key), ref.clip.get(key)
+                row += f" {'' if a is None else f'{a:.1f}'} | {'' if c is None else f'{c:.1f}'} |"
+            parts.append(row)
+        parts.append("")
+        if compare:
+            parts += [f"Paper numbers: ALIGN paper, {ref.source}.", ""]
+        elif ref is not None:
+            parts += [f"Paper numbers not shown: {', '.join(mismatch)} differ from the paper's benchmark.", ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write_report(out_dir: str | Path) -> Path:
+    """Regenerate ``results.md`` from every result JSON in ``out_dir``."""
+    path = Path(out_dir) / "results.md"
+    path.write_text(markdown(read_results(out_dir)))
+    return path

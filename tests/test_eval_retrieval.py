@@ -1,0 +1,254 @@
+"""Retrieval recall: hand-computed cases, a plain-Python reference, and the dataset loaders' real formats."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from openalign.eval.datasets import (
+    load_coco_captions,
+    load_karpathy,
+    load_retrieval,
+    load_retrieval_csv,
+    load_retrieval_wds,
+)
+from openalign.eval.retrieval import recall_at_k, retrieval_ranks
+
+
+def reference_recall(sim: list[list[float]], ids: list[int], ks: tuple[int, ...]) -> dict[str, float]:
+    """Ranks by counting, one query at a time; a tie with a wrong item counts against the query."""
+    n, m = len(sim), len(sim[0])
+    out = {}
+    for k in ks:
+        hits = 0
+        for i in range(n):
+            best = max(sim[i][j] for j in range(m) if ids[j] == i)
+            wrong_above = sum(1 for j in range(m) if ids[j] != i and sim[i][j] >= best)
+            hits += wrong_above < k
+        out[f"i2t_r{k}"] = 100.0 * hits / n
+    for k in ks:
+        hits = 0
+        for j in range(m):
+            own = sim[ids[j]][j]
+            wrong_above = sum(1 for i in range(n) if i != ids[j] and sim[i][j] >= own)
+            hits += wrong_above < k
+        out[f"t2i_r{k}"] = 100.0 * hits / m
+    return out
+
+
+def test_hand_computed_case_with_several_captions_and_ties() -> None:
+    # Scores are dot products of these 2-d vectors:
+    #            cap0  cap1  cap2  cap3  cap4      (cap0, cap1 -> image 0; cap2 -> image 1; cap3, cap4 -> image 2)
+    # image 0:    0     1     2     0     0        best own caption (cap1, 1) is beaten by cap2: rank 1
+    # image 1:    0     1     2     0     0        own caption cap2 scores highest: rank 0
+    # image 2:    2     0     0     1     2        own cap4 (2) ties with wrong cap0 (2): rank 1 (pessimistic)
+    images = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    texts = torch.tensor([[0.0, 2.0], [1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [0.0, 2.0]])
+    ids = [0, 0, 1, 2, 2]
+    got = recall_at_k(images, texts, ids, ks=(1, 2))
+    # i2t ranks [1, 0, 1] -> R@1 1/3, R@2 3/3.
+    # t2i: cap0 own=image0 0, image2 scores 2 -> rank 1 (image1 ties at 0: counts against) -> rank 2
+    #      cap1 own=1, image1 ties at 1 -> rank 1;  cap2 own image1 = 2, image0 ties -> rank 1
+    #      cap3 own image2 = 1 -> rank 0;  cap4 own image2 = 2 -> rank 0
+    assert got == pytest.approx({"i2t_r1": 100 / 3, "i2t_r2": 100.0, "t2i_r1": 40.0, "t2i_r2": 80.0})
+    i2t, t2i = retrieval_ranks(images, texts, ids)
+    assert i2t.tolist() == [1, 0, 1] and t2i.tolist() == [2, 1, 1, 0, 0]
+
+
+def test_collapsed_embeddings_score_zero_not_chance() -> None:
+    x = torch.ones(4, 3) / 3**0.5
+    got = recall_at_k(x, x.repeat(2, 1), [0, 1, 2, 3, 0, 1, 2, 3], ks=(1, 4, 5))
+    # Every image ties with every other: 6 wrong captions tie the best right one; 3 wrong images tie each caption.
+    assert got == {"i2t_r1": 0.0, "i2t_r4": 0.0, "i2t_r5": 0.0, "t2i_r1": 0.0, "t2i_r4": 100.0, "t2i_r5": 100.0}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_reference_on_integer_scores_with_many_ties(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 25))
+    m = n + int(rng.integers(0, 40))
+    ids = np.concatenate([np.arange(n), rng.integers(0, n, m - n)])
+    rng.shuffle(ids)
+    x = rng.integers(-2, 3, (n, 3)).astype(np.float64)
+    y = rng.integers(-2, 3, (m, 3)).astype(np.float64)
+    expected = reference_recall((x @ y.T).tolist(), ids.tolist(), (1, 2, 5, 10))
+    assert recall_at_k(x, y, ids, (1, 2, 5, 10)) == pytest.approx(expected)
+    # Blocks of a few image rows give the same answer as one block.
+    i2t, t2i = retrieval_ranks(x, y, ids, block_size=3)
+    i2t_full, t2i_full = retrieval_ranks(x, y, ids)
+    assert torch.equal(i2t, i2t_full) and torch.equal(t2i, t2i_full)
+
+
+def test_float32_unit_vectors_match_float64_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(40, 16, generator=g), dim=1)
+    ids = torch.arange(200) % 40
+    y = torch.nn.functional.normalize(x[ids] + 0.9 * torch.randn(200, 16, generator=g), dim=1)
+    x[7] = x[3]  # a duplicate image: an exact tie that float32 rounding must not turn into a win
+    expected = reference_recall((x.double() @ y.double().T).tolist(), ids.tolist(), (1, 5, 10))
+    got = recall_at_k(x, y, ids)
+    assert got == pytest.approx(expected)
+    _, t2i = retrieval_ranks(x, y, ids, block_size=7)
+    assert bool((t2i[(ids == 3) | (ids == 7)] >= 1).all())
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    x, y = torch.eye(3), torch.eye(3)
+    with pytest.raises(ValueError, match="image 1 has no caption"):
+        recall_at_k(x, y, [0, 2, 2])
+    with pytest.raises(ValueError, match="contains 3, outside the 3 images"):
+        recall_at_k(x, y, [0, 1, 3])
+    with pytest.raises(ValueError, match="one entry per caption"):
+        recall_at_k(x, y, [0, 1])
+    with pytest.raises(ValueError, match="dims"):
+        recall_at_k(x, torch.eye(3, 4), [0, 1, 2])
+    with pytest.raises(ValueError, match="positive integers"):
+        recall_at_k(x, y, [0, 1, 2], ks=(0,))
+    with pytest.raises(ValueError, match="non-empty"):
+        recall_at_k(torch.empty(0, 3), y, [0, 1, 2])
+    with pytest.raises(ValueError, match="NaN"):
+        recall_at_k(x * float("nan"), y, [0, 1, 2])
+
+
+# --------------------------------------------------------------------------------------------------
+# Loaders
+
+
+def _png(colour: tuple[int, int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _karpathy(root: Path) -> Path:
+    (root / "val2014").mkdir(parents=True)
+    images = []
+    for i in range(3):
+        (root / "val2014" / f"COCO_{i}.jpg").write_bytes(_png((80 * i, 0, 0)))
+        images.append(
+            {
+                "split": "test" if i < 2 else "restval",
+                "filepath": "val2014",
+                "filename": f"COCO_{i}.jpg",
+                "sentences": [
+                    {"raw": f"picture {i} caption {k} ", "tokens": ["x"], "sentid": 5 * i + k} for k in range(i + 1)
+                ],
+            }
+        )
+    path = root / "dataset_coco.json"
+    path.write_text(json.dumps({"dataset": "coco", "images": images}))
+    return path
+
+
+def test_karpathy_loader(tmp_path: Path) -> None:
+    data = load_karpathy(_karpathy(tmp_path), tmp_path)
+    assert data.name == "coco" and data.captions == [
+        "picture 0 caption 0",
+        "picture 1 caption 0",
+        "picture 1 caption 1",
+    ]
+    assert data.text_image_ids == [0, 1, 1] and len(data.images) == 2
+    pixels = [im.getpixel((0, 0)) for im in data.images]
+    assert pixels == [(0, 0, 0), (80, 0, 0)]
+    assert len(load_karpathy(tmp_path / "dataset_coco.json", tmp_path, split="restval").images) == 1
+    # Images directly under the root are found too (people often flatten COCO's val2014 folder).
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for p in (tmp_path / "val2014").iterdir():
+        (flat / p.name).write_bytes(p.read_bytes())
+    assert len(load_retrieval(f"karpathy:{tmp_path / 'dataset_coco.json'}", flat).images) == 2
+
+
+def test_karpathy_errors(tmp_path: Path) -> None:
+    path = _karpathy(tmp_path)
+    (tmp_path / "val2014" / "COCO_1.jpg").unlink()
+    with pytest.raises(FileNotFoundError, match=r"COCO_1\.jpg: image file not found"):
+        load_karpathy(path, tmp_path)
+    with pytest.raises(ValueError, match=r"no images in split 'val'; splits present: restval \(1\), test \(2\)"):
+        load_karpathy(path, tmp_path, split="val")
+    data = json.loads(path.read_text())
+    data["images"][0]["sentences"] = []
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"COCO_0\.jpg has no sentences"):
+        load_karpathy(path, tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such Karpathy split file"):
+        load_karpathy(tmp_path / "nope.json", tmp_path)
+    with pytest.raises(ValueError, match="karpathy caption file needs the image root"):
+        load_retrieval(str(path))
+
+
+def test_corrupt_image_is_named_when_read(tmp_path: Path) -> None:
+    path = _karpathy(tmp_path)
+    (tmp_path / "val2014" / "COCO_1.jpg").write_bytes(b"not an image")
+    data = load_karpathy(path, tmp_path)
+    with pytest.raises(ValueError, match=r"COCO_1.jpg: unreadable image \(corrupt"):
+        list(data.images)
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_retrieval_set(tmp_path: Path) -> None:
+    _tar(
+        tmp_path / "0.tar",
+        {"a.jpg": _png((1, 2, 3)), "a.txt": b"first\nsecond\n\n", "b.png": _png((9, 9, 9)), "b.txt": b"third"},
+    )
+    _tar(tmp_path / "1.tar", {"c.webp": _png((5, 5, 5)), "c.txt": b"fourth\nfifth", "c.json": b"{}"})
+    data = load_retrieval(f"wds:{tmp_path}/{{0..1}}.tar")
+    assert data.captions == ["first", "second", "third", "fourth", "fifth"]
+    assert data.text_image_ids == [0, 0, 1, 2, 2]
+    assert [im.getpixel((0, 0)) for im in data.images] == [(1, 2, 3), (9, 9, 9), (5, 5, 5)]
+    _tar(tmp_path / "2.tar", {"d.jpg": _png((1, 1, 1))})
+    with pytest.raises(ValueError, match=r"2\.tar:d: sample has no 'txt' captions"):
+        load_retrieval_wds(str(tmp_path / "2.tar"))
+    with pytest.raises(FileNotFoundError, match=r"9\.tar: no such shard"):
+        load_retrieval_wds(str(tmp_path / "9.tar"))
+
+
+def test_csv_retrieval_set_groups_by_image(tmp_path: Path) -> None:
+    (tmp_path / "img").mkdir()
+    for name in ("x.png", "y.png"):
+        (tmp_path / "img" / name).write_bytes(_png((7, 7, 7)))
+    rows = [("img/x.png", "one"), ("img/y.png", "two"), ("img/x.png", "three")]
+    with (tmp_path / "pairs.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["filepath", "Caption"])
+        writer.writerows(rows)
+    data = load_retrieval_csv(tmp_path / "pairs.csv")
+    assert data.captions == ["one", "two", "three"] and data.text_image_ids == [0, 1, 0] and len(data.images) == 2
+    with (tmp_path / "bad.csv").open("w") as f:
+        f.write("image,caption\nimg/x.png,one\nimg/z.png,two\n")
+    with pytest.raises(FileNotFoundError, match=r"z\.png: image file not found, listed in .*bad\.csv"):
+        load_retrieval(str(tmp_path / "bad.csv"))
+    with (tmp_path / "cols.csv").open("w") as f:
+        f.write("picture,words\na,b\n")
+    with pytest.raises(ValueError, match="no image column"):
+        load_retrieval_csv(tmp_path / "cols.csv")
+
+
+def test_coco_caption_file(tmp_path: Path) -> None:
+    for name in ("a.jpg", "b.jpg"):
+        (tmp_path / name).write_bytes(_png((3, 3, 3)))
+    anns = [{"id": 1, "image_id": 20, "caption": "x"}, {"id": 2, "image_id": 10, "caption": "y"}]
+    anns.append({"id": 3, "image_id": 20, "caption": "z "})
+    images = [{"id": 10, "file_name": "a.jpg"}, {"id": 20, "file_name": "b.jpg"}]
+    (tmp_path / "captions_val2014.json").write_text(json.dumps({"images": images, "annotations": anns}))
+    data = load_retrieval(f"coco:{tmp_path / 'captions_val2014.json'}", tmp_path)
+    assert data.captions == ["x", "y", "z"] and data.text_image_ids == [1, 0, 1]
+    anns.append({"id": 4, "image_id": 30, "caption": "lost"})
+    (tmp_path / "bad.json").write_text(json.dumps({"images": images, "annotations": anns}))
+    with pytest.raises(ValueError, match="caption 4 refers to image_id 30, which is not in 'images'"):
+        load_coco_captions(tmp_path / "bad.json", tmp_path)
