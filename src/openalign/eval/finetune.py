@@ -1,0 +1,449 @@
+"""Full fine-tuning of the image tower for classification (paper Sec. 5.2, Tables 4 and 6).
+
+Both of the paper's recipes train in two stages with SGD and momentum 0.9:
+
+1. **head**: only a new linear classifier on the pooled EfficientNet features; the backbone is frozen
+   (eval mode, so its batch-norm statistics do not move either);
+2. **full**: every layer, the backbone at ``backbone_lr_scale`` (1/10) of the head's learning rate.
+
+ImageNet (``imagenet_recipe``): lr 0.1 then 0.01, ×0.2 every 30 epochs, 100 epochs each, no weight decay.
+Fine-grained (``fine_grained_recipe``): batch 256, weight decay 1e-5, lr 1e-2 then 1e-3 with cosine decay
+over 20k steps each, batch norm frozen in stage 2 (statistics fixed: small data sets give noisy ones).
+Resolutions (289/360 and 475/600) are the caller's transforms; this module only sees tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader, Dataset, default_collate
+from tqdm import tqdm
+
+from openalign.config import from_dict
+from openalign.eval.linear_probe import classification_metrics
+from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+
+
+@dataclass
+class StageConfig:
+    """One fine-tuning stage: what trains, at which rates, for how long."""
+
+    steps: int = 20_000  # optimiser steps in this stage
+    lr: float = 0.01  # the head's peak lr; the backbone gets lr × backbone_lr_scale
+    schedule: Literal["cosine", "step"] = "cosine"
+    decay_every: int = 0  # step schedule: steps between ×decay_gamma decays (30 epochs' worth in the paper)
+    decay_gamma: float = 0.2
+    weight_decay: float = 0.0  # never applied to biases or normalisation parameters
+    backbone_lr_scale: float = 0.1  # paper: 10× smaller lr on the backbone than on the head
+    train_backbone: bool = True  # False: head only (stage 1)
+    freeze_bn: bool = False  # keep batch-norm running statistics fixed (fine-grained stage 2)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"stage steps must be >= 0, got {self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"stage lr must be positive, got {self.lr}")
+        if self.schedule == "step" and self.decay_every < 1:
+            raise ValueError("a step schedule needs decay_every >= 1 (steps between decays)")
+
+    def optim_config(self, momentum: float) -> OptimConfig:
+        if self.schedule == "step":
+            sched: dict[str, Any] = {"schedule": "step_decay", "decay_every": self.decay_every}
+        else:
+            sched = {"schedule": "warmup_cosine", "warmup_steps": 0, "total_steps": max(self.steps, 1)}
+        return OptimConfig(
+            name="sgd",
+            lr=self.lr,
+            momentum=momentum,
+            weight_decay=self.weight_decay,
+            decay_gamma=self.decay_gamma,
+            lr_scales={"backbone.": self.backbone_lr_scale} if self.train_backbone else {},
+            **sched,
+        )
+
+
+@dataclass
+class FinetuneConfig:
+    """Two-stage classification fine-tuning; defaults are the paper's fine-grained recipe."""
+
+    head: StageConfig = field(
+        default_factory=lambda: StageConfig(lr=1e-2, weight_decay=1e-5, train_backbone=False, backbone_lr_scale=0.0)
+    )
+    full: StageConfig = field(default_factory=lambda: StageConfig(lr=1e-3, weight_decay=1e-5, freeze_bn=True))
+    batch_size: int = 256
+    momentum: float = 0.9
+    dropout: float = 0.0  # before the classifier
+    num_workers: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.head.train_backbone:
+            raise ValueError("the head stage trains only the classifier; set head.train_backbone to false")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:
+        return from_dict(cls, data, "finetune")
+
+
+def fine_grained_recipe(steps: int = 20_000, batch_size: int = 256) -> FinetuneConfig:
+    """Paper: batch 256, wd 1e-5, lr 1e-2 (head) then 1e-3 (all, BN frozen), cosine over 20k steps each."""
+    return FinetuneConfig(
+        head=StageConfig(steps=steps, lr=1e-2, weight_decay=1e-5, train_backbone=False, backbone_lr_scale=0.0),
+        full=StageConfig(steps=steps, lr=1e-3, weight_decay=1e-5, freeze_bn=True),
+        batch_size=batch_size,
+    )
+
+
+def imagenet_recipe(steps_per_epoch: int, epochs: int = 100, batch_size: int = 1024) -> FinetuneConfig:
+    """Paper: SGD 0.9, batch 1024, no wd, ×0.2 every 30 epochs, 100 epochs; lr 0.1 (head) then 0.01 (all)."""
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be at least 1, got {steps_per_epoch}")
+    every = 30 * steps_per_epoch
+    steps = epochs * steps_per_epoch
+    return FinetuneConfig(
+        head=StageConfig(
+            steps=steps, lr=0.1, schedule="step", decay_every=every, train_backbone=False, backbone_lr_scale=0.0
+        ),
+        full=StageConfig(steps=steps, lr=0.01, schedule="step", decay_every=every),
+        batch_size=batch_size,
+    )
+
+
+class ImageClassifier(nn.Module):
+    """An image tower (``backbone``: pixels -> pooled features) with a linear classification head."""
+
+    def __init__(self, backbone: nn.Module, num_features: int, num_classes: int, dropout: float = 0.0):
+        super().__init__()
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be at least 1, got {num_classes}")
+        self.backbone = backbone
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(num_features, num_classes)
+        # A zero head starts every class at the same logit: the first steps fit the head, not noise.
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_dual_encoder(cls, model: nn.Module, num_classes: int, dropout: float = 0.0) -> ImageClassifier:
+        """Classifier on the dual encoder's EfficientNet pooled features (the projection is not used)."""
+        image = getattr(model, "image", None)
+        if image is None or not hasattr(image, "num_features"):
+            raise ValueError("expected an openalign DualEncoder with an image tower")
+        return cls(image, image.num_features, num_classes, dropout)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.head(self.dropout(self.backbone(pixel_values)))
+
+
+def _set_train_mode(clf: ImageClassifier, stage: StageConfig) -> None:
+    clf.train()
+    if not stage.train_backbone:
+        # Frozen features: no dropout, no stochastic depth, no batch-norm statistics updates.
+        clf.backbone.eval()
+    elif stage.freeze_bn:
+        for m in clf.backbone.modules():
+            if isinstance(m, _BatchNorm):
+                m.eval()
+
+
+def _infinite(loader: DataLoader) -> Iterator[Any]:
+    while True:
+        yielded = False
+        for batch in loader:
+            if batch is None:  # every sample of the batch was unreadable
+                continue
+            yielded = True
+            yield batch
+        if not yielded:
+            raise ValueError("the training set is empty (or none of its images could be read)")
+
+
+def _collate_readable(batch: list[Any]) -> Any:
+    """Default collation of the samples that could be read; ``None`` marks an unreadable one."""
+    kept = [b for b in batch if b is not None]
+    return default_collate(kept) if kept else None
+
+
+def _check_dataset(data: Any, what: str) -> None:
+    try:
+        n = len(data)
+    except TypeError:
+        raise ValueError(f"the {what} set must be a sized dataset of (pixels, label) pairs") from None
+    if n == 0:
+        raise ValueError(f"the {what} set is empty")
+
+
+def train_stage(
+    clf: ImageClassifier,
+    data: Dataset | Sequence[tuple[torch.Tensor, int]],
+    stage: StageConfig,
+    *,
+    batch_size: int,
+    momentum: float = 0.9,
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+    seed: int = 0,
+    progress: bool = False,
+    name: str = "finetune",
+) -> dict[str, Any]:
+    """Run one stage; returns the optimiser (for inspection) and the last loss."""
+    _check_dataset(data, "training")
+    trainable = [p.requires_grad for p in clf.backbone.parameters()]
+    for p in clf.backbone.parameters():
+        p.requires_grad_(stage.train_backbone and p.requires_grad)
+    optim_cfg = stage.optim_config(momentum)
+    optimizer = build_optimizer(clf, optim_cfg)
+    scheduler = build_scheduler(optimizer, optim_cfg)
+    gen = torch.Generator().manual_seed(seed)
+    loader = DataLoader(
+        data, batch_size=batch_size, shuffle=True, generator=gen, num_workers=num_workers, collate_fn=_collate_readable
+    )
+    batches = _infinite(loader)
+    _set_train_mode(clf, stage)
+    last = math.nan
+    try:
+        bar = tqdm(range(stage.steps), desc=name, unit="step", disable=not progress)
+        for _ in bar:
+            pixels, labels = next(batches)
+            logits = clf(pixels.to(device))
+            loss = F.cross_entropy(logits, torch.as_tensor(labels, device=device).long())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            last = float(loss.detach())
+            bar.set_postfix(loss=f"{last:.3f}", refresh=False)
+    finally:
+        for p, flag in zip(clf.backbone.parameters(), trainable, strict=True):
+            p.requires_grad_(flag)
+        clf.eval()
+    return {"optimizer": optimizer, "loss": last, "steps": stage.steps}
+
+
+@torch.no_grad()
+def evaluate_classifier(
+    clf: nn.Module,
+    data: Dataset | Sequence[tuple[torch.Tensor, int]],
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Top-1/top-5 accuracy and mean per-class recall (%) of ``clf`` on (pixels, label) pairs."""
+    _check_dataset(data, "evaluation")
+    was_training = clf.training
+    clf.eval()
+    logits, labels = [], []
+    try:
+        for pixels, y in DataLoader(data, batch_size=batch_size, shuffle=False):
+            logits.append(clf(pixels.to(device)).float().cpu())
+            labels.append(torch.as_tensor(y).long())
+    finally:
+        clf.train(was_training)
+    out = torch.cat(logits)
+    ks = tuple(k for k in (1, 5) if k <= out.shape[1])
+    return classification_metrics(out, torch.cat(labels), ks)
+
+
+def finetune(
+    model: nn.Module,
+    train_data: Dataset | Sequence[tuple[torch.Tensor, int]],
+    num_classes: int,
+    config: FinetuneConfig | None = None,
+    *,
+    test_data: Dataset | Sequence[tuple[torch.Tensor, int]] | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> tuple[ImageClassifier, dict[str, Any]]:
+    """Fine-tune ``model``'s image tower (a DualEncoder, or an ``ImageClassifier``) in two stages.
+
+    ``train_data`` yields (pixels [3, H, W], label) pairs already transformed (train augmentation); the
+    returned metrics hold each stage's final loss and, with ``test_data``, the test metrics.
+    """
+    cfg = config or FinetuneConfig()
+    with torch.random.fork_rng():  # seeded dropout and stochastic depth, the caller's RNG left as it was
+        torch.manual_seed(cfg.seed)
+        return _finetune(model, train_data, num_classes, cfg, test_data, device, progress)
+
+
+def _finetune(
+    model: nn.Module,
+    train_data: Any,
+    num_classes: int,
+    cfg: FinetuneConfig,
+    test_data: Any,
+    device: str | torch.device,
+    progress: bool,
+) -> tuple[ImageClassifier, dict[str, Any]]:
+    if isinstance(model, ImageClassifier):
+        clf = model
+    else:
+        clf = ImageClassifier.from_dual_encoder(model, num_classes, cfg.dropout)
+    clf.to(device)
+    metrics: dict[str, Any] = {}
+    for name, stage in (("head", cfg.head), ("full", cfg.full)):
+        if stage.steps == 0:
+            continue
+        result = train_stage(
+            clf,
+            train_data,
+            stage,
+            batch_size=cfg.batch_size,
+            momentum=cfg.momentum,
+            device=device,
+            num_workers=cfg.num_workers,
+            seed=cfg.seed,
+            progress=progress,
+            name=f"finetune {name}",
+        )
+        metrics[f"{name}_loss"] = result["loss"]
+    if test_data is not None:
+        metrics.update(evaluate_classifier(clf, test_data, batch_size=cfg.batch_size, device=device))
+    return clf, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Images as (pixels, label) pairs, and the `finetune` eval task
+
+
+class LabelledImages(Dataset):
+    """(transform(image), label) pairs. Images that are files are opened on access, so a large training
+    set never sits in memory; images from WebDataset shards are decoded once and kept.
+
+    With ``skip_unreadable`` (training sets) a file that cannot be read yields ``None``, which the training
+    loader drops, and its path is recorded in ``unreadable``: one corrupt file does not end a 20k-step run.
+    Evaluation sets keep the default, so a bad test image is an error rather than a smaller denominator.
+    """
+
+    def __init__(self, images: Any, labels: Sequence[int], transform: Any, *, skip_unreadable: bool = False):
+        from pathlib import Path
+
+        names = list(getattr(images, "names", []))
+        if len(names) == len(labels) and names and all(Path(n).is_file() for n in names):
+            self.paths: list[str] | None = names
+            self.images: list[Any] = []
+        else:
+            self.paths = None
+            self.images = list(images)
+        if len(self) != len(labels):
+            raise ValueError(f"{len(self)} images for {len(labels)} labels")
+        self.labels = [int(y) for y in labels]
+        self.transform = transform
+        self.skip_unreadable = skip_unreadable
+        self.unreadable: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.paths) if self.paths is not None else len(self.images)
+
+    def with_transform(self, transform: Any, *, skip_unreadable: bool = False) -> LabelledImages:
+        """The same images and labels under another transform (e.g. the evaluation crop)."""
+        other = copy.copy(self)
+        other.transform = transform
+        other.skip_unreadable = skip_unreadable
+        other.unreadable = set()
+        return other
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+        if self.paths is not None:
+            from openalign.eval.datasets import open_image
+
+            try:
+                image = open_image(self.paths[i])
+            except (OSError, ValueError):
+                if not self.skip_unreadable:
+                    raise
+                self.unreadable.add(self.paths[i])
+                return None
+        else:
+            image = self.images[i]
+        return self.transform(image), self.labels[i]
+
+
+def transfer_datasets(model: nn.Module, options: dict[str, Any]) -> tuple[LabelledImages, LabelledImages, int, str]:
+    """Train (augmented) and val (centre crop) sets for fine-tuning, sized by ``image_size`` options."""
+    from openalign.data.transforms import eval_transform, model_resize, train_transform
+    from openalign.eval.linear_probe import load_labelled_pair
+
+    train, val, val_labels = load_labelled_pair(options)
+    cfg = model.config
+    size = options.get("image_size") or cfg.image_size
+    eval_size = options.get("eval_image_size") or size
+    norm = {"mean": cfg.pixel_mean, "std": cfg.pixel_std}
+    train_t = train_transform(size, model_resize(size), **norm)
+    val_t = eval_transform(eval_size, model_resize(eval_size), **norm)
+    return (
+        LabelledImages(train.images, train.labels, train_t, skip_unreadable=True),
+        LabelledImages(val.images, val_labels, val_t),
+        len(train.classnames),
+        val.name,
+    )
+
+
+def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+    train, val, num_classes, name = transfer_datasets(model, options)
+    steps = options["steps"]
+    if options["recipe"] == "imagenet":
+        cfg = imagenet_recipe(
+            max(1, math.ceil(len(train) / options["finetune_batch_size"])),
+            options["epochs"],
+            options["finetune_batch_size"],
+        )
+    else:
+        cfg = fine_grained_recipe(steps, options["finetune_batch_size"])
+    _, metrics = finetune(model, train, num_classes, cfg, test_data=val, device=options["device"], progress=True)
+    return {
+        "dataset": name,
+        **metrics,
+        "num_train": len(train),
+        "train_images_unreadable": sorted(train.unreadable),
+        "recipe": options["recipe"],
+    }
+
+
+def _register() -> None:
+    from openalign.eval.linear_probe import classification_options
+    from openalign.eval.tasks import Option, Task, register
+
+    register(
+        Task(
+            "finetune",
+            _run,
+            "two-stage fine-tuning of the image tower for classification (head, then all layers)",
+            options=(
+                *classification_options(),
+                Option(
+                    "recipe",
+                    default="fine-grained",
+                    choices=("fine-grained", "imagenet"),
+                    help="fine-grained: wd 1e-5, cosine, BN frozen; imagenet: ×0.2 every 30 epochs",
+                ),
+                Option("steps", int, 20_000, help="fine-grained: steps per stage (paper 20000)"),
+                Option("epochs", int, 100, help="imagenet: epochs per stage (paper 100)"),
+                Option("finetune_batch_size", int, 256, help="training batch (paper: 256 fine-grained, 1024 ImageNet)"),
+                Option("image_size", int, None, help="training resolution (default: the model's; paper 289)"),
+                Option("eval_image_size", int, None, help="evaluation resolution (default: training's; paper 360)"),
+            ),
+            examples=(
+                "openalign eval finetune --model runs/b7-base/final --train flowers/train --val flowers/test "
+                "--image-size 289 --eval-image-size 360 --out results/",
+                "openalign eval finetune --model runs/nano/final --train shapes/train --val shapes/val --steps 200",
+            ),
+            description="Stage 1 trains a linear head on the frozen EfficientNet pooled features; stage 2 "
+            "trains every layer with a 10× smaller learning rate on the backbone. Reports top-1/top-5 accuracy "
+            "and mean per-class recall on val. The model's weights are changed in place.",
+        )
+    )
+
+
+_register()
