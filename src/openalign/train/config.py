@@ -1,0 +1,255 @@
+"""The training configuration: one YAML file with sections model / data / optim / train / log / eval.
+
+Loading is strict (``openalign.config.from_dict``): a misspelt key anywhere is an error naming it and the
+valid keys. ``--section.key value`` command-line overrides go through the same check, their values parsed
+as YAML scalars (``--train.grad_clip 1.0``, ``--model.image.batch_norm virtual``, ``--data.shards null``).
+The recipes of the paper ship with the package: ``openalign train --config pretrain_align`` finds
+``openalign/configs/pretrain_align.yaml`` (see ``list_recipes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from openalign.config import ConfigError, ModelConfig, from_dict, load_yaml, merge, model_config, to_dict
+from openalign.optim import OptimConfig
+from openalign.train.data import DataConfig
+from openalign.train.logging import LogConfig
+
+__all__ = [
+    "EvalConfig",
+    "LoopConfig",
+    "ModelSection",
+    "TrainConfig",
+    "list_recipes",
+    "load_train_config",
+    "parse_overrides",
+]
+
+
+@dataclass
+class ModelSection:
+    """Which dual encoder to train. Every other key of the YAML section overrides a ModelConfig field
+    (``image: {batch_norm: virtual}``, ``embed_dim: 320``) and is checked against ModelConfig."""
+
+    preset: str = "nano"  # see openalign.list_presets(); ignored for the architecture when init is set
+    init: str | None = None  # start from this checkpoint: an openalign model dir or a transformers AlignModel dir
+    overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields, nested
+
+    def resolve(self, vocab_size: int | None = None) -> ModelConfig:
+        """The ModelConfig to build; a known tokenizer size replaces a fresh model's vocab_size."""
+        if self.init is not None:
+            from openalign.model.io import read_config
+
+            meta = read_config(self.init)
+            if meta.get("model_type") == "align":
+                from openalign.model.hf import load_hf_align
+
+                base: Any = load_hf_align(self.init).config
+            else:
+                base = meta.get("model", {})
+        else:
+            base = self.preset
+        extra = dict(self.overrides)
+        text = extra.get("text") if isinstance(extra.get("text"), dict) else {}
+        if vocab_size is not None and self.init is None and "vocab_size" not in text:
+            extra = merge(extra, {"text.vocab_size": vocab_size})
+        return model_config(base, **extra)
+
+
+@dataclass
+class LoopConfig:
+    """How steps are taken: batch, precision, parallelism, guards and checkpoints."""
+
+    run_dir: str = "runs/align"  # metrics, checkpoints/ and final/ go here
+    batch_size: int | None = None  # global batch (all ranks); None = data.batch_size × world size. Paper 16384
+    chunk_size: int | None = None  # per-rank rows per forward with gradient caching; None = no caching
+    steps: int | None = None  # stop after this step; None = optim.total_steps (the schedule's horizon)
+    label_smoothing: float = 0.1  # the paper's 0.1
+    negatives_fraction: float = 1.0  # in-batch negatives used (the paper's ablation: 0.5, 0.25)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, fp32 on a CPU
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes; fsdp (FSDP2) for models beyond one device
+    compile: bool = False  # torch.compile the towers
+    grad_checkpointing: bool = False  # recompute block activations in backward (memory for compute)
+    grad_clip: float | None = None  # clip the global gradient norm to this; None = no clipping (paper)
+    max_bad_steps: int = 10  # abort after this many consecutive non-finite steps (each one is skipped)
+    checkpoint_every: int = 1000  # steps between checkpoints; 0 = only by time and at the end
+    checkpoint_minutes: float = 30.0  # also checkpoint when this much time passed since the last; 0 = off
+    keep_checkpoints: int = 3  # newest checkpoints kept; 0 = keep all
+    seed: int = 0  # weights, dropout and (unless data.seed is set) data order
+    threads: int | None = None  # torch CPU threads per process; None = PyTorch's default
+
+
+@dataclass
+class EvalConfig:
+    """Zero-shot retrieval on a held-out set while training (R@1/5/10 both ways in the metrics)."""
+
+    every: int = 0  # steps between evaluations; 0 = never
+    source: Literal["synthetic", "karpathy"] = "synthetic"
+    images: int = 200  # synthetic: held-out images (5 captions each); karpathy: at most this many images
+    captions_per_image: int = 5
+    karpathy: str = ""  # karpathy: dataset_*.json (Flickr30K / MSCOCO splits file)
+    image_root: str = ""  # karpathy: directory the json's filepath/filename are relative to
+    split: str = "test"
+    batch_size: int = 128
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> None:
+        t = self.train
+        if t.batch_size is not None and t.batch_size < 1:
+            raise ConfigError(f"train.batch_size must be positive, got {t.batch_size}")
+        if t.chunk_size is not None and t.chunk_size < 1:
+            raise ConfigError(f"train.chunk_size must be positive, got {t.chunk_size}")
+        if t.steps is not None and t.steps < 1:
+            raise ConfigError(f"train.steps must be positive, got {t.steps}")
+        if not 0 <= t.label_smoothing < 1:
+            raise ConfigError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
+        if not 0 < t.negatives_fraction <= 1:
+            raise ConfigError(f"train.negatives_fraction must be in (0, 1], got {t.negatives_fraction}")
+        if t.grad_clip is not None and not t.grad_clip > 0:
+            raise ConfigError(f"train.grad_clip must be positive or null, got {t.grad_clip}")
+        if t.max_bad_steps < 1:
+            raise ConfigError(f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}")
+        if t.checkpoint_every < 0 or t.checkpoint_minutes < 0 or t.keep_checkpoints < 0:
+            raise ConfigError("train.checkpoint_every, checkpoint_minutes and keep_checkpoints must not be negative")
+        if t.threads is not None and t.threads < 1:
+            raise ConfigError(f"train.threads must be positive, got {t.threads}")
+        e = self.eval
+        if e.every < 0 or e.images < 1 or e.captions_per_image < 1 or e.batch_size < 1:
+            raise ConfigError("eval.every must be ≥ 0 and eval.images, captions_per_image, batch_size ≥ 1")
+        if e.every and e.source == "karpathy" and not e.karpathy:
+            raise ConfigError("eval.karpathy must name a dataset_*.json when eval.source is 'karpathy'")
+        self.data.validate()
+
+    def per_rank_batch(self, world_size: int) -> int:
+        """The rows each rank draws per step; checks that the global batch splits evenly."""
+        t = self.train
+        if t.batch_size is None:
+            per_rank = self.data.batch_size
+        else:
+            if t.batch_size % world_size:
+                raise ConfigError(f"train.batch_size {t.batch_size} does not split evenly over {world_size} ranks")
+            per_rank = t.batch_size // world_size
+        if t.chunk_size is not None and per_rank % t.chunk_size:
+            raise ConfigError(
+                f"train.chunk_size {t.chunk_size} does not divide the per-rank batch {per_rank} "
+                f"(global {per_rank * world_size} over {world_size} ranks)"
+            )
+        return per_rank
+
+    @property
+    def total_steps(self) -> int:
+        return self.train.steps if self.train.steps is not None else self.optim.total_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        out = to_dict(self)
+        model = out["model"]
+        out["model"] = {"preset": model["preset"], "init": model["init"], **model["overrides"]}
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def list_recipes() -> list[str]:
+    """Names of the configs that ship with the package (``openalign/configs/*.yaml``)."""
+    return sorted(p.name[:-5] for p in resources.files("openalign.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def _resolve_path(config: str | Path) -> Path | Any:
+    path = Path(config)
+    if path.is_file():
+        return path
+    if path.suffix in ("", ".yaml") and path.parent == Path("."):
+        packaged = resources.files("openalign.configs").joinpath(path.stem + ".yaml")
+        if packaged.is_file():
+            return packaged
+    raise FileNotFoundError(f"{config}: no such config file, nor a packaged recipe ({', '.join(list_recipes())})")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["--train.grad_clip", "1.0", "--model.image.batch_norm=virtual"]`` -> dotted keys with YAML values."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if not item.startswith("--") or len(item) < 3:
+            raise ConfigError(f"expected --section.key VALUE, got {item!r}")
+        key, eq, value = item[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(items) or items[i + 1].startswith("--"):
+                raise ConfigError(f"--{key} needs a value")
+            value = items[i + 1]
+            i += 1
+        if "." not in key:
+            raise ConfigError(f"--{key}: overrides name a section and a key, e.g. --train.grad_clip 1.0")
+        try:
+            out[key] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--{key}: cannot parse value {value!r}: {err}") from None
+        i += 1
+    return out
+
+
+def _from_mapping(data: dict[str, Any]) -> TrainConfig:
+    sections = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - sections)
+    if unknown:
+        raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(sorted(sections))}")
+    raw = dict(data)
+    model_raw = dict(raw.pop("model", None) or {})
+    model = ModelSection(
+        preset=model_raw.pop("preset", "nano"),
+        init=model_raw.pop("init", None),
+        overrides=model_raw,
+    )
+    if not isinstance(model.preset, str):
+        raise ConfigError(f"model.preset: expected a preset name, got {model.preset!r}")
+    if model.init is not None and not isinstance(model.init, str):
+        raise ConfigError(f"model.init: expected a path, got {model.init!r}")
+    if model.init == "":
+        raise ConfigError("model.init is empty: this recipe starts from a checkpoint, give it as --model.init DIR")
+    # Architecture keys are checked now, against ModelConfig, not when the model is built.
+    from_dict(ModelConfig, merge({}, model_raw), "model")
+    try:
+        cfg = from_dict(TrainConfig, {k: v or {} for k, v in raw.items()})
+    except ValueError as err:  # OptimConfig validates itself with ValueError
+        raise ConfigError(str(err) if isinstance(err, ConfigError) else f"optim: {err}") from None
+    cfg.model = model
+    cfg.validate()
+    return cfg
+
+
+def load_train_config(
+    config: str | Path | dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """A TrainConfig from a YAML path, a packaged recipe name or a mapping, with dotted overrides on top."""
+    if config is None:
+        data: dict[str, Any] = {}
+    elif isinstance(config, dict):
+        data = config
+    else:
+        path = _resolve_path(config)
+        data = load_yaml(path) if isinstance(path, Path) else yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{config}: the top level must be a mapping of sections")
+    return _from_mapping(merge(data, overrides or {}))

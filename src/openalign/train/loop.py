@@ -1,0 +1,525 @@
+"""The training loop: ALIGN's contrastive pre-training and retrieval fine-tuning, one process or many.
+
+``train(cfg)`` builds everything (``_Run``), then ``_Run.loop`` takes steps. A step is: next batch →
+forward (whole per-rank batch, or gradient-cached chunks) → the normalised-softmax loss over the global
+batch → backward → non-finite guard → optional clipping → optimizer and schedule step → log, evaluate,
+checkpoint. Nothing else happens in between.
+
+Non-finite guard: a step whose loss or gradient norm is NaN/Inf is skipped (no weight, optimizer or
+schedule change; its batch is consumed), counted, and after ``train.max_bad_steps`` in a row the run stops
+with ``NonFiniteError`` after writing a checkpoint of the last good state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+
+from openalign.config import ConfigError, ModelConfig
+from openalign.loss import contrastive_loss
+from openalign.model.dual_encoder import DualEncoder
+from openalign.optim import build_optimizer, build_scheduler
+from openalign.train import checkpoint as ckpt
+from openalign.train.config import TrainConfig
+from openalign.train.distributed import (
+    DistInfo,
+    all_gather_object,
+    average_replicated_grads,
+    broadcast_object,
+    init_distributed,
+    is_distributed,
+    replicated_params,
+    unwrap,
+    wrap_model,
+)
+from openalign.train.grad_cache import cached_step, plain_step
+
+__all__ = ["NonFiniteError", "TrainResult", "train"]
+
+StreamFactory = Callable[..., Any]
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a NaN/Inf loss or gradient."""
+
+
+@dataclass
+class TrainResult:
+    step: int  # optimizer steps taken in total (including before a resume)
+    run_dir: Path
+    final_dir: Path | None  # run_dir/final on rank 0 once the run reached its last step
+    skipped_steps: int  # non-finite steps skipped over the whole run
+    data_stats: dict[str, int] = field(default_factory=dict)  # skipped samples by reason, all ranks
+    metrics: dict[str, float] = field(default_factory=dict)  # the last logged metrics
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: str | None = None,
+    stream_factory: StreamFactory | None = None,
+    tokenizer: Any = None,
+) -> TrainResult:
+    """Train as ``cfg`` says; ``resume`` is "latest" or a checkpoint directory.
+
+    ``stream_factory`` replaces ``openalign.train.data.build_train_stream`` (same signature) and
+    ``tokenizer`` the one loaded from ``data.tokenizer``. Under torchrun every process calls this.
+    """
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    run = _Run(cfg, init_distributed(cfg.train.device), stream_factory, tokenizer)
+    try:
+        run.restore(resume)
+        try:
+            return run.loop()
+        except KeyboardInterrupt:
+            # Ctrl-C keeps the work done so far; under torchrun the other ranks are gone, so no collective save.
+            if not is_distributed() and run.step > 0:
+                print(f"interrupted: saving step {run.step}", file=sys.stderr)
+                run.save()
+            raise
+    finally:
+        run.close()
+        if owns_group and is_distributed():
+            dist.destroy_process_group()
+
+
+def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
+    bad = 0
+
+    def update(finite: bool, step: int) -> int:
+        nonlocal bad
+        bad = 0 if finite else bad + 1
+        if bad >= max_bad:
+            raise NonFiniteError(
+                f"{bad} consecutive steps had a non-finite loss or gradient (last good step {step}); "
+                "lower optim.lr, set train.grad_clip, or check the data, then resume from the last checkpoint"
+            )
+        return bad
+
+    return update
+
+
+class _Run:
+    """Everything one process needs for a run: model, optimizer, schedule, stream, logger."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, stream_factory: StreamFactory | None, tokenizer: Any):
+        t = cfg.train
+        self.cfg, self.info = cfg, info
+        self.run_dir = Path(t.run_dir)
+        if t.threads is not None:
+            torch.set_num_threads(t.threads)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(cfg)
+        self.model_config = cfg.model.resolve(self.tokenizer.vocab_size if self.tokenizer is not None else None)
+        _check_vocab(self.model_config, self.tokenizer)
+        self.total_steps = cfg.total_steps
+        self.per_rank = cfg.per_rank_batch(info.world_size)
+        self.global_batch = self.per_rank * info.world_size
+        self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
+
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
+        model = DualEncoder(self.model_config)
+        if cfg.model.init is not None:
+            _load_init(model, cfg.model.init)
+        if t.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+        model.to(info.device).train()
+        if t.compile:
+            model.image.compile()
+            model.text.compile()
+        self.model = model
+        self.fsdp = info.world_size > 1 and t.strategy == "fsdp"
+        self.wrapped = wrap_model(model, info, t.strategy, bf16=self.bf16)
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        # Ranks draw different dropout masks; restored from the checkpoint on resume.
+        torch.manual_seed(t.seed * 1_000_003 + info.rank + 1)
+
+        data_cfg = dataclasses.replace(cfg.data, batch_size=self.per_rank)
+        if stream_factory is None:
+            from openalign.train.data import build_train_stream
+
+            stream_factory = build_train_stream
+        self.stream = stream_factory(
+            data_cfg,
+            self.tokenizer,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=t.seed,
+            model_config=self.model_config,
+        )
+        self.step = 0
+        self.skipped_steps = 0
+        self.last_checkpoint_time = time.monotonic()
+        self.logger: Any = None
+        self.eval_set: Any = None
+
+    # ------------------------------------------------------------------ state
+
+    def _state_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Full (unsharded) model and optimizer state; a collective under FSDP, valid on rank 0."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_state_dict(self.model, self.optimizer, options=options)
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def save(self) -> Path | None:
+        """Checkpoint the current step. Every rank must call it; rank 0 writes."""
+        rng = all_gather_object(ckpt.capture_rng(self.info.device))
+        streams = all_gather_object(self.stream.state_dict())
+        model_state, optim_state = self._state_dicts()
+        path = None
+        if self.info.is_main:
+            state = {
+                "step": self.step,
+                "world_size": self.info.world_size,
+                "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng,
+                "stream": streams,
+                "skipped_steps": self.skipped_steps,
+                "config": self.cfg.to_dict(),
+            }
+            path = ckpt.write_checkpoint(
+                self.run_dir,
+                self.step,
+                model_config=self.model_config,
+                model_state=model_state,
+                trainer_state=state,
+                tokenizer=self.tokenizer,
+                keep=self.cfg.train.keep_checkpoints,
+            )
+        if is_distributed():
+            dist.barrier()
+        self.last_checkpoint_time = time.monotonic()
+        return path
+
+    def restore(self, resume: str | None) -> None:
+        # Rank 0 resolves "latest" so every rank loads the same step (checkpoints live on a shared filesystem).
+        found, error = None, None
+        if resume and self.info.is_main:
+            try:
+                found = ckpt.find_checkpoint(self.run_dir, resume)
+            except FileNotFoundError as err:
+                error = str(err)
+        path, error = broadcast_object((found, error))
+        if error is not None:
+            raise FileNotFoundError(error)
+        if path is None:
+            if resume == "latest" and self.info.is_main:
+                print(f"no checkpoint in {self.run_dir / ckpt.CHECKPOINT_DIR}; starting at step 0", file=sys.stderr)
+            return
+        trainer, model_state = ckpt.load_trainer_state(path)
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            options = StateDictOptions(full_state_dict=True)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=trainer["optimizer"],
+                options=options,
+            )
+        else:
+            try:
+                self.model.load_state_dict(model_state)
+            except RuntimeError as err:
+                raise ConfigError(f"{path}: checkpoint does not fit the configured model: {str(err)[:300]}") from None
+            self.optimizer.load_state_dict(trainer["optimizer"])
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.step = int(trainer["step"])
+        self.skipped_steps = int(trainer.get("skipped_steps", 0))
+        rank, saved_world = self.info.rank, int(trainer["world_size"])
+        streams = trainer["stream"]
+        if saved_world == self.info.world_size:
+            self.stream.load_state_dict(streams[rank])
+            ckpt.restore_rng(trainer["rng"][rank], self.info.device)
+        else:
+            # The position is global, so any rank's record of it serves; the skip counts are summed once.
+            state = dict(streams[0])
+            if "stats" in state:
+                totals: dict[str, int] = {}
+                for s in streams:
+                    for reason, n in (s.get("stats") or {}).items():
+                        totals[reason] = totals.get(reason, 0) + n
+                state["stats"] = totals if rank == 0 else {}
+            self.stream.load_state_dict(state)
+            saved = trainer["rng"]
+            if rank < len(saved):
+                ckpt.restore_rng(saved[rank], self.info.device)
+            else:
+                torch.manual_seed(self.cfg.train.seed * 1_000_003 + rank + 1 + self.step)
+        if self.info.is_main:
+            print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ the loop
+
+    def loop(self) -> TrainResult:
+        cfg, t, info = self.cfg, self.cfg.train, self.info
+        self.logger = _make_logger(cfg, info, self.total_steps, self.step)
+        if info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
+        guard = _bad_batch_guard(t.max_bad_steps)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        metrics: dict[str, float] = {}
+        batches = iter(self.stream)
+        tick, tick_step = time.perf_counter(), self.step
+        while self.step < self.total_steps:
+            batch = {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()}
+            # A bad batch would leave NaN in batch-norm running statistics even though the step is skipped.
+            saved_buffers = [(b, b.clone()) for b in self.model.buffers()]
+            loss = self._forward_backward(batch, loss_fn)
+            if self.fsdp:
+                average_replicated_grads(replicated_params(self.model))
+            norm = _grad_norm(params)
+            loss_value, finite, checkpoint_due = self._reduce(loss, norm)
+            if not finite:
+                self._skip_step(saved_buffers, guard)
+                continue
+            guard(True, self.step)
+            if t.grad_clip is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, norm)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+
+            if self.step % cfg.log.every == 0 or self.step == self.total_steps:
+                now = time.perf_counter()
+                metrics = {
+                    "loss": loss_value,
+                    "temperature": float(self.model.temperature.detach().float().mean()),
+                    "lr": lr,
+                    "grad_norm": float(norm),
+                    "pairs_per_s": self.global_batch * (self.step - tick_step) / max(now - tick, 1e-9),
+                    "skipped_steps": self.skipped_steps,
+                    "samples_seen": (self.step + self.skipped_steps) * self.global_batch,
+                }
+                tick, tick_step = now, self.step
+                self.logger.log(self.step, metrics)
+            if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == self.total_steps):
+                self._evaluate()
+            if self.step < self.total_steps and (
+                (t.checkpoint_every and self.step % t.checkpoint_every == 0) or checkpoint_due
+            ):
+                self.save()
+        return self._finish(metrics)
+
+    def _skip_step(self, saved_buffers: list[tuple[torch.Tensor, torch.Tensor]], guard: Callable[..., int]) -> None:
+        """Undo a non-finite step: no update, batch-norm statistics back, gradients dropped; maybe abort."""
+        for buffer, value in saved_buffers:
+            buffer.copy_(value)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        try:
+            guard(False, self.step)
+        except NonFiniteError:
+            self.save()  # the weights are still the last good ones: keep them for a resume with a lower lr
+            raise
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        autocast = (
+            torch.autocast(self.info.device.type, dtype=torch.bfloat16)
+            if self.bf16 and not self.fsdp
+            else contextlib.nullcontext()
+        )
+        temperature = lambda: self.model.temperature  # noqa: E731 - re-read: the graph must be fresh each call
+        with autocast:
+            if self.cfg.train.chunk_size is None:
+                return plain_step(self.wrapped, batch, loss_fn, temperature)
+            no_sync = getattr(self.wrapped, "no_sync", None)
+            if self.fsdp:
+                no_sync = partial(_fsdp_no_sync, self.model)
+            return cached_step(
+                self.wrapped,
+                batch,
+                self.cfg.train.chunk_size,
+                loss_fn,
+                temperature,
+                no_sync=no_sync,
+                inner=unwrap(self.wrapped),
+            )
+
+    def _reduce(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool]:
+        """(global loss, every rank finite, rank 0's clock says checkpoint) in one collective, one sync."""
+        t = self.cfg.train
+        due = (
+            self.info.is_main
+            and t.checkpoint_minutes > 0
+            and time.monotonic() - self.last_checkpoint_time >= 60 * t.checkpoint_minutes
+        )
+        finite = torch.isfinite(loss.float()) & torch.isfinite(norm.float())
+        packed = torch.stack(
+            [
+                torch.where(finite, loss.float(), torch.zeros_like(loss.float())),
+                (~finite).float(),
+                torch.tensor(float(due), device=loss.device),
+            ]
+        )
+        if is_distributed():
+            dist.all_reduce(packed)
+        values = packed.tolist()
+        return values[0] / self.info.world_size, values[1] == 0, values[2] > 0
+
+    def _evaluate(self) -> None:
+        if not (self.info.is_main or self.fsdp):
+            return
+        if self.eval_set is None:
+            self.eval_set = _load_eval_set(self.cfg)
+        from openalign.eval.retrieval import evaluate_retrieval
+
+        model = unwrap(self.wrapped)
+        # Evaluation must not move the random stream, or a resumed run would diverge from a straight one.
+        with torch.random.fork_rng(devices=[self.info.device] if self.info.device.type == "cuda" else []):
+            result = evaluate_retrieval(
+                model,
+                self.tokenizer,
+                self.eval_set,
+                batch_size=self.cfg.eval.batch_size,
+                device=str(self.info.device),
+                progress=False,
+            )
+        model.train()
+        if self.info.is_main:
+            self.logger.log(self.step, {f"eval/{k}": float(v) for k, v in result.items()})
+
+    def _finish(self, metrics: dict[str, float]) -> TrainResult:
+        self.save()
+        stats = _reduce_stats(getattr(self.stream, "stats", {}) or {})
+        final = None
+        model_state, _ = self._state_dicts() if self.fsdp else (self.model.state_dict(), None)
+        if self.info.is_main:
+            final = self.run_dir / "final"
+            final.mkdir(parents=True, exist_ok=True)
+            ckpt.write_model_dir(final, self.model_config, model_state)
+            if self.tokenizer is not None:
+                self.tokenizer.save(final)
+            if stats:
+                self.logger.log(self.step, {f"skipped/{k}": v for k, v in stats.items()})
+            print(
+                f"finished {self.step} steps; model in {final}; {self.skipped_steps} non-finite steps skipped; "
+                f"samples skipped: {dict(stats) or 'none'}",
+                file=sys.stderr,
+            )
+        return TrainResult(self.step, self.run_dir, final, self.skipped_steps, dict(stats), metrics)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    # FSDP2's counterpart of DDP.no_sync: accumulate unsharded gradients, reduce-scatter on the last chunk.
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads)
+    full = getattr(norm, "full_tensor", None)  # FSDP: a replicated DTensor
+    return full() if full is not None else norm
+
+
+def _reduce_stats(stats: Any) -> dict[str, int]:
+    from openalign.train.data import reduce_stats
+
+    return dict(reduce_stats(dict(stats)))
+
+
+def _load_tokenizer(cfg: TrainConfig) -> Any:
+    from openalign.text import load_tokenizer
+
+    length = cfg.data.max_text_length
+    if cfg.data.tokenizer:
+        return load_tokenizer(cfg.data.tokenizer, max_length=length)
+    init = cfg.model.init
+    if init is not None and any((Path(init) / n).is_file() for n in ("tokenizer.json", "vocab.txt")):
+        return load_tokenizer(init, max_length=length)
+    if cfg.data.source == "synthetic":
+        return _synthetic_tokenizer(cfg)
+    return None
+
+
+def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Any:
+    """A WordPiece vocabulary learnt from the synthetic world's captions (noise included), as
+    ``openalign vocab`` would; deterministic, so every rank learns the same one."""
+    from openalign.data.synthetic import SyntheticWorld
+    from openalign.text import train_wordpiece
+
+    seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+    world = SyntheticWorld(seed, cfg.data.synthetic.image_size)
+    texts = (row.caption for row in world.iter_rows(captions, cfg.data.synthetic.noise))
+    tokenizer = train_wordpiece(texts, vocab_size=8192)
+    tokenizer.max_length = cfg.data.max_text_length
+    return tokenizer
+
+
+def _check_vocab(config: ModelConfig, tokenizer: Any) -> None:
+    if tokenizer is not None and tokenizer.vocab_size > config.text.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's text.vocab_size is "
+            f"{config.text.vocab_size}; use the model's own tokenizer (data.tokenizer)"
+        )
+
+
+def _load_init(model: DualEncoder, init: str) -> None:
+    """Start from a pre-trained checkpoint (openalign or transformers AlignModel directory)."""
+    from openalign.model.io import load_model
+
+    source = load_model(init)
+    try:
+        model.load_state_dict(source.state_dict())
+    except RuntimeError as err:
+        raise ConfigError(f"model.init {init}: its weights do not fit the configured model: {str(err)[:300]}") from None
+
+
+def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step: int) -> Any:
+    from openalign.train.logging import RunLogger
+
+    return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **cfg.log.logger_kwargs(start_step))
+
+
+def _load_eval_set(cfg: TrainConfig) -> Any:
+    e = cfg.eval
+    if e.source == "karpathy":
+        from openalign.eval.datasets import load_karpathy
+
+        return load_karpathy(e.karpathy, e.image_root or Path(e.karpathy).parent, e.split)
+    from openalign.data.synthetic import retrieval_set
+
+    images, captions, ids = retrieval_set(e.images, e.captions_per_image)
+    return _HeldOut(images, captions, ids)
+
+
+@dataclass
+class _HeldOut:
+    images: list[Any]
+    captions: list[str]
+    text_image_ids: list[int]

@@ -1,0 +1,125 @@
+"""Training configs: the paper's recipes as shipped, strict loading and overrides, the `train` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from openalign.cli import main
+from openalign.config import ConfigError
+from openalign.train.config import TrainConfig, list_recipes, load_train_config, parse_overrides
+
+SHARDS = {"data.shards": "shards/{00000..00009}.tar", "data.tokenizer": "vocab"}
+
+
+def test_packaged_recipes() -> None:
+    assert set(list_recipes()) >= {
+        "pretrain_align",
+        "pretrain_align_b7",
+        "nano_cpu",
+        "finetune_flickr30k",
+        "finetune_mscoco",
+    }
+
+
+def test_pretrain_recipe_is_the_papers() -> None:
+    cfg = load_train_config("pretrain_align", SHARDS)
+    o, t, d = cfg.optim, cfg.train, cfg.data
+    assert (o.name, o.lr, o.weight_decay, o.betas, o.eps) == ("lamb", 1e-3, 1e-5, (0.9, 0.999), 1e-6)
+    assert (o.schedule, o.warmup_steps, o.total_steps) == ("warmup_linear_decay", 10_000, 1_200_000)
+    assert (t.batch_size, t.label_smoothing, cfg.total_steps) == (16384, 0.1, 1_200_000)
+    assert (d.image_size, d.resize, d.crop, d.flip, d.max_text_length) == (289, 346, "random", True, 64)
+    model = cfg.model.resolve()
+    assert cfg.model.preset == "l2-large" and model.embed_dim == 1376 and model.temperature_init == 1.0
+    assert model.text.num_layers == 24 and model.image.width_coefficient == 4.3
+    # 16 pairs per TPU core with per-core statistics: ghost batch norm of 16.
+    assert (model.image.batch_norm, model.image.virtual_batch_size) == ("virtual", 16)
+    # The same global batch on 1024 "cores" gives each 16 pairs; on 8 GPUs 2048.
+    assert cfg.per_rank_batch(1024) == 16 and cfg.per_rank_batch(8) == 2048
+
+    b7 = load_train_config("pretrain_align_b7", SHARDS)
+    assert b7.model.resolve().embed_dim == 640 and b7.optim.lr == 1e-3 and b7.train.batch_size == 16384
+
+
+@pytest.mark.parametrize(("name", "steps"), [("finetune_flickr30k", 3000), ("finetune_mscoco", 6000)])
+def test_finetune_recipes(name: str, steps: int) -> None:
+    cfg = load_train_config(name, {"model.init": "ckpt", "data.shards": "x.tar", "data.tokenizer": "ckpt"})
+    assert cfg.train.batch_size == 2048 and cfg.train.label_smoothing == 0.1
+    assert (cfg.optim.lr, cfg.optim.total_steps, cfg.optim.schedule) == (1e-5, steps, "warmup_linear_decay")
+    assert cfg.model.init == "ckpt"
+    with pytest.raises(ConfigError, match=r"model\.init is empty"):
+        load_train_config(name, {"data.shards": "x.tar"})
+
+
+def test_nano_recipe_loads_and_uses_the_synthetic_world() -> None:
+    cfg = load_train_config("nano_cpu")
+    assert cfg.data.source == "synthetic" and cfg.model.resolve().name == "nano"
+    assert cfg.optim.lr_scales == {"temperature_param": 10.0}
+
+
+def test_overrides_are_typed_and_strict() -> None:
+    over = parse_overrides(
+        ["--train.grad_clip", "1.0", "--model.image.batch_norm=virtual", "--train.steps", "5", "--data.seed", "null"]
+    )
+    assert over == {"train.grad_clip": 1.0, "model.image.batch_norm": "virtual", "train.steps": 5, "data.seed": None}
+    cfg = load_train_config("nano_cpu", over)
+    assert cfg.train.grad_clip == 1.0 and cfg.train.steps == 5 and cfg.total_steps == 5
+    assert cfg.model.resolve().image.batch_norm == "virtual"
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'.*valid keys in train:.*steps"):
+        load_train_config("nano_cpu", {"train.stepz": 5})
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.image.batchnorm'"):
+        load_train_config("nano_cpu", {"model.image.batchnorm": "virtual"})
+    with pytest.raises(ConfigError, match="unknown config section 'trian'"):
+        load_train_config("nano_cpu", {"trian.steps": 5})
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer"):
+        load_train_config("nano_cpu", {"train.steps": "many"})
+    with pytest.raises(ConfigError, match=r"train\.precision: 'fp8' is not one of"):
+        load_train_config("nano_cpu", {"train.precision": "fp8"})
+    with pytest.raises(ConfigError, match="optim: unknown optimizer 'adam'"):
+        load_train_config("nano_cpu", {"optim.name": "adam"})
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--train.steps"])
+    with pytest.raises(ConfigError, match="section and a key"):
+        parse_overrides(["--steps", "3"])
+
+
+def test_batch_splitting_is_checked() -> None:
+    cfg = load_train_config("nano_cpu", {"train.batch_size": 100, "train.chunk_size": 25})
+    assert cfg.per_rank_batch(1) == 100 and cfg.per_rank_batch(4) == 25
+    with pytest.raises(ConfigError, match="does not split evenly over 3 ranks"):
+        cfg.per_rank_batch(3)
+    with pytest.raises(ConfigError, match="chunk_size 30 does not divide the per-rank batch 50"):
+        load_train_config("nano_cpu", {"train.batch_size": 100, "train.chunk_size": 30}).per_rank_batch(2)
+    # Without train.batch_size the data section's per-rank batch is used as is.
+    assert load_train_config("nano_cpu", {"data.batch_size": 12}).per_rank_batch(2) == 12
+
+
+def test_config_round_trips_through_yaml(tmp_path: Path) -> None:
+    cfg = load_train_config("nano_cpu", {"model.embed_dim": 64, "train.grad_clip": 2.0})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    again = load_train_config(path)
+    assert again == cfg and isinstance(again, TrainConfig)
+
+
+def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--config", "nano_cpu", "--train.stepz", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("openalign train: error: unknown config key 'train.stepz'") and "\n" not in err
+    assert main(["train", "--config", "missing.yaml"]) == 2
+    assert "no such config file" in capsys.readouterr().err
+    assert main(["train", "--config", "nano_cpu", "--print-config", "--train.steps", "7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["steps"] == 7 and printed["model"]["preset"] == "nano"
+
+
+def test_cli_help_has_examples() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "openalign.cli", "train", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "examples:" in out and "--resume latest" in out and "torchrun" in out
