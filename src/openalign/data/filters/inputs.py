@@ -1,0 +1,452 @@
+"""Reading the formats alt-text corpora come in, and writing the survivors back out.
+
+Parquet is read by the engines directly (the path that scales to corpora bigger than memory, and the
+one to use on a cluster). CSV/TSV, JSON Lines, WebDataset shards and Parquet files whose alt-text column
+is binary are first *staged* into Parquet here, streaming, so that both engines see exactly the same
+table and so that undecodable input becomes a counted funnel line instead of a crash:
+
+* a CSV/JSON line that does not parse is counted as ``malformed_row``;
+* an alt-text that is not valid UTF-8 becomes null with ``non_utf8_text`` in a hidden column; invalid
+  bytes in any other column are replaced by U+FFFD, since only the alt-text is judged;
+* CSV values are kept as text (CSV has no types; sizes and scores are parsed per row by the engines, so
+  one "n/a" width removes its row and not the job); JSON columns get one type each: integer, float,
+  boolean or string, and a column whose values mix types keeps them as JSON text.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from openalign.data.filters.rules import TEXT_COLUMN_CANDIDATES, ColumnNames
+
+TEXT_ERROR_COLUMN = "__oa_text_error"
+ROW_ID_COLUMN = "__oa_rid"
+INPUT_FORMATS = ("parquet", "csv", "tsv", "jsonl", "webdataset")
+_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".tar": "webdataset",
+    ".tgz": "webdataset",
+}
+OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl"}
+OUTPUT_FORMATS |= {".ndjson": "jsonl", ".json": "jsonl"}
+_BATCH_ROWS = 65_536
+
+
+@dataclass
+class StagedInput:
+    """What the engines read: Parquet files plus what was learnt while getting there."""
+
+    paths: list[Path]
+    columns: list[str]  # the input's own columns, in order; the output keeps exactly these
+    text_column: str
+    format: str
+    malformed: int = 0  # rows that never reached a table (unparseable lines)
+    has_text_error_column: bool = False
+    input_errors: list[str] = field(default_factory=list)  # unreadable shards or members
+
+
+def _format_of(path: str) -> str | None:
+    lower = path.lower()
+    if lower.endswith(".tar.gz"):
+        return "webdataset"
+    return _EXTENSIONS.get(os.path.splitext(lower)[1])
+
+
+def detect_format(spec: str) -> str:
+    """The input format from the file extension (for a directory, from the files inside)."""
+    if "{" in spec and "}" in spec:
+        return "webdataset"
+    if os.path.isdir(spec):
+        found = {_format_of(p.name) for p in Path(spec).iterdir() if p.is_file()} - {None}
+        if len(found) != 1:
+            kinds = ", ".join(sorted(f for f in found if f)) or "none"
+            raise ValueError(f"cannot tell the input format of directory {spec} (formats found: {kinds})")
+        return found.pop()  # type: ignore[return-value]
+    fmt = _format_of(spec)
+    if fmt is None:
+        raise ValueError(f"cannot tell the input format of {spec} from its extension; pass --input-format")
+    return fmt
+
+
+def input_files(spec: str, fmt: str) -> list[str]:
+    """Every file ``spec`` names: a file, a directory, a glob, or (WebDataset) a brace range."""
+    if fmt == "webdataset":
+        from openalign.data.shards import expand_urls
+
+        if os.path.isdir(spec):
+            return sorted(str(p) for p in Path(spec).iterdir() if _format_of(p.name) == "webdataset")
+        files = expand_urls(spec)
+    elif os.path.isdir(spec):
+        files = sorted(str(p) for p in Path(spec).iterdir() if p.is_file() and _format_of(p.name) == fmt)
+    elif any(ch in spec for ch in "*?["):
+        files = sorted(glob.glob(spec))
+    else:
+        files = [spec]
+    if not files:
+        raise FileNotFoundError(f"no {fmt} input files match {spec}")
+    for f in files:
+        if "://" not in f and not os.path.isfile(f):
+            raise FileNotFoundError(f"input file not found: {f}")
+    return files
+
+
+def resolve_text_column(columns: list[str], configured: str | None) -> str:
+    """The alt-text column: the configured one, else the first of caption, alt, alt_text, text, TEXT."""
+    if configured is not None:
+        if configured not in columns:
+            raise ValueError(f"input has no text column '{configured}'; columns: {', '.join(columns)}")
+        return configured
+    for name in TEXT_COLUMN_CANDIDATES:
+        if name in columns:
+            return name
+    raise ValueError(
+        f"input has no alt-text column (looked for {', '.join(TEXT_COLUMN_CANDIDATES)}); "
+        f"columns: {', '.join(columns)}; name it with --text-column"
+    )
+
+
+def stage_input(spec: str, fmt: str | None, columns: ColumnNames, work_dir: Path) -> StagedInput:
+    """Make ``spec`` readable by the engines; see the module docstring for what is counted where."""
+    fmt = fmt or detect_format(spec)
+    if fmt not in INPUT_FORMATS:
+        raise ValueError(f"unknown input format '{fmt}'; valid: {', '.join(INPUT_FORMATS)}")
+    files = input_files(spec, fmt)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        return _stage_parquet(files, columns, work_dir)
+    if fmt in ("csv", "tsv"):
+        return _stage_csv(files, fmt, columns, work_dir)
+    if fmt == "jsonl":
+        return _stage_json(files, columns, work_dir, fmt)
+    return _stage_webdataset(files, columns, work_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parquet
+
+
+def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> StagedInput:
+    names: list[str] = []
+    binary_text = False
+    schemas = []
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except (OSError, pa.ArrowInvalid) as err:
+            raise ValueError(f"{f} is not a readable Parquet file: {err}") from err
+        schemas.append(schema)
+        names += [n for n in schema.names if n not in names]
+    text = resolve_text_column(names, columns.text)
+    for schema in schemas:
+        if text in schema.names:
+            kind = schema.field(text).type
+            binary_text = binary_text or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+    if not binary_text:
+        return StagedInput([Path(f) for f in files], names, text, "parquet")
+    # Binary alt-texts are decoded here, so that invalid UTF-8 is a counted reason and not an engine error.
+    out = work_dir / "staged.parquet"
+    writer: pq.ParquetWriter | None = None
+    try:
+        for f in files:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=_BATCH_ROWS):
+                table = pa.Table.from_batches([batch])
+                for name in names:
+                    if name not in table.column_names:
+                        table = table.append_column(name, pa.nulls(len(table)))
+                table = table.select(names)
+                table = _decode_text_column(table, text)
+                if writer is None:
+                    writer = pq.ParquetWriter(out, table.schema)
+                writer.write_table(table.cast(writer.schema))
+    finally:
+        if writer is not None:
+            writer.close()
+    return StagedInput([out], names, text, "parquet", has_text_error_column=True)
+
+
+def _decode_binary(arr: pa.ChunkedArray | pa.Array, strict: bool) -> tuple[pa.Array, list[bool] | None]:
+    """Binary to UTF-8 strings; invalid values become null (strict) or get U+FFFD (lenient)."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        return arr, None
+    try:
+        return pc.cast(arr, pa.string()), None
+    except pa.ArrowInvalid:
+        pass
+    values, bad = [], []
+    for v in arr.to_pylist():
+        if v is None:
+            values.append(None)
+            bad.append(False)
+            continue
+        try:
+            values.append(v.decode("utf-8"))
+            bad.append(False)
+        except UnicodeDecodeError:
+            values.append(None if strict else v.decode("utf-8", "replace"))
+            bad.append(strict)
+    return pa.array(values, pa.string()), bad
+
+
+def _decode_text_column(table: pa.Table, text: str) -> pa.Table:
+    decoded, bad = _decode_binary(table.column(text), strict=True)
+    errors = pa.array(["non_utf8_text" if b else None for b in bad] if bad else [None] * len(table), pa.string())
+    table = table.set_column(table.column_names.index(text), text, decoded)
+    return table.append_column(TEXT_ERROR_COLUMN, errors)
+
+
+# --------------------------------------------------------------------------------------------------
+# CSV / TSV
+
+
+def _stage_csv(files: list[str], fmt: str, columns: ColumnNames, work_dir: Path) -> StagedInput:
+    import pyarrow.csv as pacsv
+
+    delimiter = "\t" if fmt == "tsv" else ","
+    header: list[str] | None = None
+    malformed = 0
+
+    def on_invalid(row: Any) -> str:
+        nonlocal malformed
+        malformed += 1
+        return "skip"
+
+    out = work_dir / "staged.parquet"
+    writer: pq.ParquetWriter | None = None
+    text = ""
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                first = fh.readline().decode("utf-8", "replace").lstrip("\ufeff")
+            names = next(csv.reader(io.StringIO(first), delimiter=delimiter), [])
+            if not names or any(n == "" for n in names):
+                raise ValueError(f"{f}: the first line must be a header naming every column")
+            if len(set(names)) != len(names):
+                raise ValueError(f"{f}: duplicate column names in the header: {', '.join(names)}")
+            if header is None:
+                header = names
+                text = resolve_text_column(header, columns.text)
+            elif names != header:
+                raise ValueError(f"{f}: header {names} differs from the first file's {header}")
+            reader = pacsv.open_csv(
+                f,
+                read_options=pacsv.ReadOptions(block_size=1 << 24, encoding="utf8"),
+                parse_options=pacsv.ParseOptions(
+                    delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_invalid
+                ),
+                # Bytes, not text: an invalid UTF-8 value must cost its row, not the whole file.
+                convert_options=pacsv.ConvertOptions(
+                    column_types={n: pa.binary() for n in names}, strings_can_be_null=False, check_utf8=False
+                ),
+            )
+            for batch in reader:
+                table = pa.Table.from_batches([batch])
+                arrays = []
+                for name in names:
+                    arr = table.column(name)
+                    arrays.append(arr if name == text else _decode_binary(arr, strict=False)[0])
+                table = pa.Table.from_arrays(arrays, names=names)
+                table = _decode_text_column(table, text)
+                if writer is None:
+                    writer = pq.ParquetWriter(out, table.schema)
+                writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
+    assert header is not None
+    if writer is None:  # header only: an empty table with the right columns
+        pq.write_table(pa.table({n: pa.array([], pa.string()) for n in [*header, TEXT_ERROR_COLUMN]}), out)
+    return StagedInput([out], header, text, fmt, malformed=malformed, has_text_error_column=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON Lines (and JSON arrays of objects)
+
+
+def _has_surrogates(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _iter_json_records(path: str) -> Iterator[Any]:
+    """Each record of a JSON Lines file (or a JSON array); an unparseable line yields ``_MALFORMED``."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+        fh.seek(0)
+        if head.startswith(b"["):
+            try:
+                records = json.loads(fh.read().decode("utf-8", "surrogateescape"))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: not a valid JSON array: {err}") from err
+            yield from records
+            return
+        for raw in fh:
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                # surrogateescape keeps invalid bytes visible (as lone surrogates) for the text check
+                yield json.loads(line.decode("utf-8", "surrogateescape"))
+            except ValueError:
+                yield _MALFORMED
+
+
+_MALFORMED = object()
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int" if _INT64[0] <= v <= _INT64[1] else "other"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    return "other"
+
+
+def _column_type(kinds: set[str]) -> pa.DataType:
+    kinds = kinds - {"null"}
+    if kinds == {"int"}:
+        return pa.int64()
+    if kinds and kinds <= {"int", "float"}:
+        return pa.float64()
+    if kinds == {"bool"}:
+        return pa.bool_()
+    return pa.string()
+
+
+def _as_text(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return v.encode("utf-8", "surrogateescape").decode("utf-8", "replace") if _has_surrogates(v) else v
+    return json.dumps(v, ensure_ascii=False, sort_keys=True)
+
+
+def _stage_json(files: list[str], columns: ColumnNames, work_dir: Path, fmt: str) -> StagedInput:
+    # Pass 1: the column names (in order of first appearance) and the kinds of value each one holds,
+    # so that every batch of pass 2 is written with the same schema.
+    kinds: dict[str, set[str]] = {}
+    for f in files:
+        for rec in _iter_json_records(f):
+            if isinstance(rec, dict):
+                for k, v in rec.items():
+                    kinds.setdefault(k, set()).add(_kind(v))
+    names = list(kinds)
+    if not names:
+        raise ValueError(f"no JSON objects found in {', '.join(files)}")
+    text = resolve_text_column(names, columns.text)
+    types = {n: pa.string() if n == text else _column_type(kinds[n]) for n in names}
+    schema = pa.schema([(n, types[n]) for n in names] + [(TEXT_ERROR_COLUMN, pa.string())])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    out = work_dir / "staged.parquet"
+    malformed = 0
+    with pq.ParquetWriter(out, schema) as writer:
+        batch: dict[str, list[Any]] = {n: [] for n in schema.names}
+
+        def flush() -> None:
+            if batch[TEXT_ERROR_COLUMN]:
+                writer.write_table(pa.table({n: pa.array(batch[n], schema.field(n).type) for n in schema.names}))
+                for values in batch.values():
+                    values.clear()
+
+        for f in files:
+            for rec in _iter_json_records(f):
+                if not isinstance(rec, dict):
+                    malformed += 1
+                    continue
+                for n in names:
+                    v = rec.get(n)
+                    if n == text:
+                        if isinstance(v, str) and _has_surrogates(v):
+                            batch[n].append(None)
+                            batch[TEXT_ERROR_COLUMN].append("non_utf8_text")
+                            continue
+                        batch[n].append(v if isinstance(v, str) or v is None else _as_text(v))
+                        batch[TEXT_ERROR_COLUMN].append(None)
+                    elif types[n] == pa.string():
+                        batch[n].append(_as_text(v))
+                    else:
+                        batch[n].append(v)
+                if len(batch[TEXT_ERROR_COLUMN]) >= _BATCH_ROWS:
+                    flush()
+        flush()
+    return StagedInput([out], names, text, fmt, malformed=malformed, has_text_error_column=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# WebDataset
+
+
+def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) -> StagedInput:
+    """Per-sample ``.json`` metadata (img2dataset writes url, caption, width, height, sha256, ...), with the
+    ``.txt`` member as the alt-text when the json has none and the sample key as ``key`` when it has none."""
+    from openalign.data.shards import read_samples
+
+    errors: list[str] = []
+    text_name = columns.text or "caption"
+    rows_path = work_dir / "samples.jsonl"
+    malformed = 0
+    with open(rows_path, "w", encoding="utf-8") as out:
+        for url in files:
+            for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"{reason}: {detail}")):
+                meta: Any = {}
+                if "json" in sample:
+                    try:
+                        meta = json.loads(sample["json"].decode("utf-8", "surrogateescape"))
+                    except ValueError:
+                        meta = None
+                if not isinstance(meta, dict):
+                    malformed += 1
+                    errors.append(f"bad_json: {sample.get('__url__', url)}:{sample.get('__key__')}")
+                    continue
+                if "txt" in sample and not any(c in meta for c in (text_name, *TEXT_COLUMN_CANDIDATES)):
+                    meta[text_name] = sample["txt"].decode("utf-8", "surrogateescape")
+                meta.setdefault(columns.key, sample["__key__"])
+                # ensure_ascii writes lone surrogates as \udcXX escapes, which parse back unchanged
+                out.write(json.dumps(meta, ensure_ascii=True) + "\n")
+    if rows_path.stat().st_size == 0:
+        raise ValueError(f"no readable samples in {len(files)} WebDataset shard(s): {'; '.join(errors[:3])}")
+    staged = _stage_json([str(rows_path)], columns, work_dir / "json", "webdataset")
+    staged.malformed += malformed
+    staged.input_errors = errors
+    return staged
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+
+
+def output_format(path: str | Path) -> str:
+    """parquet, csv, tsv or jsonl, from the output file's extension."""
+    ext = os.path.splitext(str(path).lower())[1]
+    if ext not in OUTPUT_FORMATS:
+        raise ValueError(f"cannot tell the output format of {path}; use .parquet, .csv, .tsv or .jsonl")
+    return OUTPUT_FORMATS[ext]

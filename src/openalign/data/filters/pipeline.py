@@ -1,0 +1,179 @@
+"""``filter_corpus``: stage the input, run an engine, check the funnel adds up, write the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from openalign.config import to_dict
+from openalign.data.filters.inputs import output_format, stage_input
+from openalign.data.filters.person import PersonHook, resolve_person_hook
+from openalign.data.filters.plan import build_plan
+from openalign.data.filters.rules import STEP_DESCRIPTIONS, FilterRules, load_rules
+
+
+@dataclass
+class EngineConfig:
+    """Where and how the rules run. DuckDB is embedded; Spark runs locally or on a cluster."""
+
+    engine: Literal["duckdb", "spark"] = "duckdb"
+    threads: int | None = None  # DuckDB threads (default: all cores)
+    memory_limit: str | None = None  # DuckDB memory before spilling, e.g. "8GB" (default: 80% of RAM)
+    temp_directory: str | None = None  # work files and DuckDB spill (default: the system temp dir)
+    spark_master: str = "local[*]"  # Spark master URL
+    spark_conf: dict[str, str] = field(default_factory=dict)  # extra spark.* settings
+
+
+@dataclass
+class FunnelReport:
+    """Rows in, rows removed by each step in order, rows out; ``rows_in == rows_out + Σ removed``."""
+
+    rows_in: int
+    steps: list[tuple[str, int]]  # (step, rows removed), in funnel order
+    rows_out: int
+    skipped: dict[str, str] = field(default_factory=dict)  # rule -> why it did not run
+    stats: dict[str, int] = field(default_factory=dict)  # corpus statistics the rules used
+    input_errors: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # input, output, engine, rules, seconds
+
+    def __post_init__(self) -> None:
+        removed = sum(n for _, n in self.steps)
+        if self.rows_in != self.rows_out + removed:
+            raise RuntimeError(
+                f"filter funnel does not add up: {self.rows_in} rows in != {self.rows_out} out + {removed} removed"
+            )
+
+    @property
+    def removed(self) -> dict[str, int]:
+        return dict(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        remaining, steps = self.rows_in, []
+        for name, n in self.steps:
+            remaining -= n
+            steps.append({"step": name, "removed": n, "remaining": remaining, "description": STEP_DESCRIPTIONS[name]})
+        return {
+            "rows_in": self.rows_in,
+            "steps": steps,
+            "rows_out": self.rows_out,
+            "skipped": self.skipped,
+            "stats": self.stats,
+            "input_errors": self.input_errors[:1000],
+            "input_error_count": len(self.input_errors),
+            **self.meta,
+        }
+
+    def table(self) -> str:
+        """The funnel as a fixed-width text table."""
+        width = max(len(n) for n, _ in [*self.steps, ("rows out", 0)]) + 2
+        lines = [f"{'step':<{width}}{'removed':>12}{'remaining':>12}{'%in':>8}  description"]
+        lines.append(f"{'rows in':<{width}}{'':>12}{self.rows_in:>12,}{100.0:>7.1f}%")
+        remaining = self.rows_in
+        for name, n in self.steps:
+            remaining -= n
+            share = 100.0 * remaining / self.rows_in if self.rows_in else 0.0
+            lines.append(f"{name:<{width}}{n:>12,}{remaining:>12,}{share:>7.1f}%  {STEP_DESCRIPTIONS[name]}")
+        share = 100.0 * self.rows_out / self.rows_in if self.rows_in else 0.0
+        lines.append(f"{'rows out':<{width}}{'':>12}{self.rows_out:>12,}{share:>7.1f}%")
+        for rule, why in self.skipped.items():
+            lines.append(f"skipped {rule}: {why}")
+        if self.input_errors:
+            lines.append(f"{len(self.input_errors)} input error(s), first: {self.input_errors[0]}")
+        return "\n".join(lines)
+
+
+def filter_corpus(
+    input: str | Path,
+    output: str | Path,
+    rules: str | Path | dict[str, Any] | FilterRules = "align",
+    *,
+    engine: EngineConfig | str = "duckdb",
+    input_format: str | None = None,
+    report_path: str | Path | None = None,
+    person_hook: PersonHook | str | None = None,
+    spark: Any = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> FunnelReport:
+    """Apply ``rules`` to the alt-text corpus at ``input`` and write the surviving rows to ``output``.
+
+    ``input``: a Parquet, CSV/TSV or JSON Lines file, a directory or glob of them, or WebDataset shards
+    (``shards/{00000..00099}.tar``). ``output``: Parquet, CSV, TSV or JSON Lines by extension, with every
+    input column kept (DuckDB: one file, in input order; Spark: a directory of part files). ``rules``: a
+    preset name, YAML path, mapping or FilterRules. ``person_hook``: a ``str -> str`` callable, ``"demo"``
+    or ``"module:function"`` (default: the rules' ``person_substitution``). ``spark``: an existing
+    SparkSession to use. Returns the funnel; also written as JSON to ``report_path`` when given.
+    """
+    start = time.perf_counter()
+    rules = load_rules(rules)
+    cfg = EngineConfig(engine=engine) if isinstance(engine, str) else engine  # type: ignore[arg-type]
+    if cfg.engine not in ("duckdb", "spark"):
+        raise ValueError(f"unknown engine '{cfg.engine}'; valid: duckdb, spark")
+    hook = resolve_person_hook(person_hook if person_hook is not None else rules.person_substitution)
+    out = Path(output)
+    out_fmt = output_format(out)
+    if out.exists() and not overwrite:
+        raise ValueError(f"output {out} exists; pass overwrite=True (--overwrite) to replace it")
+    if not out.parent.exists():
+        raise FileNotFoundError(f"output directory not found: {out.parent}")
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"[filter {time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="openalign-filter-", dir=cfg.temp_directory))
+    try:
+        say(f"reading {input}")
+        staged = stage_input(str(input), input_format, rules.columns, work / "staged")
+        plan = build_plan(staged, rules)
+        say(f"running {len(plan.steps)} steps on {cfg.engine} ({', '.join(plan.steps)})")
+        if cfg.engine == "duckdb":
+            from openalign.data.filters.duckdb_engine import DuckDBSettings, run_duckdb
+
+            # Spill files go under the run's work directory, itself under temp_directory when set.
+            settings = DuckDBSettings(threads=cfg.threads, memory_limit=cfg.memory_limit)
+            result = run_duckdb(staged, plan, out, out_fmt, work, settings, hook, log=say if progress else None)
+        else:
+            from openalign.data.filters.spark_engine import SparkSettings, run_spark, spark_session
+
+            session = spark or spark_session(SparkSettings(cfg.spark_master, dict(cfg.spark_conf)))
+            result = run_spark(staged, plan, out, out_fmt, session, hook)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    unknown = set(result.removed) - set(plan.steps)
+    if unknown:
+        raise RuntimeError(f"engine reported unexpected reasons {sorted(unknown)}")
+    # Only text formats can hold a line that does not parse; Parquet has no such line to report.
+    parsed = [("malformed_row", staged.malformed)] if staged.format != "parquet" else []
+    steps = parsed + [(s, result.removed.get(s, 0)) for s in plan.steps]
+    seconds = time.perf_counter() - start
+    report = FunnelReport(
+        rows_in=result.source_rows + staged.malformed,
+        steps=steps,
+        rows_out=result.rows_written,
+        skipped=plan.skipped,
+        stats=result.stats,
+        input_errors=staged.input_errors,
+        meta={
+            "input": str(input),
+            "input_format": staged.format,
+            "text_column": staged.text_column,
+            "output": str(out),
+            "engine": cfg.engine,
+            "rules": to_dict(rules),
+            "person_substitution": getattr(hook, "__name__", None) if hook else None,
+            "seconds": round(seconds, 3),
+        },
+    )
+    rate = report.rows_in / max(seconds, 1e-9)
+    say(f"done: {report.rows_out:,} of {report.rows_in:,} rows kept ({rate:,.0f} rows/s)")
+    if report_path is not None:
+        with open(report_path, "w") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    return report

@@ -1,0 +1,79 @@
+"""What a filter run will do on one input: resolved column names, the funnel steps, and what it skips.
+
+Both engines execute the same plan, so a rule that is skipped (its column absent) or a required column
+that is missing is decided once, here, with the same message for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from openalign.data.filters.inputs import StagedInput
+from openalign.data.filters.rules import VALIDITY_STEPS, FilterRules
+
+
+@dataclass
+class FilterPlan:
+    rules: FilterRules
+    text: str
+    width: str | None  # set when a size rule is on
+    height: str | None
+    unsafe: str | None  # set when the unsafe rule is on and its column exists
+    identity: list[tuple[str, str]]  # (prefix, column) in precedence order: sha256, url, key
+    has_text_error_column: bool
+    steps: list[str]  # funnel lines the engine reports, in order (malformed_row is counted while staging)
+    skipped: dict[str, str] = field(default_factory=dict)  # rule -> why it did not run
+
+
+def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
+    """Check the input has what the rules need; raises ValueError naming every missing column."""
+    cols, names = staged.columns, rules.columns
+    missing: dict[str, list[str]] = {}
+    if rules.uses_sizes:
+        needers = [n for n in ("min_shorter_side", "max_aspect_ratio") if getattr(rules, n) is not None]
+        for col in (names.width, names.height):
+            if col not in cols:
+                missing.setdefault(col, []).extend(needers)
+    identity = [(f"{c}:", getattr(names, c)) for c in ("sha256", "url", "key") if getattr(names, c) in cols]
+    if rules.uses_identity and not identity:
+        needers = [n for n in ("max_texts_per_image", "max_images_per_text") if getattr(rules, n) is not None]
+        missing.setdefault(f"{names.url}' or '{names.key}' or '{names.sha256}", []).extend(needers)
+    if missing:
+        parts = [f"'{col}' (needed by {', '.join(sorted(set(by)))})" for col, by in missing.items()]
+        raise ValueError(f"input is missing column(s) {'; '.join(parts)}; columns present: {', '.join(cols)}")
+    skipped: dict[str, str] = {}
+    unsafe = None
+    if rules.max_unsafe is not None:
+        if names.unsafe in cols:
+            unsafe = names.unsafe
+        else:
+            skipped["unsafe"] = f"no unsafe-score column '{names.unsafe}' in the input"
+    validity = [s for s in VALIDITY_STEPS if s != "malformed_row"]
+    if not staged.has_text_error_column:
+        validity.remove("non_utf8_text")
+    if not rules.uses_sizes:
+        validity.remove("bad_size")
+    if unsafe is None:
+        validity.remove("bad_unsafe_score")
+    steps = validity + [s for s in rules.active_rules() if s not in skipped]
+    return FilterPlan(
+        rules=rules,
+        text=staged.text_column,
+        width=names.width if rules.uses_sizes else None,
+        height=names.height if rules.uses_sizes else None,
+        unsafe=unsafe,
+        identity=identity,
+        has_text_error_column=staged.has_text_error_column,
+        steps=steps,
+        skipped=skipped,
+    )
+
+
+@dataclass
+class EngineResult:
+    """What an engine reports back: the funnel counts and the corpus statistics behind them."""
+
+    source_rows: int  # rows the engine read (the staged table)
+    removed: dict[str, int]  # reason -> rows removed for it
+    rows_written: int  # rows in the output, counted from what was written
+    stats: dict[str, int] = field(default_factory=dict)

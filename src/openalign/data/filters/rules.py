@@ -1,0 +1,274 @@
+"""The alt-text filter rules of ALIGN (Jia et al. 2021, §3) and of CC12M (Changpinyo et al. 2021, §2.2) as data.
+
+A rule set is one typed dataclass; every rule has a field, and setting that field to ``null`` switches
+the rule off. Two presets ship: ``align`` (the paper's defaults) and ``cc12m`` (the relaxed unimodal
+filters of Conceptual 12M). A YAML file may start from either (``preset: cc12m``) and override any field.
+
+Semantics shared by every engine (DuckDB, Spark, and the plain-Python reference in :func:`tokenize`):
+
+* **Tokenisation.** The alt-text is lowercased (Unicode), split on runs of ASCII whitespace (space, tab,
+  newline, vertical tab, form feed, carriage return), and each piece is stripped of leading and trailing
+  ASCII punctuation (``string.punctuation``); pieces that become empty are dropped. The remaining pieces
+  are the *words* (unigrams); a *bigram* is two adjacent words joined by one space. "Red car!" and
+  "red  car" are both ``["red", "car"]``; "e-mail" stays one word, "1920x1080" is one word.
+* **Alt-text identity** is its normalised form, the words joined by single spaces, so case, punctuation at
+  word edges and spacing do not make two boilerplate captions distinct.
+* **Image identity** is the ``sha256`` column when present and non-empty, else the ``url``, else the
+  ``key``; a row with none of them is an image of its own.
+* **Statistics are counted once, over the raw corpus**: every well-formed row of the input (rows removed
+  as malformed, non-UTF-8, missing or empty text, bad sizes or a bad unsafe score are not part of it),
+  *before* any content rule removes anything. So the rules do not depend on each other: each is a
+  predicate on a row plus those corpus-wide counts, and the order below only decides which rule a row
+  removed by several is attributed to in the funnel (the first that rejects it).
+* **Frequencies** are occurrence counts: a word used twice in one alt-text counts twice, and a row
+  repeated in the input counts each time.
+
+Rules, in funnel order (each one is off when its field is ``null``):
+
+``unsafe``          the score in ``columns.unsafe`` is > ``max_unsafe``. The score comes from the user's own
+                    classifier (LAION's ``punsafe`` convention: probability of being unsafe, 0-1); a row
+                    with no score (null) is kept; without the column the rule is skipped and the report
+                    says so.
+``small_image``     the shorter side is ≤ ``min_shorter_side`` px (ALIGN keeps shorter side > 200).
+``aspect_ratio``    longer side / shorter side (float64) is ≥ ``max_aspect_ratio`` (ALIGN keeps < 3), or
+                    > it when ``aspect_ratio_inclusive`` (CC12M keeps ≤ 2.5).
+``image_text_count``the image identity has > ``max_texts_per_image`` rows (ALIGN: 1000 alt-texts).
+``shared_text``     the alt-text identity occurs with > ``max_images_per_text`` distinct image identities
+                    (ALIGN: 10; catches "1920x1080", "alt img", "image").
+``rare_ngram``      some n-gram of the alt-text (n ≤ ``rare_ngram_order``: words, and bigrams when 2) is not
+                    among the ``vocab_top_k`` most frequent n-grams of the raw corpus, unigrams and bigrams
+                    ranked together by count. Ties at the cut are all kept: an n-gram is frequent when
+                    fewer than K n-grams are strictly more frequent. With fewer than K distinct n-grams
+                    nothing is rare (the paper's K is 100M at 1.8B pairs).
+``rare_word``       some word of the alt-text occurs fewer than ``min_word_count`` times in the raw corpus
+                    (CC12M: 20).
+``too_few_words``   fewer than ``min_words`` words (ALIGN and CC12M: 3).
+``too_many_words``  more than ``max_words`` words (ALIGN: 20, CC12M: 256).
+``repeated_words``  (words − distinct words) / words is > ``max_repeated_fraction`` (CC12M: 0.2).
+
+Before those, rows that cannot be judged are removed with their own funnel lines: ``malformed_row`` (a
+CSV/JSON line that does not parse), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only
+whitespace), ``bad_size`` (width or height missing, non-numeric, not finite or ≤ 0; only checked when a
+size rule is on) and ``bad_unsafe_score`` (present but non-numeric or NaN).
+
+After filtering, an optional person-name hook (CC12M's ``<PERSON>`` substitution) rewrites the kept
+alt-texts; see :mod:`openalign.data.filters.person`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openalign.config import ConfigError, from_dict, load_yaml, merge, to_dict
+
+# Punctuation and whitespace are spelled out once, here, so that every engine strips and splits alike.
+PUNCTUATION = string.punctuation
+WHITESPACE = " \t\n\x0b\f\r"
+TEXT_COLUMN_CANDIDATES = ("caption", "alt", "alt_text", "text", "TEXT")
+
+# Funnel lines in order: input validity first, then the rules. Each name is also a ``reason``.
+VALIDITY_STEPS = ("malformed_row", "non_utf8_text", "missing_text", "empty_text", "bad_size", "bad_unsafe_score")
+RULE_STEPS = (
+    "unsafe",
+    "small_image",
+    "aspect_ratio",
+    "image_text_count",
+    "shared_text",
+    "rare_ngram",
+    "rare_word",
+    "too_few_words",
+    "too_many_words",
+    "repeated_words",
+)
+STEP_DESCRIPTIONS = {
+    "malformed_row": "line of the input that does not parse",
+    "non_utf8_text": "alt-text is not valid UTF-8",
+    "missing_text": "alt-text is null",
+    "empty_text": "alt-text is empty or only whitespace",
+    "bad_size": "width/height missing, non-numeric, not finite or <= 0",
+    "bad_unsafe_score": "unsafe score present but not a number",
+    "unsafe": "unsafe score > max_unsafe",
+    "small_image": "shorter side <= min_shorter_side px",
+    "aspect_ratio": "aspect ratio beyond max_aspect_ratio",
+    "image_text_count": "image has > max_texts_per_image alt-texts",
+    "shared_text": "alt-text shared by > max_images_per_text images",
+    "rare_ngram": "n-gram outside the vocab_top_k most frequent",
+    "rare_word": "word seen < min_word_count times",
+    "too_few_words": "fewer than min_words words",
+    "too_many_words": "more than max_words words",
+    "repeated_words": "repeated-word fraction > max_repeated_fraction",
+}
+
+
+@dataclass
+class ColumnNames:
+    """Input column names. ``text`` ``null`` autodetects the first of caption, alt, alt_text, text, TEXT."""
+
+    text: str | None = None
+    url: str = "url"
+    key: str = "key"
+    sha256: str = "sha256"  # image content hash: the image identity when present
+    width: str = "width"
+    height: str = "height"
+    unsafe: str = "punsafe"  # the user's unsafe-content probability (0-1), e.g. LAION's punsafe
+
+
+@dataclass
+class FilterRules:
+    """One rule set. ``null`` switches a rule off; the module docstring gives each rule's exact semantics."""
+
+    name: str = "align"
+    columns: ColumnNames = field(default_factory=ColumnNames)
+    max_unsafe: float | None = 0.5  # drop rows whose unsafe score is > this
+    min_shorter_side: int | None = 200  # keep images whose shorter side is > this (px)
+    max_aspect_ratio: float | None = 3.0  # keep longer/shorter < this (≤ with aspect_ratio_inclusive)
+    aspect_ratio_inclusive: bool = False
+    max_texts_per_image: int | None = 1000  # drop images with more rows (alt-texts) than this
+    max_images_per_text: int | None = 10  # drop alt-texts shared by more distinct images than this
+    vocab_top_k: int | None = 100_000_000  # K most frequent n-grams of the raw corpus form the vocabulary
+    rare_ngram_order: int = 2  # 1: words only; 2: words and bigrams (ranked and checked together)
+    min_word_count: int | None = None  # a word seen fewer times than this in the raw corpus is rare
+    min_words: int | None = 3
+    max_words: int | None = 20
+    max_repeated_fraction: float | None = None  # (words - distinct words) / words must be ≤ this
+    # After filtering: "demo" (the built-in demo gazetteer) or "package.module:function" (str -> str)
+    person_substitution: str | None = None
+
+    def active_rules(self) -> list[str]:
+        """The rule steps this configuration switches on (validity steps are always on)."""
+        on = {
+            "unsafe": self.max_unsafe is not None,
+            "small_image": self.min_shorter_side is not None,
+            "aspect_ratio": self.max_aspect_ratio is not None,
+            "image_text_count": self.max_texts_per_image is not None,
+            "shared_text": self.max_images_per_text is not None,
+            "rare_ngram": self.vocab_top_k is not None,
+            "rare_word": self.min_word_count is not None,
+            "too_few_words": self.min_words is not None,
+            "too_many_words": self.max_words is not None,
+            "repeated_words": self.max_repeated_fraction is not None,
+        }
+        return [step for step in RULE_STEPS if on[step]]
+
+    @property
+    def uses_sizes(self) -> bool:
+        return self.min_shorter_side is not None or self.max_aspect_ratio is not None
+
+    @property
+    def uses_identity(self) -> bool:
+        return self.max_texts_per_image is not None or self.max_images_per_text is not None
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ALIGN §3: image filters (porn, shorter side > 200, aspect < 3, > 1000 alt-texts) and text filters
+    # (shared by > 10 images, rare tokens outside the 100M most frequent uni+bigrams, < 3 or > 20 unigrams).
+    "align": {},
+    # CC12M §2.2: CC3M's unimodal filters relaxed: larger/smaller side ≤ 2.5, both sides > 400 px,
+    # 3-256 words, word repetition ≤ 0.2, a word type is rare under 20 occurrences. ALIGN's sharing
+    # and frequency-rank rules are not part of it.
+    "cc12m": {
+        "name": "cc12m",
+        "min_shorter_side": 400,
+        "max_aspect_ratio": 2.5,
+        "aspect_ratio_inclusive": True,
+        "max_texts_per_image": None,
+        "max_images_per_text": None,
+        "vocab_top_k": None,
+        "min_word_count": 20,
+        "min_words": 3,
+        "max_words": 256,
+        "max_repeated_fraction": 0.2,
+    },
+}
+
+
+def validate_rules(rules: FilterRules) -> FilterRules:
+    """Cross-field checks; raises ConfigError naming the field."""
+    positive = ("min_shorter_side", "max_texts_per_image", "max_images_per_text", "vocab_top_k", "min_word_count")
+    for name in positive:
+        value = getattr(rules, name)
+        if value is not None and value < (0 if name == "min_shorter_side" else 1):
+            raise ConfigError(f"{name} must be {'≥ 0' if name == 'min_shorter_side' else 'positive'}, got {value}")
+    if rules.max_aspect_ratio is not None and rules.max_aspect_ratio < 1:
+        raise ConfigError(f"max_aspect_ratio must be ≥ 1 (longer side / shorter side), got {rules.max_aspect_ratio}")
+    if rules.rare_ngram_order not in (1, 2):
+        raise ConfigError(f"rare_ngram_order must be 1 or 2, got {rules.rare_ngram_order}")
+    for name in ("min_words", "max_words"):
+        value = getattr(rules, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"{name} must be ≥ 0, got {value}")
+    if rules.min_words is not None and rules.max_words is not None and rules.min_words > rules.max_words:
+        raise ConfigError(f"min_words {rules.min_words} is larger than max_words {rules.max_words}")
+    if rules.max_repeated_fraction is not None and not 0 <= rules.max_repeated_fraction <= 1:
+        raise ConfigError(f"max_repeated_fraction must be in [0, 1], got {rules.max_repeated_fraction}")
+    if rules.max_unsafe is not None and rules.max_unsafe != rules.max_unsafe:
+        raise ConfigError("max_unsafe must be a number, got NaN")
+    return rules
+
+
+def load_rules(spec: str | Path | dict[str, Any] | FilterRules = "align", **overrides: Any) -> FilterRules:
+    """A rule set from a preset name (``align``, ``cc12m``), a YAML file, a mapping or a FilterRules.
+
+    A YAML file or mapping may name a starting preset with ``preset:`` (default ``align``) and set any
+    field; unknown keys are an error naming the valid ones. Keyword overrides use the same field names
+    (nested as ``columns={"text": "alt"}`` or dotted ``**{"columns.text": "alt"}``).
+    """
+    if isinstance(spec, FilterRules):
+        data: dict[str, Any] = to_dict(spec)
+    elif isinstance(spec, dict):
+        data = _from_preset(dict(spec))
+    elif str(spec) in PRESETS:
+        data = dict(PRESETS[str(spec)])
+    elif Path(spec).suffix.lower() in (".yaml", ".yml", ".json"):
+        if not Path(spec).is_file():
+            raise FileNotFoundError(f"rules file not found: {spec}")
+        data = _from_preset(load_yaml(spec))
+        data.setdefault("name", Path(spec).stem)
+    else:
+        raise ConfigError(f"unknown rules '{spec}'; use {', '.join(PRESETS)} or a YAML file")
+    return validate_rules(from_dict(FilterRules, merge(data, overrides)))
+
+
+def _from_preset(data: dict[str, Any]) -> dict[str, Any]:
+    preset = data.pop("preset", "align")
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; valid presets: {', '.join(PRESETS)}")
+    return merge(dict(PRESETS[preset]), data)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tokenisation, in plain Python: the reference the SQL engines are tested against.
+
+_SPLIT_TABLE = str.maketrans({c: " " for c in WHITESPACE})
+
+
+def tokenize(text: str) -> list[str]:
+    """Words of an alt-text: lowercase, split on ASCII whitespace, strip ASCII punctuation at both ends."""
+    words = (piece.strip(PUNCTUATION) for piece in text.lower().translate(_SPLIT_TABLE).split(" "))
+    return [w for w in words if w]
+
+
+def ngrams(words: list[str], order: int) -> list[str]:
+    """Words, plus adjacent pairs joined by a space when ``order`` is 2."""
+    if order == 1:
+        return list(words)
+    return [*words, *(f"{a} {b}" for a, b in itertools.pairwise(words))]
+
+
+def frequent_threshold(count_histogram: dict[int, int], top_k: int) -> int:
+    """The smallest count an n-gram needs to be among the ``top_k`` most frequent, ties kept.
+
+    ``count_histogram`` maps an occurrence count to how many distinct n-grams have it. An n-gram is
+    frequent when fewer than ``top_k`` n-grams are strictly more frequent, i.e. when its count is at
+    least the ``top_k``-th largest count. Returns 0 (nothing is rare) when there are ≤ ``top_k`` n-grams.
+    """
+    seen = 0
+    for count in sorted(count_histogram, reverse=True):
+        seen += count_histogram[count]
+        if seen >= top_k:
+            return count
+    return 0
