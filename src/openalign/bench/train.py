@@ -1,0 +1,347 @@
+"""``openalign bench train``: a training step end to end, against a plain transformers loop on the same data.
+
+Both contenders read the same synthetic WebDataset shards through the same input stream (so "data" is
+the same work for both), with the same per-step batch:
+
+- openalign: our dual encoder, the normalised-softmax loss, LAMB (the paper's optimiser);
+- transformers: ``AlignModel`` built from the same config (as ``bench model`` builds it), its own
+  ``align_loss`` and ``torch.optim.AdamW`` — the loop one would write with the public port.
+
+Each runs in a fresh process (its peak memory is its own), in alternating rounds, keeping its best round.
+A step is timed in five parts: waiting for the batch, forward, loss, backward, optimizer. MFU divides the
+nominal FLOPs of a step (3 × the forward FLOPs PyTorch counts on transformers' model, as ``bench model``)
+by the whole step time and by a matmul peak measured in the same run.
+
+The input pipeline alone is measured too: decoded, resized, cropped, flipped and tokenised samples per
+second in one process and per DataLoader worker, against webdataset's own pipeline (``decode("pil")``
+with the same transform and tokenizer) on the same shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openalign.bench.model import BenchSettings, bench_config, matmul_peak
+from openalign.data.transforms import model_resize
+
+PARTS = ("data", "forward", "loss", "backward", "optimizer")
+
+
+@dataclass
+class TrainBenchSettings:
+    preset: str = "nano"
+    image_size: int | None = None  # None: the preset's
+    batch_size: int = 64
+    steps: int = 5  # timed steps per round
+    warmup: int = 2  # untimed steps per round
+    rounds: int = 2
+    workers: int = 2  # DataLoader workers feeding each contender
+    device: str = "cpu"
+    bf16: bool = False
+    shard_samples: int = 512  # synthetic pairs written once and cycled through
+    pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
+    baseline: bool = True
+    json_path: str | None = None
+
+    def validate(self) -> None:
+        for name in ("batch_size", "steps", "rounds", "shard_samples", "pipeline_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.workers < 0:
+            raise ValueError("--warmup and --workers must not be negative")
+
+
+def _model_settings(s: TrainBenchSettings) -> BenchSettings:
+    return BenchSettings(preset=s.preset, image_size=s.image_size, batch_size=s.batch_size, device=s.device)
+
+
+def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
+    """Synthetic shards at 1.25× the pre-crop size (so the resize is real work) and a tokenizer for them."""
+    from openalign.data.shards import write_shards
+    from openalign.data.synthetic import SyntheticWorld
+    from openalign.text import train_wordpiece
+
+    cfg = bench_config(_model_settings(s))
+    side = max(16, round(1.25 * model_resize(cfg.image_size)))
+    world = SyntheticWorld(0, side)
+    rows = list(world.iter_rows(s.shard_samples, noise=0.25))
+    samples = ({"key": f"{r.index:08d}", "jpg": world.render(r.scene), "txt": r.caption} for r in rows)
+    per_shard = max(1, -(-s.shard_samples // max(4, s.workers * 2)))  # enough shards for every worker
+    paths = write_shards(samples, root / "shards", samples_per_shard=per_shard, jpeg_quality=90)
+    vocab = min(cfg.text.vocab_size, 8192)
+    tokenizer = train_wordpiece((r.caption for r in rows), vocab_size=vocab, min_frequency=1)
+    tokenizer.save(root / "tokenizer")
+    return ",".join(str(p) for p in paths), root / "tokenizer"
+
+
+def _stream(s: TrainBenchSettings, shards: str, tokenizer: Any, cfg: Any, workers: int) -> Any:
+    from openalign.train.data import DataConfig, build_train_stream
+
+    data = DataConfig(shards=shards, batch_size=s.batch_size, workers=workers, max_text_length=cfg.text.max_length)
+    return build_train_stream(data, tokenizer, seed=0, model_config=cfg)
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer]:
+    """(module, forward(batch) -> output, loss(output) -> scalar, optimizer) for one contender."""
+    if which == "openalign":
+        from openalign.loss import contrastive_loss
+        from openalign.model import DualEncoder
+        from openalign.optim import OptimConfig, build_optimizer
+
+        model = DualEncoder(cfg).to(device).train()
+        optimizer = build_optimizer(model, OptimConfig(name="lamb", lr=1e-3, weight_decay=1e-5))
+
+        def forward(b: dict[str, torch.Tensor]) -> Any:
+            return model(b["pixel_values"], b["input_ids"], b["attention_mask"])
+
+        def loss(out: Any) -> torch.Tensor:
+            return contrastive_loss(out[0].float(), out[1].float(), model.temperature)
+
+        return model, forward, loss, optimizer
+    import transformers
+    from transformers.models.align.modeling_align import align_loss
+
+    from openalign.model.hf import model_config_to_hf
+
+    hf = model_config_to_hf(cfg)
+    config = transformers.AlignConfig(
+        text_config=hf["text_config"], vision_config=hf["vision_config"], projection_dim=hf["projection_dim"]
+    )
+    model = transformers.AlignModel(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-5)
+
+    def hf_forward(b: dict[str, torch.Tensor]) -> Any:
+        return model(pixel_values=b["pixel_values"], input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+
+    def hf_loss(out: Any) -> torch.Tensor:
+        return align_loss(out.logits_per_text.float())
+
+    return model, hf_forward, hf_loss, optimizer
+
+
+def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
+    """One contender's step times by part, pairs/s and peak memory, measured in the calling process."""
+    from openalign.text import load_tokenizer
+
+    torch.manual_seed(0)
+    device = torch.device(s.device)
+    cfg = bench_config(_model_settings(s))
+    tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
+    _, forward, loss_fn, optimizer = _build(which, cfg, device)
+    stream = iter(_stream(s, shards, tokenizer, cfg, s.workers))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    flops = 0
+    times: dict[str, list[float]] = {part: [] for part in PARTS}
+    for step in range(s.warmup + s.steps):
+        if step == s.warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+        sync()
+        t1 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
+            out = forward(batch)
+            sync()
+            t2 = time.perf_counter()
+            loss = loss_fn(out)
+            sync()
+        t3 = time.perf_counter()
+        loss.backward()
+        sync()
+        t4 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        t5 = time.perf_counter()
+        if step >= s.warmup:
+            for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                times[part].append(dt)
+        if which == "transformers" and step == 0:
+            flops = _forward_flops(forward, batch, device, s.bf16) * 3
+    totals = [sum(parts) for parts in zip(*(times[p] for p in PARTS), strict=True)]
+    median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
+    step_s = totals[median]
+    return {
+        "model": which,
+        "step_s": step_s,
+        "parts_s": {part: times[part][median] for part in PARTS},
+        "pairs_per_s": s.batch_size / step_s,
+        "peak_mem_mb": _peak_mb(device),
+        "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS of the training process",
+        "flops_per_step": flops,
+        "final_loss": float(loss.detach()),
+    }
+
+
+def _forward_flops(forward: Any, batch: dict[str, torch.Tensor], device: torch.device, bf16: bool) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        forward(batch)
+    return counter.get_total_flops()
+
+
+def measure_pipeline(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str, workers: int) -> float:
+    """Decoded + augmented + tokenised samples per second through ``workers`` processes (0: in-process)."""
+    from openalign.text import load_tokenizer
+
+    cfg = bench_config(_model_settings(s))
+    tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
+    batches = max(2, -(-s.pipeline_samples // s.batch_size))
+    if which == "openalign":
+        loader: Any = iter(_stream(s, shards, tokenizer, cfg, workers))
+    else:
+        loader = iter(_webdataset_loader(s, shards, tokenizer, cfg, workers))
+    # Worker start-up, and the batches workers prefetched meanwhile, are not steady-state throughput.
+    for _ in range(1 + 2 * workers):
+        next(loader)
+    start = time.perf_counter()
+    n = 0
+    for _ in range(batches):
+        n += len(next(loader)["input_ids"])
+    return n / (time.perf_counter() - start)
+
+
+def _webdataset_loader(s: TrainBenchSettings, shards: str, tokenizer: Any, cfg: Any, workers: int) -> Any:
+    import webdataset as wds
+
+    from openalign.data.transforms import train_transform
+
+    transform = train_transform(cfg.image_size, model_resize(cfg.image_size), cfg.pixel_mean, cfg.pixel_std, flip=True)
+
+    def collate(samples: list[tuple[Any, str]]) -> dict[str, torch.Tensor]:
+        tokens = tokenizer([caption for _, caption in samples], max_length=cfg.text.max_length)
+        return {"pixel_values": torch.stack([x for x, _ in samples]), **tokens}
+
+    dataset = (
+        wds.WebDataset(shards.split(","), shardshuffle=False, empty_check=False)
+        .repeat()
+        .shuffle(1000)
+        .decode("pil")
+        .to_tuple("jpg", "txt")
+        .map_tuple(transform, lambda t: t)
+        .batched(s.batch_size, collation_fn=collate)
+    )
+    if workers == 0:
+        return iter(dataset)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def _child(fn_name: str, args: tuple[Any, ...], queue: Any) -> None:
+    # DataLoader workers fork from this process, as they do from a training process started by a shell
+    # or torchrun; inheriting spawn from the parent would add interpreter start-ups to the first steps.
+    mp.set_start_method("fork", force=True)
+    try:
+        queue.put(globals()[fn_name](*args))
+    except Exception as err:  # reported by the parent as one line
+        queue.put({"error": f"{type(err).__name__}: {err}"})
+
+
+def _in_subprocess(fn_name: str, *args: Any) -> Any:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn_name, args, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if isinstance(result, dict) and "error" in result:
+        raise RuntimeError(f"{fn_name}({args[0]}) failed: {result['error']}")
+    return result
+
+
+def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
+    """Run both benchmarks, print the tables and the ratios, and return every figure."""
+    s.validate()
+    cfg = bench_config(_model_settings(s))
+    contenders = ["openalign", "transformers"] if s.baseline else ["openalign"]
+    with tempfile.TemporaryDirectory(prefix="openalign-bench-train-") as tmp:
+        print(f"writing {s.shard_samples} synthetic pairs as shards …", flush=True)
+        shards, tok = prepare_data(s, Path(tmp))
+        best: dict[str, dict[str, Any]] = {}
+        for r in range(s.rounds):
+            for which in contenders if r % 2 == 0 else contenders[::-1]:
+                res = _in_subprocess("measure_training", which, s, shards, str(tok))
+                print(f"  round {r + 1} {which:>12}: {res['pairs_per_s']:.2f} pairs/s", flush=True)
+                if which not in best or res["step_s"] < best[which]["step_s"]:
+                    best[which] = res
+        pipelines = ["openalign", "webdataset"] if s.baseline else ["openalign"]
+        pipeline = {which: {"in_process": 0.0, "workers": 0.0} for which in pipelines}
+        for r in range(s.rounds):
+            for which in pipelines if r % 2 == 0 else pipelines[::-1]:
+                one = _in_subprocess("measure_pipeline", which, s, shards, str(tok), 0)
+                pipeline[which]["in_process"] = max(pipeline[which]["in_process"], one)
+                if s.workers:
+                    many = _in_subprocess("measure_pipeline", which, s, shards, str(tok), s.workers)
+                    pipeline[which]["workers"] = max(pipeline[which]["workers"], many)
+    peak = matmul_peak(s.device, s.bf16)
+    nominal = best["transformers"]["flops_per_step"] if "transformers" in best else 0
+    for res in best.values():
+        res["mfu"] = nominal / res["step_s"] / peak if nominal else None
+
+    print(
+        f"\nbench train: {s.preset} at {cfg.image_size} px, batch {s.batch_size}, {s.workers} data workers, "
+        f"{s.device}{' bf16' if s.bf16 else ''}, {torch.get_num_threads()} threads"
+    )
+    if nominal:
+        per_pair = nominal / s.batch_size / 1e9
+        print(f"nominal {per_pair:.2f} GFLOP per pair (fwd+bwd); matmul peak {peak / 1e9:.1f} GFLOP/s")
+    header = " ".join(f"{p + ' s':>11}" for p in PARTS)
+    print(f"{'loop':>12} {'pairs/s':>8} {'step s':>7} {header} {'peak MB':>8} {'MFU':>6}")
+    for which in contenders:
+        res = best[which]
+        parts = " ".join(f"{res['parts_s'][p]:11.3f}" for p in PARTS)
+        mfu = f"{100 * res['mfu']:5.1f}%" if res["mfu"] is not None else "     -"
+        print(f"{which:>12} {res['pairs_per_s']:8.2f} {res['step_s']:7.3f} {parts} {res['peak_mem_mb']:8.0f} {mfu}")
+    summary: dict[str, Any] = {
+        "settings": dataclasses.asdict(s),
+        "image_size": cfg.image_size,
+        "matmul_peak_flops": peak,
+        "training": best,
+        "pipeline_samples_per_s": pipeline,
+    }
+    if "transformers" in best:
+        ratio = best["openalign"]["pairs_per_s"] / best["transformers"]["pairs_per_s"]
+        summary["speedup"] = ratio
+        print(f"openalign / transformers pairs/s: {ratio:.2f}x")
+    print("\ninput pipeline (decode + resize + crop + flip + tokenise), samples/s:")
+    print(f"{'pipeline':>12} {'1 process':>10} {f'{s.workers} workers':>10} {'per worker':>11}")
+    for which, fig in pipeline.items():
+        per = fig["workers"] / s.workers if s.workers else 0.0
+        print(f"{which:>12} {fig['in_process']:10.1f} {fig['workers']:10.1f} {per:11.1f}")
+    if "webdataset" in pipeline:
+        ours, theirs = pipeline["openalign"], pipeline["webdataset"]
+        ratio = ours["in_process"] / theirs["in_process"]
+        summary["pipeline_speedup"] = ratio
+        line = f"openalign / webdataset samples/s: {ratio:.2f}x in one process"
+        if s.workers and theirs["workers"]:
+            line += f", {ours['workers'] / theirs['workers']:.2f}x with {s.workers} workers"
+        print(line)
+    if s.json_path:
+        with open(s.json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary

@@ -1,0 +1,670 @@
+"""The training input stream: WebDataset shards (or the synthetic world) → decoded, augmented, tokenised batches.
+
+Sample order. With ``resampled: false`` (the default) every rank sees one *global* sequence of samples that
+does not depend on the world size or on the number of DataLoader workers: epoch ``e`` reads the shards in a
+permutation seeded by ``(seed, e)`` through a shuffle buffer seeded by ``(seed, e)``, and epochs follow one
+another. Step ``s`` consumes the next ``world_size × batch_size`` samples of that sequence; rank ``r`` takes
+samples ``r, r + W, r + 2W, …`` of them, and step ``s`` is built by worker ``s mod workers``. The stream
+position is therefore one number, the samples consumed globally, and resuming on another world size (or
+with another batch split) continues at exactly the right sample. Augmentation draws from a generator
+seeded by ``(seed, sample index)``, so a sample's crop and flip do not depend on who decodes it either.
+
+The price of that exactness is reading: every worker of every rank reads every tar (bytes and image
+headers, but it decodes only its own samples), and resuming fast-forwards through the current epoch
+without decoding. That is cheap on local disks for a few nodes; for many nodes use ``resampled: true``:
+each worker then draws shards with replacement from its own generator (seeded by rank, worker and the
+position at which it started), reads only those, and a resumed run continues with fresh draws rather
+than the exact next samples.
+
+Bad input. A sample is dropped from the global sequence before it gets an index when it is missing its
+image or its text, its caption is empty or not UTF-8, or its image header shows it is empty, unreadable,
+too large (decompression bombs are caught from the header) or too small; an unreadable shard or member is
+dropped the same way. These checks need no pixel decoding, so every reader agrees on the sequence. An image
+whose header is fine but whose data is broken (a truncated file) is found only by its decoder, after the
+sample has its place: its slot is refilled with a sample from before the current step (a repeat, never an
+in-batch duplicate) so batches keep their exact size and the position stays exact. Every skip is counted by
+reason in ``TrainStream.stats``, each exactly once across ranks and workers (the rank and worker that own
+the skipped sample's position count it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import os
+import random
+import warnings
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from openalign.config import ConfigError, ModelConfig
+
+__all__ = ["DataConfig", "SyntheticDataConfig", "TrainStream", "build_train_stream", "reduce_stats"]
+
+# Distinct streams of randomness derived from one seed.
+_TAG_SHARD_ORDER, _TAG_BUFFER, _TAG_AUGMENT, _TAG_REFILL, _TAG_RESAMPLE = 1, 2, 3, 4, 5
+# Samples just before a step that may refill the slot of an image found broken only when decoded.
+_REFILL_POOL = 8
+
+
+@dataclass
+class SyntheticDataConfig:
+    """The procedural noisy alt-text world (``openalign.data.synthetic``) as a training source."""
+
+    noise: float = 0.25  # fraction of captions replaced by alt-text noise of the paper's kinds; 0 = clean
+    image_size: int = 64  # rendered scene size in pixels (then resized and cropped like any image)
+    size: int | None = None  # scenes per epoch, repeated every epoch; None = an endless stream of new scenes
+
+
+@dataclass
+class DataConfig:
+    """Where training pairs come from and how they become batches. ``None`` sizes come from the model."""
+
+    source: Literal["shards", "synthetic"] = "shards"
+    shards: str | tuple[str, ...] = ""  # brace pattern, glob, directory or list of tar paths (img2dataset layout)
+    tokenizer: str = ""  # tokenizer.json / vocab.txt or a directory holding one (from `openalign vocab`)
+    batch_size: int = 256  # per rank
+    image_size: int | None = None  # crop size; None = the model's image_size (the paper: 289)
+    resize: int | None = None  # square resize before cropping; None = image_size × 346 / 289
+    crop: Literal["random", "center"] = "random"  # the paper trains on random crops
+    flip: bool = True  # random horizontal flip (with random crops)
+    pixel_mean: tuple[float, float, float] | None = None  # None = the model's (0.5: pixels in [-1, 1])
+    pixel_std: tuple[float, float, float] | None = None
+    max_text_length: int = 64  # wordpieces per caption, [CLS] and [SEP] included (the paper: 64)
+    caption_key: str = "txt"  # tar member holding the caption, or "json:<field>" for a field of key.json
+    image_keys: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")  # the first member present is the image
+    shuffle_buffer: int = 1000  # samples mixed across shards; 0 or 1 keeps the reading order
+    shuffle_shards: bool = True  # a new shard order every epoch
+    resampled: bool = False  # draw shards with replacement per worker (multi-node); position then approximate
+    workers: int = 2  # DataLoader processes decoding per rank; 0 decodes in the training process
+    prefetch_factor: int = 2  # batches each worker prepares ahead
+    pin_memory: bool = False  # page-locked batches for faster host-to-GPU copies
+    seed: int | None = None  # None = the run's seed
+    max_pixels: int = 64_000_000  # larger images are skipped from their header (decompression-bomb guard)
+    min_side: int = 2  # images with a shorter side are skipped
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+    def validate(self) -> None:
+        """Cross-field checks; raises ConfigError naming the field."""
+        if self.source == "shards" and not self.shards:
+            raise ConfigError("data.shards must name the training shards when data.source is 'shards'")
+        for name in ("batch_size", "max_text_length", "prefetch_factor", "max_pixels", "min_side"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_text_length < 2:
+            raise ConfigError(f"data.max_text_length must leave room for [CLS] and [SEP], got {self.max_text_length}")
+        if self.workers < 0 or self.shuffle_buffer < 0:
+            raise ConfigError("data.workers and data.shuffle_buffer must not be negative")
+        if self.image_size is not None and self.image_size < 8:
+            raise ConfigError(f"data.image_size must be at least 8 pixels, got {self.image_size}")
+        if self.resize is not None and self.image_size is not None and self.resize < self.image_size:
+            raise ConfigError(f"data.resize {self.resize} is smaller than data.image_size {self.image_size}")
+        if self.pixel_std is not None and any(s <= 0 for s in self.pixel_std):
+            raise ConfigError(f"data.pixel_std must be positive, got {list(self.pixel_std)}")
+        if not self.image_keys:
+            raise ConfigError("data.image_keys must name at least one image extension")
+        if self.caption_key.startswith("json:") and not self.caption_key[5:]:
+            raise ConfigError("data.caption_key 'json:' needs a field name, e.g. 'json:caption'")
+        syn = self.synthetic
+        if not 0.0 <= syn.noise <= 1.0:
+            raise ConfigError(f"data.synthetic.noise must be in [0, 1], got {syn.noise}")
+        if syn.image_size < 8 or (syn.size is not None and syn.size < 1):
+            raise ConfigError("data.synthetic.image_size must be ≥ 8 and data.synthetic.size ≥ 1 (or null)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from several non-negative integers, stable across processes and Python versions."""
+    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class _ShuffleBuffer:
+    """Reservoir-style shuffling of a stream: each new item replaces a random one, which is emitted."""
+
+    def __init__(self, size: int, rng: random.Random):
+        self.size, self.rng, self.items = size, rng, []
+
+    def push(self, item: Any) -> Any | None:
+        if self.size <= 1:
+            return item
+        if len(self.items) < self.size:
+            self.items.append(item)
+            return None
+        j = self.rng.randrange(self.size)
+        out, self.items[j] = self.items[j], item
+        return out
+
+    def drain(self) -> Iterator[Any]:
+        self.rng.shuffle(self.items)
+        items, self.items = self.items, []
+        yield from items
+
+
+def probe_image(data: bytes, *, max_pixels: int, min_side: int) -> str | None:
+    """The reason an encoded image is unusable, judged from its header alone, or None if it may be fine.
+
+    Agrees with ``decode_image``'s reasons; broken pixel data behind a good header is found only by decoding.
+    """
+    if not data:
+        return "empty"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+    except Image.DecompressionBombError:
+        return "too_large"
+    except Exception:  # PIL raises many types (OSError, SyntaxError, ValueError...) for unreadable headers
+        return "corrupt"
+    if width * height > max_pixels:
+        return "too_large"
+    if min(width, height) < min_side:
+        return "too_small"
+    return None
+
+
+def _caption(sample: dict, key: str) -> str:
+    """The caption of a shard sample, or raise _Skip with the reason it is unusable."""
+    if key.startswith("json:"):
+        raw_json = sample.get("json")
+        if raw_json is None:
+            raise _Skip("missing_text")
+        try:
+            value = json.loads(raw_json).get(key[5:])
+        except (ValueError, AttributeError) as err:
+            raise _Skip("bad_json") from err
+        if value is None:
+            raise _Skip("missing_text")
+        text = str(value)
+    else:
+        raw = sample.get(key)
+        if raw is None:
+            raise _Skip("missing_text")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise _Skip("caption_not_utf8") from err
+    text = text.strip()
+    if not text:
+        raise _Skip("caption_empty")
+    return text
+
+
+class _Skip(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# A source yields, per epoch or per resampled draw, either a usable record (caption, image) — the image as
+# encoded bytes or a PIL image — or a string: the reason one sample (or a whole shard) was dropped.
+Record = tuple[str, Any]
+Event = Record | str
+
+
+class _ShardSource:
+    def __init__(self, urls: list[str], cfg: DataConfig):
+        self.urls, self.cfg = urls, cfg
+
+    def fingerprint(self) -> str:
+        c = self.cfg
+        return json.dumps(["shards", self.urls, c.caption_key, list(c.image_keys), c.max_pixels, c.min_side])
+
+    def read(self, url: str) -> Iterator[Event]:
+        from openalign.data.shards import read_samples
+
+        errors: list[str] = []
+        for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"shard_{reason}")):
+            yield from errors
+            errors.clear()
+            yield self._record(sample)
+        yield from errors
+
+    def _record(self, sample: dict) -> Event:
+        cfg = self.cfg
+        image = next((sample[k] for k in cfg.image_keys if k in sample), None)
+        if image is None:
+            return "missing_image"
+        try:
+            caption = _caption(sample, cfg.caption_key)
+        except _Skip as skip:
+            return skip.reason
+        reason = probe_image(image, max_pixels=cfg.max_pixels, min_side=cfg.min_side)
+        return reason or (caption, image)
+
+    def epoch(self, seed: int, epoch: int) -> Iterator[Event]:
+        urls = list(self.urls)
+        if self.cfg.shuffle_shards:
+            random.Random(_mix(seed, _TAG_SHARD_ORDER, epoch)).shuffle(urls)
+        for url in urls:
+            yield from self.read(url)
+
+    def resampled(self, seed: int) -> Iterator[Event]:
+        rng = random.Random(seed)
+        while True:
+            yield from self.read(rng.choice(self.urls))
+
+
+class _SyntheticSource:
+    """Rows of ``openalign.data.synthetic.SyntheticWorld``, addressed by index: a reader renders only the
+    samples it owns. Every caption is kept, noise included: it is the noise the model must learn through.
+
+    An endless stream (``size: null``) takes row ``i`` at position ``i`` (rows are independent draws, so no
+    shuffle is needed); a finite one repeats rows ``0 … size-1`` in a new seeded permutation every epoch.
+    """
+
+    endless = True
+
+    def __init__(self, cfg: DataConfig, seed: int):
+        from openalign.data.synthetic import SyntheticWorld
+
+        self.cfg, self.size = cfg, cfg.synthetic.size
+        self.world = SyntheticWorld(seed, cfg.synthetic.image_size)
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def fingerprint(self) -> str:
+        s = self.cfg.synthetic
+        return json.dumps(["synthetic", self.world.seed, s.noise, s.image_size, s.size])
+
+    def row_index(self, seed: int, pos: int) -> int:
+        if self.size is None:
+            return pos
+        epoch, j = divmod(pos, self.size)
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.default_rng(_mix(seed, _TAG_BUFFER, epoch))
+            self._perm = (epoch, rng.permutation(self.size))
+        return int(self._perm[1][j])
+
+    def random_index(self, rng: random.Random) -> int:
+        return rng.randrange(self.size if self.size is not None else 1 << 40)
+
+    def materialize(self, index: int) -> Record:
+        row = self.world.row(index, self.cfg.synthetic.noise, n_rows=self.size)
+        return row.caption, self.world.render(row.scene)
+
+
+# --------------------------------------------------------------------------------------------------
+# The per-worker batch builder
+
+
+@dataclass
+class _Plan:
+    """Everything a reader needs, picklable so DataLoader workers can receive it."""
+
+    source: Any
+    cfg: DataConfig
+    tokenizer: Any
+    image: dict[str, Any]  # image_size, resize, mean, std (the transform is built where it runs: closures don't pickle)
+    rank: int
+    world_size: int
+    seed: int
+    start: int  # global samples consumed before this iteration
+    epoch_length: int | None  # usable samples per epoch, when already known for this source
+
+
+class _Reader:
+    """Builds this (rank, worker)'s batches. Yields (pixels, input_ids, attention_mask, meta)."""
+
+    def __init__(self, plan: _Plan, worker: int, workers: int, in_main_process: bool):
+        from openalign.data.transforms import eval_transform, train_transform
+
+        self.p, self.worker, self.workers, self.in_main = plan, worker, workers, in_main_process
+        self.epoch_length = plan.epoch_length
+        random_crop = plan.cfg.crop == "random"
+        self.transform: Callable[[Image.Image], torch.Tensor] = (
+            train_transform(**plan.image, flip=plan.cfg.flip) if random_crop else eval_transform(**plan.image)
+        )
+
+    # ------------------------------------------------------------------ the global sequence
+
+    def _global(self, start: int) -> Iterator[tuple[bool, int, Any]]:
+        """(is_item, position, payload) from position ``start`` on: usable records with their global index,
+        and drop reasons with the index of the usable record read just before (their place in read order)."""
+        p = self.p
+        if isinstance(p.source, _SyntheticSource):
+            # Addressable: a record is the row index; only its owner renders it.
+            for pos in itertools.count(start):
+                yield True, pos, p.source.row_index(p.seed, pos)
+        base, epoch = 0, 0
+        while True:
+            if self.epoch_length and base + self.epoch_length <= start:
+                base, epoch = base + self.epoch_length, epoch + 1
+                continue
+            buffer = _ShuffleBuffer(p.cfg.shuffle_buffer, random.Random(_mix(p.seed, _TAG_BUFFER, epoch)))
+            usable = emitted = 0
+            for event in p.source.epoch(p.seed, epoch):
+                if isinstance(event, str):
+                    # Placed at the last usable record read before it, so a drop belongs to the epoch it is in.
+                    where = base + max(usable - 1, 0)
+                    if where >= start:
+                        yield False, where, event
+                    continue
+                usable += 1
+                out = buffer.push(event)
+                if out is not None:
+                    if base + emitted >= start:
+                        yield True, base + emitted, out
+                    emitted += 1
+            for out in buffer.drain():
+                if base + emitted >= start:
+                    yield True, base + emitted, out
+                emitted += 1
+            if usable == 0:
+                raise ValueError(f"no usable training samples in a whole epoch of {_describe(p)}")
+            self.epoch_length = usable
+            base, epoch = base + usable, epoch + 1
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+        return self._resampled() if self.p.cfg.resampled else self._exact()
+
+    def _exact(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+        p = self.p
+        W, K, k = p.world_size, self.workers, self.worker
+        window = W * p.cfg.batch_size
+        own: list[tuple[int, Record]] = []
+        pending: Counter[tuple[int, str]] = Counter()  # (step, reason) of drops this reader counts
+        recent: deque[tuple[int, Record]] = deque(maxlen=_REFILL_POOL)
+        pool: list[tuple[int, Record]] = []
+        # Start a little early so that a resumed run has the same refill candidates as a straight one.
+        for is_item, pos, payload in self._global(max(0, p.start - _REFILL_POOL)):
+            if pos < p.start:
+                if is_item:
+                    recent.append((pos, payload))
+                continue
+            step, offset = divmod(pos - p.start, window)
+            ours = step % K == k
+            if not is_item:
+                if ours and offset % W == p.rank:
+                    pending[step, payload] += 1
+                continue
+            if ours:
+                if offset == 0:
+                    pool = list(recent)  # samples of earlier steps: safe refills, never in this global batch
+                if offset % W == p.rank:
+                    own.append((pos, payload))
+            recent.append((pos, payload))
+            if ours and offset == window - 1:
+                skipped: Counter[str] = Counter()
+                for key in [key for key in pending if key[0] <= step]:
+                    skipped[key[1]] += pending.pop(key)
+                yield self._batch(own, pool, skipped)
+                own = []
+
+    def _resampled(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+        from openalign.data.transforms import BadImage
+
+        p = self.p
+        seed = _mix(p.seed, _TAG_RESAMPLE, p.rank, self.worker, p.start)
+        if isinstance(p.source, _SyntheticSource):
+            rng = random.Random(seed)
+            for n in itertools.count():
+                picks = [(_mix(seed, n, i), p.source.random_index(rng)) for i in range(p.cfg.batch_size)]
+                yield self._batch(picks, [], Counter())
+        buffer = _ShuffleBuffer(p.cfg.shuffle_buffer, random.Random(_mix(seed, _TAG_BUFFER)))
+        pixels: list[torch.Tensor] = []
+        captions: list[str] = []
+        skipped: Counter[str] = Counter()
+        seen = usable = 0
+        in_main = self.in_main
+        for event in p.source.resampled(seed):
+            seen += 1
+            if isinstance(event, str):
+                skipped[event] += 1
+                if usable == 0 and seen > 100_000:
+                    raise ValueError(f"no usable training samples among the first {seen} read from {_describe(p)}")
+                continue
+            record = buffer.push(event)
+            if record is None:
+                continue
+            usable += 1
+            try:
+                with torch.random.fork_rng(devices=[]) if in_main else contextlib.nullcontext():
+                    pixels.append(self._pixels(record, _mix(seed, _TAG_AUGMENT, usable)))
+                captions.append(record[0])
+            except BadImage as err:
+                # Nothing to keep exact here: the next sample simply takes the place.
+                skipped[err.reason] += 1
+            if len(pixels) == p.cfg.batch_size:
+                yield self._assemble(pixels, captions, skipped)
+                pixels, captions, skipped = [], [], Counter()
+
+    # ------------------------------------------------------------------ decoding
+
+    def _materialize(self, record: Any) -> Record:
+        return self.p.source.materialize(record) if isinstance(self.p.source, _SyntheticSource) else record
+
+    def _pixels(self, record: Record, sample_seed: int) -> torch.Tensor:
+        from openalign.data.transforms import decode_image
+
+        image = record[1]
+        if isinstance(image, bytes | bytearray):
+            image = decode_image(bytes(image), max_pixels=self.p.cfg.max_pixels, min_side=self.p.cfg.min_side)
+        elif image.mode != "RGB":
+            image = image.convert("RGB")
+        torch.default_generator.manual_seed(sample_seed)  # torch.manual_seed would also seed (slowly) every accelerator
+        return self.transform(image)
+
+    def _batch(
+        self, own: list[tuple[int, Record]], pool: list[tuple[int, Record]], skipped: Counter[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        from openalign.data.transforms import BadImage
+
+        p = self.p
+        skipped = Counter(skipped)
+        pixels: list[torch.Tensor | None] = []
+        captions: list[str | None] = []
+        # Seeding torch's generator per sample must not disturb the training process's own draws.
+        guard = torch.random.fork_rng(devices=[]) if self.in_main else contextlib.nullcontext()
+        with guard:
+            for pos, record in own:
+                record = self._materialize(record)
+                try:
+                    pixels.append(self._pixels(record, _mix(p.seed, _TAG_AUGMENT, pos)))
+                    captions.append(record[0])
+                except BadImage as err:
+                    skipped[err.reason] += 1
+                    pixels.append(None)
+                    captions.append(None)
+            holes = [i for i, x in enumerate(pixels) if x is None]
+            refills = reversed(pool)
+            for i in holes:
+                for pos, record in refills:
+                    record = self._materialize(record)
+                    try:
+                        pixels[i] = self._pixels(record, _mix(p.seed, _TAG_REFILL, pos))
+                        captions[i] = record[0]
+                        break
+                    except BadImage:
+                        continue  # its owner counted it already
+        good = [i for i, x in enumerate(pixels) if x is not None]
+        if not good:
+            raise ValueError(f"no decodable image in a whole batch of {_describe(p)} ({dict(skipped)})")
+        for n, i in enumerate(i for i, x in enumerate(pixels) if x is None):
+            # Only at the very start of a stream (no earlier sample to refill from): repeat one of this batch.
+            pixels[i], captions[i] = pixels[good[n % len(good)]], captions[good[n % len(good)]]
+        return self._assemble(pixels, captions, skipped)
+
+    def _assemble(
+        self, pixels: list[Any], captions: list[Any], skipped: Counter[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        tokens = self.p.tokenizer(captions, max_length=self.p.cfg.max_text_length)
+        meta = {"skipped": dict(skipped), "epoch_length": self.epoch_length}
+        return torch.stack(pixels), tokens["input_ids"], tokens["attention_mask"], meta
+
+
+def _describe(p: _Plan) -> str:
+    if p.cfg.source == "synthetic":
+        return "the synthetic world"
+    urls = p.source.urls
+    return f"{len(urls)} shard(s) ({urls[0]}{', …' if len(urls) > 1 else ''})"
+
+
+class _Dataset(torch.utils.data.IterableDataset):
+    def __init__(self, plan: _Plan):
+        super().__init__()
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return iter(_Reader(self.plan, 0, 1, in_main_process=True))
+        return iter(_Reader(self.plan, info.id, info.num_workers, in_main_process=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# The stream the training loop iterates
+
+
+class TrainStream:
+    """Endless batches ``{pixel_values [B,3,H,W] float32, input_ids [B,L] long, attention_mask [B,L] long}``.
+
+    ``state_dict()`` holds the position (samples consumed globally), the skip counts of this rank and the
+    epoch length once known; ``load_state_dict`` before iterating resumes there, on any world size. Each
+    ``iter()`` starts DataLoader workers at the current position.
+    """
+
+    def __init__(self, plan: _Plan):
+        self._plan = plan
+        self.position = plan.start
+        self.stats: Counter[str] = Counter()
+        self._epoch_length: int | None = None
+        self._fingerprint = hashlib.sha256(plan.source.fingerprint().encode()).hexdigest()[:16]
+
+    @property
+    def batch_size(self) -> int:
+        return self._plan.cfg.batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self._plan.cfg.batch_size * self._plan.world_size
+
+    @property
+    def epoch_length(self) -> int | None:
+        """Usable samples per epoch, known once some worker has read a whole epoch (None before)."""
+        return self._epoch_length
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        cfg = self._plan.cfg
+        plan = dataclasses.replace(self._plan, start=self.position, epoch_length=self._epoch_length)
+        dataset = _Dataset(plan)
+        if cfg.workers == 0:
+            batches: Any = iter(dataset)
+        else:
+            # Workers tokenise; the Rust tokenizer's own thread pool would only fight them for cores.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            batches = torch.utils.data.DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=cfg.workers,
+                prefetch_factor=cfg.prefetch_factor,
+                pin_memory=cfg.pin_memory,
+            )
+        for pixels, input_ids, attention_mask, meta in batches:
+            self.position += self.global_batch_size
+            self.stats.update(meta["skipped"])
+            if meta["epoch_length"]:
+                self._epoch_length = int(meta["epoch_length"])
+            yield {"pixel_values": pixels, "input_ids": input_ids, "attention_mask": attention_mask}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "stats": dict(self.stats),
+            "epoch_length": self._epoch_length,
+            "source": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        position = state.get("position")
+        if not isinstance(position, int) or position < 0:
+            raise ValueError(f"data stream state has no valid 'position' (got {position!r})")
+        self.position = position
+        self.stats = Counter(state.get("stats") or {})
+        # An epoch length measured on other data (or other skip rules) would misplace every later epoch.
+        same = state.get("source") == self._fingerprint
+        self._epoch_length = state.get("epoch_length") if same else None
+
+
+def image_options(cfg: DataConfig, model_config: ModelConfig | None = None) -> dict[str, Any]:
+    """Crop size, resize, pixel mean/std: the data config's, else the model's, else the paper's."""
+    from openalign.data.transforms import model_resize
+
+    size = cfg.image_size or (model_config.image_size if model_config else 289)
+    return {
+        "image_size": size,
+        "resize": cfg.resize or model_resize(size),
+        "mean": tuple(cfg.pixel_mean or (model_config.pixel_mean if model_config else (0.5, 0.5, 0.5))),
+        "std": tuple(cfg.pixel_std or (model_config.pixel_std if model_config else (0.5, 0.5, 0.5))),
+    }
+
+
+def build_train_stream(
+    cfg: DataConfig,
+    tokenizer: Any = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    model_config: ModelConfig | None = None,
+) -> TrainStream:
+    """The training stream of rank ``rank`` of ``world_size`` (see the module docstring for the order).
+
+    ``tokenizer`` defaults to loading ``cfg.tokenizer``; ``cfg.seed`` (when set) overrides ``seed``.
+    """
+    cfg.validate()
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    if tokenizer is None:
+        if not cfg.tokenizer:
+            raise ConfigError("data.tokenizer must name a tokenizer file or directory (from `openalign vocab`)")
+        from openalign.text import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer, max_length=cfg.max_text_length)
+    if model_config is not None and cfg.max_text_length > model_config.text.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_text_length {cfg.max_text_length} exceeds the model's "
+            f"{model_config.text.max_position_embeddings} text positions"
+        )
+    opts = image_options(cfg, model_config)
+    if opts["resize"] < opts["image_size"]:
+        raise ConfigError(f"data.resize {opts['resize']} is smaller than the crop size {opts['image_size']}")
+    if cfg.source == "shards":
+        from openalign.data.shards import expand_urls
+
+        urls = expand_urls(cfg.shards if isinstance(cfg.shards, str) else list(cfg.shards))
+        if not urls:
+            raise ValueError(f"data.shards {cfg.shards!r} names no shard")
+        source: Any = _ShardSource(urls, cfg)
+    else:
+        source = _SyntheticSource(cfg, cfg.seed if cfg.seed is not None else seed)
+    run_seed = cfg.seed if cfg.seed is not None else seed
+    plan = _Plan(source, cfg, tokenizer, opts, rank, world_size, run_seed, 0, None)
+    return TrainStream(plan)
+
+
+def reduce_stats(stats: Counter[str] | dict[str, int]) -> Counter[str]:
+    """The skip counts of all ranks summed (a collective under torch.distributed; identity otherwise)."""
+    import torch.distributed as dist
+
+    local = Counter(stats)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(local))
+    total: Counter[str] = Counter()
+    for part in gathered:
+        total.update(part)
+    return total
