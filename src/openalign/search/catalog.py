@@ -1,0 +1,148 @@
+"""An index directory on disk: image and caption vector stores, Parquet metadata aligned with vector ids,
+and thumbnails, opened memory-mapped.
+
+Layout::
+
+    INDEX/index.json               format marker, embedding width, model, counts, skipped inputs
+    INDEX/image/vectors.npy        float32 [N, D]; row i is image id i
+    INDEX/image/metadata.parquet   id, key, path, url, caption, width, height (row i = id i)
+    INDEX/image/thumbs.bin         JPEG thumbnails back to back; thumbs.idx.npy holds N+1 offsets
+    INDEX/image/ann.json, faiss.index   the approximate index, when the store is large enough
+    INDEX/text/...                 the caption store: id, image_id, key, caption
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from openalign.search.index import VectorStore
+
+FORMAT = "openalign-index"
+FORMAT_VERSION = 1
+INFO = "index.json"
+METADATA = "metadata.parquet"
+THUMBS = "thumbs.bin"
+THUMBS_INDEX = "thumbs.idx.npy"
+Modality = Literal["image", "text"]
+MODALITIES: tuple[str, ...] = ("image", "text")
+
+IMAGE_SCHEMA = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("key", pa.string()),
+        ("path", pa.string()),
+        ("url", pa.string()),
+        ("caption", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+    ]
+)
+TEXT_SCHEMA = pa.schema([("id", pa.int64()), ("image_id", pa.int64()), ("key", pa.string()), ("caption", pa.string())])
+SCHEMAS = {"image": IMAGE_SCHEMA, "text": TEXT_SCHEMA}
+
+
+class Thumbnails:
+    """Encoded thumbnails addressed by image id: one blob file plus an offsets array, both memory-mapped."""
+
+    def __init__(self, blob: np.ndarray | None, offsets: np.ndarray | None):
+        self.blob = blob
+        self.offsets = offsets
+
+    @classmethod
+    def open(cls, directory: Path) -> Thumbnails:
+        if not (directory / THUMBS_INDEX).is_file():
+            return cls(None, None)
+        offsets = np.load(directory / THUMBS_INDEX, mmap_mode="r")
+        size = int(offsets[-1]) if len(offsets) else 0
+        blob = np.memmap(directory / THUMBS, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
+        return cls(blob, offsets)
+
+    def __len__(self) -> int:
+        return 0 if self.offsets is None else len(self.offsets) - 1
+
+    def get(self, image_id: int) -> bytes | None:
+        if self.offsets is None or not 0 <= image_id < len(self):
+            return None
+        start, end = int(self.offsets[image_id]), int(self.offsets[image_id + 1])
+        return bytes(self.blob[start:end]) if end > start else None
+
+
+class SearchIndex:
+    """An opened index directory: vector stores, metadata and thumbnails of images (and captions)."""
+
+    def __init__(self, root: Path, info: dict[str, Any], stores: dict[str, VectorStore], meta: dict[str, pa.Table]):
+        self.root = root
+        self.info = info
+        self.stores = stores
+        self.meta = meta
+        self.thumbnails = Thumbnails.open(root / "image")
+
+    @classmethod
+    def open(cls, path: str | Path, mmap: bool = True) -> SearchIndex:
+        """Open ``path`` (written by ``build_index``); vectors are memory-mapped unless ``mmap`` is False."""
+        root = Path(path)
+        info_path = root / INFO
+        if not info_path.is_file():
+            raise FileNotFoundError(f"{root}: not an openalign index (no {INFO})")
+        info = json.loads(info_path.read_text())
+        if info.get("format") != FORMAT:
+            raise ValueError(f"{info_path}: format is {info.get('format')!r}, expected {FORMAT!r}")
+        stores: dict[str, VectorStore] = {}
+        meta: dict[str, pa.Table] = {}
+        for modality in MODALITIES:
+            directory = root / modality
+            if not (directory / "vectors.npy").is_file():
+                continue
+            store = VectorStore.load(directory, mmap=mmap)
+            table = pq.read_table(directory / METADATA, memory_map=True)
+            if table.num_rows != store.size:
+                raise ValueError(f"{directory}: {table.num_rows} metadata rows for {store.size} vectors")
+            if store.size and store.dim != info["embed_dim"]:
+                raise ValueError(f"{directory}: vectors are {store.dim}-d, index.json says {info['embed_dim']}")
+            stores[modality], meta[modality] = store, table
+        if "image" not in stores:
+            raise FileNotFoundError(f"{root}: the index has no image store")
+        return cls(root, info, stores, meta)
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.info["embed_dim"])
+
+    def size(self, modality: str = "image") -> int:
+        return self.stores[modality].size if modality in self.stores else 0
+
+    def store(self, modality: str) -> VectorStore:
+        if modality not in MODALITIES:
+            raise ValueError(f"unknown modality {modality!r}; expected 'image' or 'text'")
+        if modality not in self.stores:
+            raise ValueError("this index has no caption store; rebuild it with captions to search captions")
+        return self.stores[modality]
+
+    def rows(self, modality: str, ids: list[int] | np.ndarray) -> list[dict[str, Any]]:
+        """Metadata rows of ``ids`` (in that order) as dicts."""
+        table = self.meta[modality]
+        if len(ids) == 0:
+            return []
+        return table.take(pa.array(np.asarray(ids, dtype=np.int64))).to_pylist()
+
+    def vector(self, modality: str, item_id: int) -> np.ndarray:
+        """The stored (normalised) embedding of one item."""
+        store = self.store(modality)
+        if not 0 <= item_id < store.size:
+            raise KeyError(f"no {modality} with id {item_id} (the index holds {store.size})")
+        return np.asarray(store.vectors[item_id], dtype=np.float32)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "images": self.size("image"),
+            "captions": self.size("text"),
+            "embed_dim": self.embed_dim,
+            "index": {m: s.kind for m, s in self.stores.items()},
+            "model": self.info.get("model"),
+        }

@@ -1,0 +1,414 @@
+"""Vector stores for search: exact inner-product search over a memory-mapped float32 matrix, and FAISS
+approximate indexes (IVF-Flat, IVF-PQ, HNSW) above a size threshold.
+
+Every store keeps its vectors as ``vectors.npy`` (float32 [N, D], L2-normalised rows, memory-mapped on
+load), so exact search, re-ranking and adding items never need the approximate index. The approximate
+index is IVF-PQ with 4-bit "fast-scan" codes: the codes of the probed lists are scanned with SIMD lookups
+(a 640-d vector is 80 bytes instead of 2560, and the scan is bound by memory bandwidth), and the best
+``rerank``·k candidates are re-scored exactly from the memory-mapped matrix, so the returned scores are
+exact. The code size follows the memory budget: the finest codes whose RAM fits in it. IVF-Flat and
+HNSW can be asked for by name.
+The number of lists probed (or HNSW's ``efSearch``) is calibrated at build time to reach a target
+recall@10 against exact search.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from openalign.config import ConfigError, from_dict, to_dict
+
+AnnKind = Literal["auto", "exact", "ivf_flat", "ivf_pq", "hnsw"]
+VECTORS = "vectors.npy"
+FAISS_FILE = "faiss.index"
+ANN_FILE = "ann.json"
+
+
+@dataclass
+class AnnConfig:
+    """How a vector store searches: exactly, or through a FAISS index chosen from size and memory."""
+
+    kind: AnnKind = "auto"  # auto: exact up to exact_threshold, then ivf_pq sized to memory_budget_mb
+    exact_threshold: int = 100_000  # exact search is a few ms up to about this many 640-d vectors
+    memory_budget_mb: float = 8192.0  # RAM the approximate index may hold (IVF-Flat and HNSW hold every vector)
+    nlist: int = 0  # IVF lists; 0 picks 2·sqrt(N)
+    nprobe: int = 0  # IVF lists probed per query; 0 calibrates it to reach target_recall
+    pq_m: int = 0  # IVF-PQ 4-bit sub-quantizers (M/2 bytes per vector); 0: the most the budget allows, ≤ D/4
+    rerank: int = 10  # IVF-PQ: re-score rerank·k candidates exactly from the memory-mapped vectors
+    hnsw_m: int = 32  # HNSW neighbours per node
+    ef_construction: int = 80
+    ef_search: int = 0  # HNSW search breadth; 0 calibrates it to reach target_recall
+    target_recall: float = 0.95  # recall@10 against exact search that calibration aims for
+    train_size: int = 0  # vectors used to train IVF centroids and PQ codebooks; 0 picks 40·nlist
+    kmeans_iterations: int = 10  # k-means passes; centroids barely move after ~10 on embeddings
+    seed: int = 0
+
+
+def ann_config(data: dict[str, Any] | AnnConfig | None = None, **overrides: Any) -> AnnConfig:
+    """A validated AnnConfig from a mapping (strict keys) or an existing config, plus overrides."""
+    base = to_dict(data) if isinstance(data, AnnConfig) else dict(data or {})
+    base.update(overrides)
+    cfg = from_dict(AnnConfig, base)
+    if cfg.exact_threshold < 0:
+        raise ConfigError(f"exact_threshold must be ≥ 0, got {cfg.exact_threshold}")
+    if cfg.memory_budget_mb <= 0:
+        raise ConfigError(f"memory_budget_mb must be positive, got {cfg.memory_budget_mb}")
+    if not 0 < cfg.target_recall <= 1:
+        raise ConfigError(f"target_recall must be in (0, 1], got {cfg.target_recall}")
+    for name in ("nlist", "nprobe", "pq_m", "ef_search", "train_size"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be ≥ 0, got {getattr(cfg, name)}")
+    if cfg.rerank < 1 or cfg.hnsw_m < 2 or cfg.ef_construction < 1 or cfg.kmeans_iterations < 1:
+        raise ConfigError("rerank must be ≥ 1, hnsw_m ≥ 2, ef_construction ≥ 1 and kmeans_iterations ≥ 1")
+    return cfg
+
+
+def choose_kind(n: int, dim: int, cfg: AnnConfig) -> str:
+    """The index kind ``auto`` resolves to for ``n`` vectors of width ``dim``."""
+    if cfg.kind != "auto":
+        return cfg.kind
+    return "exact" if n <= cfg.exact_threshold else "ivf_pq"
+
+
+def pick_pq_m(n: int, dim: int, budget_mb: float) -> int:
+    """Sub-quantizers for ``n`` vectors: as fine as D/4 (4 dimensions per 4-bit code), coarser only as
+    far as the memory budget requires; ConfigError when even the coarsest codes do not fit."""
+    candidates = sorted((m for m in range(1, max(1, dim // 4) + 1) if dim % m == 0), reverse=True)
+    for m in candidates:
+        if n * (m / 2 + 8) <= budget_mb * 2**20:  # codes plus the 8-byte id FAISS keeps per vector
+            return m
+    need = n * (candidates[-1] / 2 + 8) / 2**20
+    raise ConfigError(f"{n} vectors need at least {need:.0f} MB for IVF-PQ codes; memory_budget_mb is {budget_mb}")
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """Float32 rows scaled to unit length (zero rows stay zero)."""
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+def exact_search(
+    vectors: np.ndarray, queries: np.ndarray, k: int, block: int = 65_536
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` inner products of each query against every row, best first, in blocks of rows.
+
+    Works on a memory-mapped matrix without loading it whole. Returns (scores [Q, k'], ids [Q, k'])
+    with k' = min(k, N).
+    """
+    queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+    n = vectors.shape[0]
+    k = min(k, n)
+    nq = queries.shape[0]
+    if k <= 0:
+        return np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
+    best_s = np.full((nq, 0), -np.inf, np.float32)
+    best_i = np.empty((nq, 0), np.int64)
+    for start in range(0, n, block):
+        chunk = np.asarray(vectors[start : start + block], dtype=np.float32)
+        scores = queries @ chunk.T
+        kk = min(k, scores.shape[1])
+        part = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
+        cand_s = np.concatenate([best_s, np.take_along_axis(scores, part, 1)], axis=1)
+        cand_i = np.concatenate([best_i, part + start], axis=1)
+        keep = np.argpartition(-cand_s, min(k, cand_s.shape[1]) - 1, axis=1)[:, :k]
+        best_s, best_i = np.take_along_axis(cand_s, keep, 1), np.take_along_axis(cand_i, keep, 1)
+    order = np.argsort(-best_s, axis=1, kind="stable")
+    return np.take_along_axis(best_s, order, 1), np.take_along_axis(best_i, order, 1)
+
+
+def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
+    """Mean fraction of each row of ``truth`` ids that appear in the same row of ``found``."""
+    hits = [len(set(f.tolist()) & set(t.tolist())) / max(1, len(t)) for f, t in zip(found, truth, strict=True)]
+    return float(np.mean(hits)) if hits else 1.0
+
+
+class VectorStore:
+    """One modality's vectors: a memory-mapped matrix plus, above the threshold, a FAISS index.
+
+    Ids are row numbers, aligned with the metadata rows of the same modality.
+    """
+
+    def __init__(self, vectors: np.ndarray, ann: Any = None, kind: str = "exact", params: dict | None = None):
+        if vectors.ndim != 2:
+            raise ValueError(f"vectors must be a [N, D] matrix, got shape {vectors.shape}")
+        self.vectors = vectors
+        self.ann = ann
+        self.kind = kind
+        self.params = dict(params or {})
+        self._apply_params()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def size(self) -> int:
+        return int(self.vectors.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
+
+    def memory_bytes(self) -> int:
+        """Bytes held in RAM by the approximate index (the memory-mapped matrix is paged on demand)."""
+        if self.ann is None:
+            return 0
+        import faiss
+
+        # Counted from the structures rather than by serialising, which would copy the whole index.
+        if self.kind == "hnsw":
+            links = faiss.vector_to_array(self.ann.hnsw.neighbors).nbytes
+            return int(self.size * self.dim * 4 + links + self.size * 16)
+        ivf = faiss.extract_index_ivf(self.ann)
+        codebooks = faiss.downcast_index(ivf).pq.centroids.size() * 4 if self.kind == "ivf_pq" else 0
+        return int(ivf.ntotal * (ivf.code_size + 8) + ivf.nlist * self.dim * 4 + codebooks)
+
+    # ------------------------------------------------------------------ search
+
+    def _apply_params(self) -> None:
+        if self.ann is None:
+            return
+        import faiss
+
+        if "nprobe" in self.params:
+            faiss.extract_index_ivf(self.ann).nprobe = int(self.params["nprobe"])
+        if "ef_search" in self.params:
+            self.ann.hnsw.efSearch = int(self.params["ef_search"])
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` (scores, ids) per query row, best first.
+
+        An approximate index can reach fewer than ``k`` vectors for some queries; those slots hold id -1
+        and score -inf.
+        """
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if queries.shape[1] != self.dim:
+            raise ValueError(f"query width {queries.shape[1]} != index width {self.dim}")
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if self.size == 0:
+            return np.empty((len(queries), 0), np.float32), np.empty((len(queries), 0), np.int64)
+        if self.ann is None:
+            return exact_search(self.vectors, queries, k)
+        if self.kind == "ivf_pq":
+            return self._search_reranked(queries, k)
+        scores, ids = self.ann.search(queries, min(k, self.size))
+        return _drop_missing(scores, ids)
+
+    def _search_reranked(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        # PQ scores are approximate; re-scoring a few times k candidates with the stored float32
+        # vectors recovers exact order among them for the cost of a few small random reads.
+        depth = min(self.size, k * int(self.params.get("rerank", 8)))
+        _, cand = self.ann.search(queries, depth)
+        out_s = np.full((len(queries), min(k, self.size)), -np.inf, np.float32)
+        out_i = np.full_like(out_s, -1, dtype=np.int64)
+        for row, ids in enumerate(cand):
+            ids = ids[ids >= 0]
+            order = np.sort(ids)  # sorted reads are kinder to a memory-mapped file
+            scores = np.asarray(self.vectors[order], dtype=np.float32) @ queries[row]
+            top = np.argsort(-scores, kind="stable")[:k]
+            out_s[row, : len(top)] = scores[top]
+            out_i[row, : len(top)] = order[top]
+        return _drop_missing(out_s, out_i)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the approximate index and its parameters next to ``vectors.npy`` (already on disk)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.ann is not None:
+            import faiss
+
+            tmp = out / (FAISS_FILE + ".tmp")
+            faiss.write_index(self.ann, str(tmp))
+            tmp.replace(out / FAISS_FILE)
+        elif (out / FAISS_FILE).exists():
+            (out / FAISS_FILE).unlink()
+        _write_json(out / ANN_FILE, {"kind": self.kind, "params": self.params, "size": self.size, "dim": self.dim})
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path, mmap: bool = True) -> VectorStore:
+        """Open a saved store; the matrix is memory-mapped unless ``mmap`` is False."""
+        d = Path(directory)
+        if not (d / VECTORS).is_file():
+            raise FileNotFoundError(f"{d}: no {VECTORS}")
+        vectors = np.load(d / VECTORS, mmap_mode="r" if mmap else None)
+        meta = json.loads((d / ANN_FILE).read_text()) if (d / ANN_FILE).is_file() else {"kind": "exact"}
+        ann = None
+        if meta["kind"] != "exact":
+            if not (d / FAISS_FILE).is_file():
+                raise FileNotFoundError(f"{d}: ann.json names a {meta['kind']} index but {FAISS_FILE} is missing")
+            import faiss
+
+            ann = faiss.read_index(str(d / FAISS_FILE))
+            if ann.ntotal != vectors.shape[0]:
+                raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
+        return cls(vectors, ann, meta["kind"], meta.get("params", {}))
+
+
+def _drop_missing(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # FAISS pads with id -1 when a query reaches fewer than k vectors; drop columns that no row fills
+    # and leave -1 (score -inf) where only some rows ran short, for the caller to skip per row.
+    ids = ids.astype(np.int64)
+    scores = np.where(ids >= 0, scores, -np.inf).astype(np.float32)
+    filled = (ids >= 0).any(axis=0)
+    width = int(filled.sum()) if filled.all() or not filled.any() else int(np.argmin(filled))
+    return scores[:, :width], ids[:, :width]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Building
+
+
+def _sample_rows(vectors: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    n = vectors.shape[0]
+    if count >= n:
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+    idx = np.sort(rng.choice(n, size=count, replace=False))
+    return np.ascontiguousarray(vectors[idx], dtype=np.float32)
+
+
+def _add_in_blocks(index: Any, vectors: np.ndarray, start: int = 0, block: int = 100_000) -> None:
+    for s in range(start, vectors.shape[0], block):
+        index.add(np.ascontiguousarray(vectors[s : s + block], dtype=np.float32))
+
+
+def calibration_queries(vectors: np.ndarray, count: int = 256, noise: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Queries near (not on) stored vectors: a stored row plus Gaussian noise of relative size ``noise``,
+    renormalised, so calibration does not reward finding a query's own copy."""
+    rng = np.random.default_rng(seed + 1)
+    base = _sample_rows(vectors, count, rng)
+    jitter = rng.standard_normal(base.shape).astype(np.float32) * (noise / math.sqrt(base.shape[1]))
+    return normalize_rows(base + jitter)
+
+
+def _calibrate(
+    store: VectorStore, cfg: AnnConfig, name: str, candidates: list[int], queries: np.ndarray | None
+) -> dict[str, Any]:
+    # The smallest search breadth whose recall@10 against exact search reaches the target.
+    if queries is None:
+        queries = calibration_queries(store.vectors, seed=cfg.seed)
+    _, truth = exact_search(store.vectors, queries, 10)
+    chosen, reached = candidates[-1], 0.0
+    for value in candidates:
+        store.params[name] = value
+        store._apply_params()
+        _, found = store.search(queries, 10)
+        reached = recall_at(found, truth)
+        if reached >= cfg.target_recall:
+            chosen = value
+            break
+    store.params[name] = chosen
+    store._apply_params()
+    return {"calibrated_recall@10": round(reached, 4)}
+
+
+def build_store(
+    vectors: np.ndarray, cfg: AnnConfig | None = None, calibration: np.ndarray | None = None
+) -> VectorStore:
+    """Index ``vectors`` (normalised float32 [N, D], ideally a memmap of ``vectors.npy``) per ``cfg``.
+
+    ``calibration``: queries like the ones the index will serve (e.g. caption embeddings for an image
+    index), used to pick nprobe / efSearch; by default, jittered copies of stored vectors.
+    """
+    cfg = cfg or AnnConfig()
+    n, dim = vectors.shape
+    kind = choose_kind(n, dim, cfg)
+    if kind == "exact" or n == 0:
+        return VectorStore(vectors, None, "exact", {})
+    import faiss
+
+    rng = np.random.default_rng(cfg.seed)
+    params: dict[str, Any] = {}
+    if kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = cfg.ef_construction
+        _add_in_blocks(index, vectors)
+        store = VectorStore(vectors, index, kind, params)
+        if cfg.ef_search:
+            store.params["ef_search"] = cfg.ef_search
+            store._apply_params()
+        else:
+            store.params.update(_calibrate(store, cfg, "ef_search", [16, 32, 64, 128, 256, 512, 1024], calibration))
+        return store
+
+    # 2·sqrt(N) lists balances the coarse search (nlist dot products) against the list scans
+    # (nprobe·N/nlist) for the few probes a recall of 0.95 needs, and keeps k-means cheap on a CPU.
+    nlist = min(cfg.nlist or max(1, int(2 * math.sqrt(n))), n)
+    train = _sample_rows(vectors, min(n, cfg.train_size or 40 * nlist), rng)
+    quantizer = faiss.IndexFlatIP(dim)
+    if kind == "ivf_flat":
+        index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    elif kind == "ivf_pq":
+        m = cfg.pq_m or pick_pq_m(n, dim, cfg.memory_budget_mb)
+        if dim % m:
+            raise ConfigError(f"pq_m={m} must divide the embedding width {dim}")
+        # 4-bit codes are what the SIMD fast-scan kernels read; re-ranking restores exact scores.
+        index = faiss.IndexIVFPQFastScan(quantizer, dim, nlist, m, 4, faiss.METRIC_INNER_PRODUCT)
+        params.update(pq_m=m, pq_nbits=4, rerank=cfg.rerank)
+    else:
+        raise ConfigError(f"unknown index kind {kind!r}")
+    index.cp.seed = cfg.seed
+    index.cp.niter = cfg.kmeans_iterations
+    index.train(train)
+    _add_in_blocks(index, vectors)
+    params["nlist"] = nlist
+    store = VectorStore(vectors, index, kind, params)
+    if cfg.nprobe:
+        store.params["nprobe"] = min(cfg.nprobe, nlist)
+        store._apply_params()
+    else:
+        # Powers of two and the midpoints between them: nprobe drives latency linearly.
+        steps = sorted({min(nlist, int(b * 2**i)) for i in range(0, int(math.log2(nlist)) + 2) for b in (1, 1.5)})
+        store.params.update(_calibrate(store, cfg, "nprobe", steps, calibration))
+    return store
+
+
+def extend_store(store: VectorStore, vectors: np.ndarray, cfg: AnnConfig | None = None) -> VectorStore:
+    """A store over ``vectors`` (the old rows followed by new ones), reusing a trained IVF index.
+
+    Trained IVF centroids stay valid when a store grows, so new rows are only added; an exact store that
+    outgrows the threshold, or any HNSW/auto change of kind, is rebuilt.
+    """
+    cfg = cfg or AnnConfig()
+    old = store.size
+    if vectors.shape[0] < old or vectors.shape[1] != store.dim:
+        raise ValueError(f"cannot extend a store of {old}×{store.dim} with a matrix of shape {vectors.shape}")
+    wanted = choose_kind(vectors.shape[0], vectors.shape[1], cfg)
+    if store.ann is not None and store.kind in ("ivf_flat", "ivf_pq") and wanted == store.kind:
+        _add_in_blocks(store.ann, vectors, start=old)
+        return VectorStore(vectors, store.ann, store.kind, store.params)
+    return build_store(vectors, cfg)
+
+
+def save_vectors(path: str | Path, parts: list[np.ndarray], total: int, dim: int) -> np.ndarray:
+    """Write the concatenation of ``parts`` to ``path`` as a float32 .npy (atomically) and memory-map it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(total, dim))
+    row = 0
+    for part in parts:
+        for s in range(0, part.shape[0], 65_536):
+            block = np.asarray(part[s : s + 65_536], dtype=np.float32)
+            out[row : row + len(block)] = block
+            row += len(block)
+    if row != total:
+        raise ValueError(f"expected {total} rows, wrote {row}")
+    out.flush()
+    del out
+    os.replace(tmp, path)
+    return np.load(path, mmap_mode="r")

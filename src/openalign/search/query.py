@@ -1,0 +1,208 @@
+"""Queries against an index: text → image, image → image, image → text, and image ± text arithmetic.
+
+ALIGN's embeddings compose linearly (the paper's Figure 5): "a photo of black shoes" + "beige" finds
+beige shoes of the same look, and subtracting "cars" from a street scene removes the cars. Following the
+paper's footnote 4, every part is L2-normalised before it is added, and the text parts are weighted 2
+against the image's 1 (its best; 1:1 "also works well"), then the sum is renormalised and searched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+from openalign.search.catalog import SearchIndex
+from openalign.search.index import normalize_rows
+
+MAX_K = 1000
+
+
+@dataclass
+class Query:
+    """What to look for. At least one of ``text``, ``image``, ``image_id`` or ``plus`` must be given."""
+
+    text: str | None = None
+    image: Image.Image | None = None
+    image_id: int | None = None  # query by an indexed image's stored embedding ("more like this")
+    plus: list[str] = field(default_factory=list)  # texts added to the query
+    minus: list[str] = field(default_factory=list)  # texts subtracted from it
+    k: int = 10
+    modality: Literal["image", "text"] = "image"  # search the image store or the caption store
+    text_weight: float = 2.0
+    image_weight: float = 1.0
+    dedup: float | None = None  # drop results whose cosine to a better result exceeds this
+
+
+@dataclass
+class Hit:
+    """One result: its id in the searched store, the cosine score, and its metadata row."""
+
+    id: int
+    score: float
+    row: dict[str, Any]
+
+
+def compose_query(
+    image: np.ndarray | None = None,
+    texts: Sequence[np.ndarray] = (),
+    minus: Sequence[np.ndarray] = (),
+    *,
+    text_weight: float = 2.0,
+    image_weight: float = 1.0,
+) -> np.ndarray:
+    """``normalise(image_weight·î + text_weight·Σ t̂ − text_weight·Σ m̂)`` where ^ is L2 normalisation.
+
+    Raises ValueError when nothing positive is given or the parts cancel out.
+    """
+    if image is None and not texts:
+        raise ValueError("a query needs text or an image; minus texts can only take something away")
+    parts = []
+    if image is not None:
+        parts.append(image_weight * normalize_rows(np.asarray(image, np.float32).reshape(1, -1))[0])
+    parts += [text_weight * normalize_rows(np.asarray(t, np.float32).reshape(1, -1))[0] for t in texts]
+    parts += [-text_weight * normalize_rows(np.asarray(m, np.float32).reshape(1, -1))[0] for m in minus]
+    total = np.sum(parts, axis=0)
+    norm = float(np.linalg.norm(total))
+    if norm < 1e-6:
+        raise ValueError("the query's parts cancel out; change the weights or the minus texts")
+    return (total / norm).astype(np.float32)
+
+
+def remove_near_duplicates(ids: np.ndarray, vectors: np.ndarray, threshold: float) -> list[int]:
+    """Positions of ``ids`` (best first) to keep so that no kept pair has cosine above ``threshold``.
+
+    Greedy in rank order: a result survives unless it is a near copy of one already kept.
+    """
+    kept: list[int] = []
+    kept_vecs: list[np.ndarray] = []
+    for pos in range(len(ids)):
+        v = vectors[pos]
+        if kept_vecs and float(np.max(np.stack(kept_vecs) @ v)) > threshold:
+            continue
+        kept.append(pos)
+        kept_vecs.append(v)
+    return kept
+
+
+def check_query(query: Query) -> None:
+    """ValueError naming the problem, for a query that cannot be run."""
+    if not isinstance(query.k, int) or isinstance(query.k, bool) or not 1 <= query.k <= MAX_K:
+        raise ValueError(f"k must be an integer from 1 to {MAX_K}, got {query.k!r}")
+    if query.modality not in ("image", "text"):
+        raise ValueError(f"unknown modality {query.modality!r}; expected 'image' or 'text'")
+    text = (query.text or "").strip()
+    plus = [p for p in query.plus if p.strip()]
+    if not text and query.image is None and query.image_id is None and not plus:
+        raise ValueError("empty query: give text, an image, an image_id or a plus text")
+    if query.image is not None and query.image_id is not None:
+        raise ValueError("give either an image or an image_id, not both")
+    if query.dedup is not None and not 0.0 < query.dedup <= 1.0:
+        raise ValueError(f"dedup must be a cosine threshold in (0, 1], got {query.dedup}")
+    for name in ("text_weight", "image_weight"):
+        value = getattr(query, name)
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number ≥ 0, got {value}")
+
+
+class Searcher:
+    """Embeds queries with the index's model and searches an opened index.
+
+    Text embeddings are cached (least recently used), since the same words come back again and again
+    in a search box; the model runs under a lock so concurrent requests do not fight over the CPU.
+    """
+
+    def __init__(
+        self,
+        index: SearchIndex,
+        model: Any = None,
+        tokenizer: Any = None,
+        *,
+        device: str = "cpu",
+        cache_size: int = 4096,
+    ):
+        if model is not None and model.embed_dim != index.embed_dim:
+            raise ValueError(f"the model makes {model.embed_dim}-d embeddings but the index holds {index.embed_dim}-d")
+        self.index = index
+        self.model = model.eval() if model is not None else None
+        self.tokenizer = tokenizer
+        self.device = device
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _need_model(self, what: str) -> None:
+        if self.model is None or (what == "text" and self.tokenizer is None):
+            raise ValueError(f"{what} queries need the index's model{' and tokenizer' if what == 'text' else ''}")
+
+    def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Normalised embeddings [len(texts), D] of the texts, cached."""
+        self._need_model("text")
+        from openalign.embed import embed_texts
+
+        with self._lock:
+            missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+            if missing:
+                emb = embed_texts(self.model, self.tokenizer, missing, device=self.device).numpy()
+                for t, e in zip(missing, emb, strict=True):
+                    self._cache[t] = e
+            out = np.stack([self._cache[t] for t in texts]) if texts else np.zeros((0, self.index.embed_dim))
+            for t in texts:
+                self._cache.move_to_end(t)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return out.astype(np.float32)
+
+    def embed_image(self, image: Image.Image) -> np.ndarray:
+        """Normalised embedding [D] of one image."""
+        self._need_model("image")
+        from openalign.embed import embed_images
+
+        with self._lock:
+            return embed_images(self.model, [image.convert("RGB")], device=self.device).numpy()[0]
+
+    def query_vector(self, query: Query) -> np.ndarray:
+        """The normalised vector that ``query`` searches with."""
+        check_query(query)
+        texts = [t for t in [query.text or "", *query.plus] if t.strip()]
+        minus = [t for t in query.minus if t.strip()]
+        all_texts = texts + minus
+        emb = self.embed_texts(all_texts) if all_texts else np.zeros((0, self.index.embed_dim), np.float32)
+        image = None
+        if query.image is not None:
+            image = self.embed_image(query.image)
+        elif query.image_id is not None:
+            try:
+                image = self.index.vector("image", query.image_id)
+            except KeyError as err:
+                raise ValueError(str(err.args[0])) from err
+        return compose_query(
+            image,
+            list(emb[: len(texts)]),
+            list(emb[len(texts) :]),
+            text_weight=query.text_weight,
+            image_weight=query.image_weight,
+        )
+
+    def search(self, query: Query) -> list[Hit]:
+        """The top ``query.k`` hits, best first."""
+        vector = self.query_vector(query)
+        store = self.index.store(query.modality)
+        depth = query.k if query.dedup is None else min(MAX_K * 4, query.k * 4)
+        scores, ids = store.search(vector[None], depth)
+        scores, ids = scores[0], ids[0]
+        valid = ids >= 0
+        scores, ids = scores[valid], ids[valid]
+        if query.dedup is not None and len(ids):
+            vecs = np.asarray(store.vectors[np.sort(ids)], dtype=np.float32)
+            vecs = vecs[np.searchsorted(np.sort(ids), ids)]
+            keep = remove_near_duplicates(ids, vecs, query.dedup)
+            scores, ids = scores[keep], ids[keep]
+        scores, ids = scores[: query.k], ids[: query.k]
+        rows = self.index.rows(query.modality, ids)
+        return [Hit(int(i), float(s), row) for i, s, row in zip(ids, scores, rows, strict=True)]
