@@ -74,13 +74,31 @@ class Tokenizer:
             ids = ids.tolist()
         return self.backend.decode(ids, skip_special_tokens=True)
 
+    @property
+    def lowercase(self) -> bool:
+        """Whether the normaliser lowercases (and, as BERT's uncased models do, strips accents)."""
+        return bool(getattr(self.backend.normalizer, "lowercase", True))
+
     def save(self, path: str | Path) -> Path:
-        """Write ``tokenizer.json`` and ``vocab.txt`` into directory ``path``."""
+        """Write ``tokenizer.json``, ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json``
+        into directory ``path``: what transformers' ``BertTokenizerFast.from_pretrained`` reads."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(out / "tokenizer.json"))
         vocab = sorted(self.backend.get_vocab().items(), key=lambda kv: kv[1])
-        (out / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab))
+        (out / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
+        specials = {f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")}
+        # transformers rebuilds the normaliser from these flags, so they must match tokenizer.json exactly.
+        config = {
+            "tokenizer_class": "BertTokenizer",
+            "do_lower_case": self.lowercase,
+            "strip_accents": None,
+            "tokenize_chinese_chars": True,
+            "model_max_length": self.max_length,
+            **specials,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
         return out
 
 
@@ -108,9 +126,17 @@ def load_tokenizer(path: str | Path, max_length: int = 64) -> Tokenizer:
 
 
 def train_wordpiece(
-    texts: Iterable[str], vocab_size: int = 100_000, lowercase: bool = True, min_frequency: int = 2
+    texts: Iterable[str] | Iterable[list[str]],
+    vocab_size: int = 100_000,
+    lowercase: bool = True,
+    min_frequency: int = 2,
+    max_length: int = 64,
 ) -> Tokenizer:
-    """Learn a WordPiece vocabulary from captions (the paper: 100k pieces from its training data)."""
+    """Learn a WordPiece vocabulary from captions (the paper: 100k pieces from its training data).
+
+    ``texts`` is consumed once, as a stream of captions or of caption batches (lists), so a corpus
+    larger than memory works; only the word counts are held.
+    """
     backend = Backend(models.WordPiece(unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -121,4 +147,4 @@ def train_wordpiece(
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(_bert_pipeline(backend, lowercase))
+    return Tokenizer(_bert_pipeline(backend, lowercase), max_length)

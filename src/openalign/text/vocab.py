@@ -1,0 +1,274 @@
+"""Train the paper's WordPiece vocabulary on (filtered) alt-texts, streamed from the files people have.
+
+Captions are read in batches from Parquet, CSV, JSON Lines, plain text (one caption per line) or
+WebDataset shards (each sample's ``txt`` member), so a corpus of any size passes through in constant
+memory; only the word counts of the trainer grow. Captions that cannot be used (null, empty, not
+valid UTF-8, an unparsable JSON line, an unreadable shard) are skipped and counted by reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from tqdm import tqdm
+
+from openalign.config import ConfigError
+from openalign.text.tokenizer import Tokenizer, train_wordpiece
+
+TEXT_SUFFIXES = (".txt", ".text")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+@dataclass
+class VocabConfig:
+    """How the vocabulary is learnt; the defaults are the paper's (100k wordpieces, 64 tokens)."""
+
+    vocab_size: int = 100_000
+    column: str = "caption"  # the alt-text column of a table (Parquet, CSV, JSON Lines)
+    lowercase: bool = True  # BERT-uncased normalisation: lowercase and strip accents
+    min_frequency: int = 2  # a merge must be seen at least this often
+    max_length: int = 64  # tokens per caption, [CLS] and [SEP] included (saved with the vocabulary)
+    batch_size: int = 1024  # captions handed to the trainer at once
+
+    def validate(self) -> None:
+        """Reject values the trainer cannot use, naming the field."""
+        if self.vocab_size < 10:
+            raise ConfigError(f"vocab.vocab_size must be at least 10, got {self.vocab_size}")
+        if self.min_frequency < 1:
+            raise ConfigError(f"vocab.min_frequency must be at least 1, got {self.min_frequency}")
+        if self.max_length < 3:
+            raise ConfigError(f"vocab.max_length must be at least 3 ([CLS] x [SEP]), got {self.max_length}")
+        if self.batch_size < 1:
+            raise ConfigError(f"vocab.batch_size must be at least 1, got {self.batch_size}")
+        if not self.column:
+            raise ConfigError("vocab.column must name a column")
+
+
+def _decode(value: Any, skipped: Counter[str]) -> str | None:
+    if value is None:
+        skipped["null"] += 1
+        return None
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped["not_utf8"] += 1
+            return None
+    if not isinstance(value, str):
+        skipped["not_text"] += 1
+        return None
+    if not value.strip():
+        skipped["empty"] += 1
+        return None
+    return value
+
+
+def _text_column(schema: pa.Schema, column: str, path: Path) -> pa.DataType:
+    if column not in schema.names:
+        raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)}); choose one with --column")
+    kind = schema.field(column).type
+    textual = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    if not (any(test(kind) for test in textual) or pa.types.is_null(kind)):
+        raise ValueError(f"{path}: column {column!r} holds {kind}, not text")
+    return kind
+
+
+def _parquet(path: Path, column: str, batch_size: int, skipped: Counter[str]) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    for f in files:
+        reader = pq.ParquetFile(f)
+        _text_column(reader.schema_arrow, column, f)
+        for batch in reader.iter_batches(batch_size=batch_size, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                if (text := _decode(value, skipped)) is not None:
+                    yield text
+
+
+def _csv_parse(path: Path) -> Any:
+    import pyarrow.csv as pcsv
+
+    return pcsv.ParseOptions(delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+
+
+def _csv(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
+    import pyarrow.csv as pcsv
+
+    # Read the caption as bytes: one invalid UTF-8 row must be skipped, not abort the whole file.
+    reader = pcsv.open_csv(
+        path,
+        parse_options=_csv_parse(path),
+        convert_options=pcsv.ConvertOptions(include_columns=[column], column_types={column: pa.binary()}),
+    )
+    for batch in reader:
+        for value in batch.column(0).to_pylist():
+            if (text := _decode(value, skipped)) is not None:
+                yield text
+
+
+def _csv_header(path: Path, column: str) -> None:
+    import pyarrow.csv as pcsv
+
+    names = pcsv.open_csv(
+        path, parse_options=_csv_parse(path), read_options=pcsv.ReadOptions(block_size=1 << 16)
+    ).schema.names
+    if column not in names:
+        raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(names)}); choose one with --column")
+
+
+def _json_rows(path: Path) -> Iterator[bytes | Any]:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith(b"["):
+            # A JSON array is not streamable; it is loaded whole (JSON Lines is the format for big corpora).
+            rows = json.load(f)
+            yield from rows
+            return
+        yield from f
+
+
+def _jsonl(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
+    seen_column = False
+    for line in _json_rows(path):
+        if isinstance(line, bytes | bytearray):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                skipped["bad_json"] += 1
+                continue
+        else:
+            row = line
+        if not isinstance(row, dict) or column not in row:
+            skipped["no_column"] += 1
+            continue
+        seen_column = True
+        if (text := _decode(row[column], skipped)) is not None:
+            yield text
+    if not seen_column and skipped["no_column"]:
+        raise ValueError(f"{path}: no row has a {column!r} field; choose one with --column")
+
+
+def _lines(path: Path, skipped: Counter[str]) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for line in f:
+            if (text := _decode(line.rstrip(b"\r\n"), skipped)) is not None:
+                yield text
+
+
+def _shards(spec: str, skipped: Counter[str]) -> Iterator[str]:
+    from openalign.data.shards import iter_samples
+
+    for sample in iter_samples(spec, on_error=lambda reason, detail: skipped.update([f"shard_{reason}"])):
+        if "txt" not in sample:
+            skipped["no_txt"] += 1
+            continue
+        if (text := _decode(sample["txt"], skipped)) is not None:
+            yield text
+
+
+def iter_captions(
+    source: str | Path, *, column: str = "caption", batch_size: int = 1024, skipped: Counter[str] | None = None
+) -> Iterator[str]:
+    """Stream the usable captions of ``source``: a Parquet file or folder, CSV, JSON Lines, plain text
+    (one caption per line) or WebDataset shards (a ``.tar``, a folder of them, or a brace/glob pattern).
+
+    Unusable captions are counted in ``skipped`` by reason. A missing file or caption column raises
+    before anything is yielded.
+    """
+    skipped = skipped if skipped is not None else Counter()
+    text = str(source)
+    path = Path(text)
+    suffix = path.suffix.lower()
+    if path.is_dir() and any(path.rglob("*.parquet")):
+        first = next(path.rglob("*.parquet"))
+        import pyarrow.parquet as pq
+
+        _text_column(pq.ParquetFile(first).schema_arrow, column, first)
+        return _parquet(path, column, batch_size, skipped)
+    if path.is_file():
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            _text_column(pq.ParquetFile(path).schema_arrow, column, path)
+            return _parquet(path, column, batch_size, skipped)
+        if suffix in (".csv", ".tsv"):
+            _csv_header(path, column)
+            return _csv(path, column, skipped)
+        if suffix in JSONL_SUFFIXES:
+            return _jsonl(path, column, skipped)
+        if suffix in TEXT_SUFFIXES:
+            return _lines(path, skipped)
+    if path.is_dir() or any(mark in text for mark in (".tar", ".tgz", "{", "*", "::")) or text.startswith("pipe:"):
+        from openalign.data.shards import expand_urls
+
+        urls = expand_urls(text)  # raises FileNotFoundError for a folder or pattern without shards
+        if not any(Path(u).exists() or u.startswith("pipe:") for u in urls):
+            raise FileNotFoundError(f"{source}: no such shard file")
+        return _shards(text, skipped)
+    if not path.exists():
+        raise FileNotFoundError(f"{source}: no such file")
+    raise ValueError(
+        f"{source}: unsupported input {suffix or '(no suffix)'}; use .parquet, .csv, .jsonl, .txt or .tar shards"
+    )
+
+
+def _batched(captions: Iterator[str], size: int, bar: tqdm, counted: Counter[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for caption in captions:
+        batch.append(caption)
+        if len(batch) == size:
+            bar.update(len(batch))
+            counted["captions"] += len(batch)
+            yield batch
+            batch = []
+    if batch:
+        bar.update(len(batch))
+        counted["captions"] += len(batch)
+        yield batch
+
+
+def build_vocab(
+    source: str | Path, out_dir: str | Path, config: VocabConfig | None = None, *, progress: bool = False
+) -> tuple[Tokenizer, dict[str, Any]]:
+    """Learn WordPiece on the captions of ``source`` and save it in ``out_dir`` (``tokenizer.json``,
+    ``vocab.txt``, ``tokenizer_config.json``, ``special_tokens_map.json``, ``vocab_stats.json``).
+
+    The result loads with ``openalign.load_tokenizer(out_dir)`` and with transformers'
+    ``BertTokenizerFast.from_pretrained(out_dir)``, which give identical ids.
+    """
+    config = config or VocabConfig()
+    config.validate()
+    skipped: Counter[str] = Counter()
+    counted: Counter[str] = Counter()
+    captions = iter_captions(source, column=config.column, batch_size=config.batch_size, skipped=skipped)
+    with tqdm(unit="caption", desc="vocab", disable=not progress, unit_scale=True) as bar:
+        tokenizer = train_wordpiece(
+            _batched(captions, config.batch_size, bar, counted),
+            vocab_size=config.vocab_size,
+            lowercase=config.lowercase,
+            min_frequency=config.min_frequency,
+            max_length=config.max_length,
+        )
+    used = counted["captions"]
+    if used == 0:
+        raise ValueError(f"{source}: no usable captions (skipped: {dict(skipped) or 'none'})")
+    out = tokenizer.save(out_dir)
+    stats = {
+        "source": str(source),
+        "captions": used,
+        "skipped": dict(sorted(skipped.items())),
+        "vocab_size": tokenizer.vocab_size,
+        "config": asdict(config),
+    }
+    (out / "vocab_stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    return tokenizer, stats
