@@ -919,7 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     btrain.add_argument("--preset", default="nano", help="model preset (default nano)")
     btrain.add_argument("--image-size", type=int, default=None, help="square crop size (default: the preset's)")
-    btrain.add_argument("--batch-size", type=int, default=64)
+    btrain.add_argument("--batch-size", type=int, default=256, help="pairs per step (default 256, the nano_cpu recipe)")
     btrain.add_argument("--steps", type=int, default=5, help="timed steps per round")
     btrain.add_argument("--warmup", type=int, default=2, help="untimed steps per round")
     btrain.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best round counts")

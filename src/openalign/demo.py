@@ -41,6 +41,7 @@ class DemoConfig:
     batch_size: int = 256
     eval_every: int = 200
     dedup_threshold: float = 0.975  # the paper's cosine for a near-duplicate
+    copy_detector_seconds: float = 60.0  # training budget of the separate image model used for dedup
     workers: int = 1  # DataLoader processes decoding training images
 
     def validate(self) -> None:
@@ -64,6 +65,7 @@ def quick_config(out: str) -> DemoConfig:
         train_steps=30,
         batch_size=64,
         eval_every=15,
+        copy_detector_seconds=10.0,
         workers=0,
     )
 
@@ -194,7 +196,9 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     if (detector_dir / "config.json").is_file():
         detector = CopyDetector.load(detector_dir)
     else:
-        detector = train_copy_detector(list(train_images()), seed=cfg.seed, progress=True)
+        detector = train_copy_detector(
+            list(train_images()), steps=400, seconds=cfg.copy_detector_seconds, seed=cfg.seed, progress=True
+        )
         detector.save(detector_dir)
     train_emb = detector.embed(train_images(), progress=True)
     test_emb = detector.embed((Image.open(p).convert("RGB") for p in test_paths), progress=True)
@@ -369,17 +373,26 @@ def _report(cfg: DemoConfig, root: Path, summaries: dict[str, dict[str, Any]]) -
     lines += ["## Near-duplicates of test images", "", _dict_line(dedup), ""]
     lines += ["## Vocabulary and shards", "", _dict_line(summaries["vocab"]), _dict_line(summaries["shards"]), ""]
     metrics = train.get("metrics", {})
+    temperature = metrics.get("temperature", float("nan"))
+    retrieval = summaries["eval"]["results"][0]
+    t2i = retrieval.get("t2i_r1", float("nan"))
+    verdict = "reaches" if t2i >= 50 else "does not reach"
+    eval_md = summaries["eval"]["markdown"].split("\n", 1)[-1].replace("\n## ", "\n### ")
     lines += [
         "## Training (`nano`)",
         "",
-        f"{train['steps']} steps of batch {cfg.batch_size} in {train['seconds']:.0f} s; "
-        f"temperature 1.0 → {metrics.get('temperature', float('nan')):.4f} (the paper converges near 1/64 = 0.0156).",
+        f"{train['steps']} steps of batch {cfg.batch_size} in {train['seconds']:.0f} s.",
+        "",
+        f"**Does it learn?** Held-out text → image R@1 is {t2i:.1f} % ({cfg.retrieval_images} images × 5 "
+        f"captions; chance is {100 / cfg.retrieval_images:.1f} %): it {verdict} the 50 % mark. The learned "
+        f"temperature fell from 1.0 to {temperature:.4f} (the paper's converges near 1/64 = 0.0156; with "
+        "label smoothing 0.1 and at this scale it settles higher).",
         "",
         f"![training curves]({plot.name})",
         "",
         "## Zero-shot evaluation on held-out sets",
         "",
-        summaries["eval"]["markdown"],
+        eval_md,
         "",
         "## Example queries over the training shards",
         "",

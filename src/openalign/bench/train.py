@@ -40,7 +40,7 @@ PARTS = ("data", "forward", "loss", "backward", "optimizer")
 class TrainBenchSettings:
     preset: str = "nano"
     image_size: int | None = None  # None: the preset's
-    batch_size: int = 64
+    batch_size: int = 256  # the nano_cpu recipe's batch
     steps: int = 5  # timed steps per round
     warmup: int = 2  # untimed steps per round
     rounds: int = 2

@@ -389,15 +389,9 @@ def export_hf_align(model: DualEncoder, path: str | Path, tokenizer_dir: str | P
 
         tok = load_tokenizer(tokenizer_dir)
         tok.save(out)
-        (out / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "BertTokenizer",
-                    "do_lower_case": True,
-                    "model_max_length": cfg.text.max_length,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        # Keep the vocabulary's own casing (a cased multilingual vocabulary must stay cased in transformers).
+        tok_cfg_path = out / "tokenizer_config.json"
+        tok_cfg = json.loads(tok_cfg_path.read_text())
+        tok_cfg.update(tokenizer_class="BertTokenizer", model_max_length=cfg.text.max_length)
+        tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     return out
