@@ -171,6 +171,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
 
 
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against type annotation ``tp`` (converting ints to floats where a float is wanted);
+    a mismatch is a ConfigError naming ``where``."""
+    return _coerce(value, tp, where)
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build dataclass ``cls`` from a plain mapping, rejecting unknown keys and ill-typed values."""
     hints = typing.get_type_hints(cls)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from openalign.config import ConfigError
+from openalign.config import ConfigError, coerce
 
 if TYPE_CHECKING:
     from openalign.model import DualEncoder
@@ -138,19 +138,7 @@ def _coerce(option: Option, value: Any, where: str) -> Any:
         if not isinstance(value, list | tuple) or not all(isinstance(v, str | int | float) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
         return [str(v) for v in value]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        value = float(value)
-    elif not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    value = coerce(value, tp, where)
     if option.choices is not None and value not in option.choices:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, option.choices))}")
     return value
