@@ -174,6 +174,7 @@ def _filter(cfg: DemoConfig, root: Path) -> dict[str, Any]:
 def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     """The supplement's decontamination with a copy detector trained on the crawl's own images (the
     paper's "separate high-quality image embedding model")."""
+    import pyarrow.csv as pa_csv
     import pyarrow.parquet as pq
     from PIL import Image
 
@@ -205,9 +206,7 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     result = find_near_duplicates(train_emb, test_emb, threshold=cfg.dedup_threshold, seed=cfg.seed)
     drop = result.drop_indices
     counts = remove_from_table(root / "filtered.parquet", root / "deduped.parquet", drop_rows=drop)
-    result.pairs_table([keys[i] for i in range(len(keys))], test_names).to_pandas().to_csv(
-        root / "dedup_pairs.csv", index=False
-    )
+    pa_csv.write_csv(result.pairs_table(keys, test_names), root / "dedup_pairs.csv")
     # The synthetic crawl records which rows are planted copies of test images: score the removal.
     planted = {i for i, src in enumerate(table.column("planted_duplicate_of").to_pylist()) if src}
     found = planted & set(drop.tolist())
