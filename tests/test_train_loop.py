@@ -307,3 +307,17 @@ def test_resume_latest_without_checkpoints_starts_fresh(tmp_path: Path) -> None:
 def test_resume_from_a_missing_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a training checkpoint"):
         train(tiny_config(tmp_path / "run"), resume=str(tmp_path / "nope"), stream_factory=factory())
+
+
+def test_karpathy_eval_set_is_capped_to_eval_images(tmp_path) -> None:
+    from openalign.data.synthetic import write_retrieval_set
+    from openalign.train.config import load_train_config
+    from openalign.train.loop import _load_eval_set
+
+    path = write_retrieval_set(tmp_path, 6, 5, seed=0, image_size=16)
+    overrides = {"eval.source": "karpathy", "eval.karpathy": str(path), "eval.images": 3, "eval.every": 1}
+    held = _load_eval_set(load_train_config("nano_cpu", overrides))
+    assert len(held.images) == 3 and len(held.captions) == 15
+    assert sorted(set(held.text_image_ids)) == [0, 1, 2]
+    full = _load_eval_set(load_train_config("nano_cpu", {**overrides, "eval.images": 10}))
+    assert len(full.images) == 6 and len(full.captions) == 30

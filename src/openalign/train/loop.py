@@ -511,7 +511,13 @@ def _load_eval_set(cfg: TrainConfig) -> Any:
     if e.source == "karpathy":
         from openalign.eval.datasets import load_karpathy
 
-        return load_karpathy(e.karpathy, e.image_root or Path(e.karpathy).parent, e.split)
+        data = load_karpathy(e.karpathy, e.image_root or Path(e.karpathy).parent, e.split)
+        if len(data.images) <= e.images:
+            return data
+        # The first eval.images images and their captions: a cheap, fixed check between steps.
+        keep = [j for j, i in enumerate(data.text_image_ids) if i < e.images]
+        images = [image for _, image in zip(range(e.images), data.images, strict=False)]
+        return _HeldOut(images, [data.captions[j] for j in keep], [data.text_image_ids[j] for j in keep])
     from openalign.data.synthetic import retrieval_set
 
     images, captions, ids = retrieval_set(e.images, e.captions_per_image)
