@@ -99,3 +99,23 @@ def test_yaml_file(tmp_path) -> None:
     path.write_text("name: mine\nembed_dim: 96\nimage:\n  width_coefficient: 0.5\n")
     cfg = model_config(load_yaml(path))
     assert cfg.embed_dim == 96 and cfg.image.width_coefficient == 0.5
+
+
+def test_exponent_floats_without_a_dot_read_as_numbers(tmp_path) -> None:
+    from openalign.config import load_yaml, parse_yaml
+    from openalign.train.config import parse_overrides
+
+    assert parse_yaml("lr: 2e-3\nwd: 1E5\nname: e5\nsteps: 10\nx: 1.5e-3") == {
+        "lr": 2e-3,
+        "wd": 1e5,
+        "name": "e5",
+        "steps": 10,
+        "x": 1.5e-3,
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n")
+    assert load_yaml(path) == {"optim": {"lr": 3e-4}}
+    assert parse_overrides(["--optim.lr", "2e-3", "--data.tokenizer=vocab"]) == {
+        "optim.lr": 2e-3,
+        "data.tokenizer": "vocab",
+    }

@@ -493,14 +493,14 @@ def _add_dedup_flags(parser: argparse.ArgumentParser, with_seed: bool = True) ->
 
 
 def _key_values(items: list[str] | None, flag: str) -> dict[str, object]:
-    import yaml
+    from openalign.config import parse_yaml
 
     out: dict[str, object] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{flag} expects KEY=VALUE, got '{item}'")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        out[key.strip()] = parse_yaml(value) if value.strip() else None
     return out
 
 

@@ -7,6 +7,7 @@ names the key and lists the valid ones, so a typo in a YAML file never silently 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -219,9 +220,26 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where ``2e-3`` (no dot) is a string; YAML 1.2 and every other tool read it as
+    a number, and learning rates are written that way."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that also reads exponent floats without a dot (``2e-3``) as numbers."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        data = parse_yaml(f.read()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data
@@ -233,7 +251,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _preset_data(name: str) -> dict[str, Any]:
     text = resources.files("openalign.presets").joinpath(f"{name}.yaml").read_text()
-    return yaml.safe_load(text)
+    return parse_yaml(text)
 
 
 def _towers() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -17,7 +17,16 @@ from typing import Any, Literal
 
 import yaml
 
-from openalign.config import ConfigError, ModelConfig, from_dict, load_yaml, merge, model_config, to_dict
+from openalign.config import (
+    ConfigError,
+    ModelConfig,
+    from_dict,
+    load_yaml,
+    merge,
+    model_config,
+    parse_yaml,
+    to_dict,
+)
 from openalign.optim import OptimConfig
 from openalign.train.data import DataConfig
 from openalign.train.logging import LogConfig
@@ -203,7 +212,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "." not in key:
             raise ConfigError(f"--{key}: overrides name a section and a key, e.g. --train.grad_clip 1.0")
         try:
-            out[key] = yaml.safe_load(value) if value != "" else ""
+            out[key] = parse_yaml(value) if value != "" else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"--{key}: cannot parse value {value!r}: {err}") from None
         i += 1
@@ -249,7 +258,7 @@ def load_train_config(
         data = config
     else:
         path = _resolve_path(config)
-        data = load_yaml(path) if isinstance(path, Path) else yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path) if isinstance(path, Path) else parse_yaml(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{config}: the top level must be a mapping of sections")
     return _from_mapping(merge(data, overrides or {}))
