@@ -97,8 +97,21 @@ def _build(which: str, cfg: Any) -> tuple[torch.nn.Module, Any]:
     return hf, forward
 
 
-def _peak_rss_mb() -> float:
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated memory on a GPU, else this process's peak resident set size, in MiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def forward_flops(forward: Any, *inputs: Any, device: torch.device, bf16: bool) -> int:
+    """FLOPs of one forward pass as PyTorch's counter sees them (no graph, autocast as in training)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        forward(*inputs)
+    return counter.get_total_flops()
 
 
 def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
@@ -129,14 +142,9 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    from torch.utils.flop_counter import FlopCounterMode
-
     # Forward FLOPs × 3 (backward ≈ 2 × forward): PyTorch's counter overstates depthwise-conv
     # backward by the group count, so the backward pass is not counted directly.
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-        forward(pixels, ids, mask)
-    flops = 3 * counter.get_total_flops()
+    flops = 3 * forward_flops(forward, pixels, ids, mask, device=device, bf16=settings.bf16)
     for _ in range(settings.warmup):
         step()
     sync()
@@ -148,7 +156,7 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
         step()
         sync()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _peak_rss_mb()
+    peak = peak_memory_mb(device)
     return {
         "model": which,
         "step_s": sorted(times)[len(times) // 2],

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from openalign.bench.model import BenchSettings, bench_config, matmul_peak
+from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
 
 PARTS = ("data", "forward", "loss", "backward", "optimizer")
@@ -88,14 +88,6 @@ def _stream(s: TrainBenchSettings, shards: str, tokenizer: Any, cfg: Any, worker
 
     data = DataConfig(shards=shards, batch_size=s.batch_size, workers=workers, max_text_length=cfg.text.max_length)
     return build_train_stream(data, tokenizer, seed=0, model_config=cfg)
-
-
-def _peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer]:
@@ -178,7 +170,7 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
             for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
                 times[part].append(dt)
         if which == "transformers" and step == 0:
-            flops = _forward_flops(forward, batch, device, s.bf16) * 3
+            flops = forward_flops(forward, batch, device=device, bf16=s.bf16) * 3
     totals = [sum(parts) for parts in zip(*(times[p] for p in PARTS), strict=True)]
     median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     step_s = totals[median]
@@ -187,20 +179,11 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
         "step_s": step_s,
         "parts_s": {part: times[part][median] for part in PARTS},
         "pairs_per_s": s.batch_size / step_s,
-        "peak_mem_mb": _peak_mb(device),
+        "peak_mem_mb": peak_memory_mb(device),
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS of the training process",
         "flops_per_step": flops,
         "final_loss": float(loss.detach()),
     }
-
-
-def _forward_flops(forward: Any, batch: dict[str, torch.Tensor], device: torch.device, bf16: bool) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        forward(batch)
-    return counter.get_total_flops()
 
 
 def measure_pipeline(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str, workers: int) -> float:
