@@ -1,0 +1,190 @@
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import openalign.train.loop as loop
+from openalign.cli import main
+from openalign.config import ConfigError
+from openalign.experiments import (
+    ExperimentSettings,
+    Stat,
+    ablations,
+    aggregate,
+    build_config,
+    expand_grid,
+    mean_std,
+    parse_only,
+    run_experiments,
+    trend,
+)
+from openalign.train.config import TrainConfig
+
+# A model and world small enough that a run takes about a second.
+TINY = {
+    "model.image": {"width_coefficient": 0.25, "depth_coefficient": 0.34},
+    "model.text": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_length": 16},
+    "model.embed_dim": 24,
+    "model.image_size": 16,
+    "data.synthetic.image_size": 16,
+    "data.workers": 0,
+    "log.progress": False,
+    "train.threads": 1,
+}
+
+
+def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
+    settings = ExperimentSettings(out=str(tmp_path), steps=400, batch_size=256, seeds=2)
+    specs = expand_grid(settings)
+    assert len(specs) == (4 + 4 + 3 + 4 + 2) * 2
+    by_name = {s.name: s for s in specs}
+    assert len(by_name) == len(specs)
+
+    def config(name: str) -> TrainConfig:
+        spec = by_name[name]
+        assert spec.run_dir == tmp_path / "runs" / Path(name)
+        cfg = build_config(spec)
+        assert cfg.train.run_dir == str(spec.run_dir)
+        assert cfg.train.seed == int(name[-1])
+        assert cfg.eval.every == 0
+        assert cfg.optim.total_steps == 400 and cfg.total_steps == 400
+        assert cfg.data.batch_size == 256 and cfg.data.source == "synthetic"
+        return cfg
+
+    n = round(400 * 256 / 48)  # the clean set is seen 4 × 12 times
+    clean = config("a/clean-1x/seed0")
+    assert (clean.data.synthetic.noise, clean.data.synthetic.size) == (0.0, n)
+    for variant, size in (("noisy-1x", n), ("noisy-2x", 2 * n), ("noisy-4x", 4 * n)):
+        syn = config(f"a/{variant}/seed1").data.synthetic
+        assert (syn.noise, syn.size) == (0.25, size)
+
+    learned = config("b/learned/seed0").model.resolve()
+    assert learned.learn_temperature is True and learned.temperature_init == 1.0
+    for fixed in (32, 64, 128):
+        model = config(f"b/fixed-1-{fixed}/seed1").model.resolve()
+        assert model.learn_temperature is False
+        assert model.temperature_init == 1 / fixed
+    assert config("b/fixed-1-64/seed0").model.resolve().temperature_init == 0.015625
+
+    for percent in (100, 50, 25):
+        assert config(f"c/neg-{percent}/seed0").train.negatives_fraction == percent / 100
+    for dim in (80, 160, 320, 640):
+        assert config(f"d/dim-{dim}/seed1").model.resolve().embed_dim == dim
+    assert config("e/ls-0.1/seed0").train.label_smoothing == 0.1
+    assert config("e/ls-0/seed0").train.label_smoothing == 0.0
+    # Factors not under study stay at the recipe's values.
+    other = config("c/neg-50/seed0")
+    assert other.train.label_smoothing == 0.1 and other.data.synthetic.noise == 0.25
+    assert other.data.synthetic.size is None and other.model.resolve().embed_dim == 128
+
+
+def test_only_and_settings_are_checked() -> None:
+    assert parse_only("e, a") == ("a", "e")
+    with pytest.raises(ConfigError, match="unknown ablation 'f'"):
+        parse_only("a,f")
+    with pytest.raises(ConfigError):
+        expand_grid(ExperimentSettings(steps=0))
+    assert main(["experiments", "--only", "x", "--out", "/nonexistent/never"]) == 2
+
+
+def test_mean_and_sample_std_by_hand() -> None:
+    stat = mean_std([1.0, 2.0, 4.0])
+    # mean 7/3; squared deviations 16/9 + 1/9 + 25/9 = 42/9, over n - 1 = 2 -> 7/3
+    assert stat.mean == pytest.approx(7 / 3)
+    assert stat.std == pytest.approx(math.sqrt(7 / 3))
+    assert stat.n == 3
+    assert mean_std([5.0]) == Stat(5.0, None, 1)
+    assert mean_std([]).n == 0
+
+
+def test_aggregate_by_hand() -> None:
+    table = ablations(10, 8)
+    metrics = {"t2i_r1": 0.0, "i2t_r1": 0.0, "mean_recall": 0.0}
+
+    def run(variant: str, seed: int, t2i: float, i2t: float) -> dict:
+        return {
+            "ablation": "e",
+            "variant": variant,
+            "seed": seed,
+            "seconds": 2.0,
+            "metrics": {**metrics, "t2i_r1": t2i, "i2t_r1": i2t},
+        }
+
+    runs = [run("ls-0.1", 0, 10.0, 20.0), run("ls-0.1", 1, 14.0, 20.0)]
+    runs += [run("ls-0", 0, 1.0, 30.0), run("ls-0", 1, 3.0, 31.0)]
+    rows = {r["variant"]: r for r in aggregate(runs, table, ["e"])["e"]["variants"]}
+    ref, off = rows["ls-0.1"], rows["ls-0"]
+    assert ref["t2i_r1"] == {"mean": 12.0, "std": pytest.approx(math.sqrt(8)), "n": 2}
+    assert ref["i2t_r1"] == {"mean": 20.0, "std": 0.0, "n": 2}
+    assert off["t2i_r1"]["mean"] == 2.0 and off["t2i_r1"]["std"] == pytest.approx(math.sqrt(2))
+    assert off["i2t_r1"]["mean"] == 30.5 and off["i2t_r1"]["std"] == pytest.approx(math.sqrt(0.5))
+    assert ref["trend"]["t2i_r1"] == "reference"
+    # t2i: Δ -10 against pooled sqrt((8 + 2) / 2) = 2.24 -> lower, as the paper expects
+    assert off["trend"]["t2i_r1"].startswith("same direction as paper (Δ -10.0, noise 2.2")
+    # i2t: Δ +10.5 against pooled 0.5 -> higher, the opposite
+    assert off["trend"]["i2t_r1"].startswith("opposite")
+
+
+def test_trend_cases() -> None:
+    ref = Stat(10.0, 1.0, 3)
+    assert trend("lower", ref, Stat(5.0, 1.0, 3)).startswith("same direction as paper")
+    assert trend("higher", ref, Stat(5.0, 1.0, 3)).startswith("opposite")
+    assert trend("lower", ref, Stat(10.9, 1.0, 3)).startswith("within noise")
+    assert trend("similar", ref, Stat(10.9, 1.0, 3)).startswith("≈ as in paper")
+    assert trend("similar", ref, Stat(13.0, 1.0, 3)).startswith("higher (paper ≈)")
+    one = trend("higher", Stat(10.0, None, 1), Stat(10.2, None, 1))
+    assert one.startswith("same direction as paper") and "no noise estimate" in one
+    assert trend("lower", ref, Stat(math.nan, None, 0)) == "no result"
+
+
+@pytest.fixture
+def keep_threads() -> Iterator[None]:
+    # train.threads is process-wide: give the tests that follow their thread count back.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_runs_are_reused_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = loop.train
+    calls: list[str] = []
+
+    def counting(cfg: TrainConfig, **kwargs: Any) -> loop.TrainResult:
+        calls.append(cfg.train.run_dir)
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(loop, "train", counting)
+    settings = ExperimentSettings(
+        out=str(tmp_path), steps=2, batch_size=8, eval_images=10, seeds=1, only=("e",), overrides=TINY
+    )
+    first = run_experiments(settings, log=lambda _: None)
+    assert len(calls) == 2
+    for run in first["runs"]:
+        assert run["steps"] == 2 and 0 <= run["metrics"]["t2i_r1"] <= 100
+        assert run["metrics"]["num_images"] == 10 and run["metrics"]["num_captions"] == 50
+        run_dir = tmp_path / "runs" / "e" / run["variant"] / "seed0"
+        assert (run_dir / "result.json").is_file() and (run_dir / "final").is_dir()
+        assert not (run_dir / "checkpoints").exists()
+
+    second = run_experiments(settings, log=lambda _: None)
+    assert len(calls) == 2  # nothing retrained
+    assert second["runs"] == first["runs"]
+    saved = json.loads((tmp_path / "experiments.json").read_text())
+    assert [r["variant"] for r in saved["ablations"]["e"]["variants"]] == ["ls-0.1", "ls-0"]
+
+    markdown = (tmp_path / "experiments.md").read_text()
+    rows = [line for line in markdown.splitlines() if line.startswith("| label smoothing")]
+    assert len(rows) == 2
+    assert "## (e) Label smoothing" in markdown and "## (a)" not in markdown
+
+    # Other settings in the same folder would mix incomparable runs.
+    with pytest.raises(ValueError, match="other settings"):
+        run_experiments(ExperimentSettings(**{**settings.__dict__, "steps": 3}), log=lambda _: None)
+    assert len(calls) == 2
