@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 import socket
 
 import httpx
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from PIL import Image
 
 from openalign.search.api import background_server, create_app, load_searcher
@@ -45,7 +47,7 @@ def png_b64(size=(40, 30), colour=(200, 30, 30)) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_health_and_page(http):
+def test_health_and_page(http, searcher):
     health = http.get("/health").json()
     assert health == {
         "status": "ok",
@@ -53,7 +55,7 @@ def test_health_and_page(http):
         "captions": 40,
         "embed_dim": 128,
         "index": {"image": "exact", "text": "exact"},
-        "model": health["model"],
+        "model": str(searcher.index.info["model"]),
     }
     page = http.get("/")
     assert page.status_code == 200 and 'id="query"' in page.text
@@ -179,3 +181,10 @@ def test_openapi_fuzzing(server):
         check()
     with httpx.Client(base_url=server) as client:
         assert client.get("/health").status_code == 200
+
+
+def test_health_names_the_model_the_server_was_started_with(demo_index, searcher, tmp_path):
+    """`openalign serve INDEX --model DIR` serves DIR's model, so /health must say DIR, not the index's."""
+    served = shutil.copytree(searcher.index.info["model"], tmp_path / "served-model")
+    client = TestClient(create_app(load_searcher(demo_index, served)))
+    assert client.get("/health").json()["model"] == str(served)

@@ -157,7 +157,7 @@ def create_app(
 
     @app.get("/health", response_model=Health)
     def health() -> dict:
-        return {"status": "ok", **index.summary()}
+        return {"status": "ok", **index.summary(), "model": searcher.model_name}
 
     @app.post("/search", response_model=SearchResponse, responses=errors)
     def search(request: SearchRequest) -> dict:
@@ -280,4 +280,4 @@ def load_searcher(
     model = load_model(model_path)
     tokenizer_path = tokenizer_path or index.info.get("tokenizer") or model_path
     tokenizer = load_tokenizer(tokenizer_path, max_length=model.config.text.max_length)
-    return Searcher(index, model, tokenizer)
+    return Searcher(index, model, tokenizer, model_name=str(model_path))

@@ -125,12 +125,15 @@ class Searcher:
         *,
         device: str = "cpu",
         cache_size: int = 4096,
+        model_name: str | None = None,
     ):
         if model is not None and model.embed_dim != index.embed_dim:
             raise ValueError(f"the model makes {model.embed_dim}-d embeddings but the index holds {index.embed_dim}-d")
         self.index = index
         self.model = model.eval() if model is not None else None
         self.tokenizer = tokenizer
+        # What /health reports as served: the model given here, else the one the index was built with.
+        self.model_name = model_name or (index.info.get("model") if model is not None else None)
         self.device = device
         self.cache_size = cache_size
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
