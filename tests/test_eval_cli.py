@@ -238,7 +238,7 @@ def test_markdown_shows_paper_numbers_only_for_the_paper_protocol() -> None:
         "metrics": {"i2t_r1": 50.0, "num_images": 1000, "num_captions": 5000},
     }
     text = markdown([same])
-    assert "| i2t_r1 | 50.00 | 88.6 | 88.0 |" in text and "Table 4" in text
+    assert "| i2t_r1 | 50.00 | 88.6 | 88.0 |" in text and "Table 1" in text
     coco = {"task": "zeroshot", "dataset": "imagenet", "model": "m", "metrics": {"top1": 10.0, "num_images": 50000}}
     assert "| top1 | 10.00 | 76.4 | 76.2 |" in markdown([coco])
     small = {**coco, "metrics": {"top1": 10.0, "num_images": 50}}

@@ -152,69 +152,6 @@ def test_bad_files_are_reported(tmp_path: Path) -> None:
         cxc.load_cxc(d, karpathy)
 
 
-# ------------------------------------------------------------------------------------------ recall
-
-
-def slow_recall(q: torch.Tensor, c: torch.Tensor, positives, k: int, exclude=None) -> tuple[float, int]:
-    """Plain reference: sort candidates by score, ties broken against the query (negatives first)."""
-    hits, n = 0, 0
-    for i in range(len(q)):
-        pos = set(positives[i])
-        if not pos:
-            continue
-        n += 1
-        cands = [j for j in range(len(c)) if exclude is None or j != exclude[i]]
-        scores = {j: float(q[i] @ c[j]) for j in cands}
-        order = sorted(cands, key=lambda j: (-scores[j], j in pos))
-        hits += any(j in pos for j in order[:k])
-    return 100.0 * hits / n, n
-
-
-def test_recall_at_k_sets_hand_computed() -> None:
-    q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
-    c = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])
-    # q0 best positive is c1 (rank 1 behind c0); q1's positive c2 is the top; q2 has none (skipped)
-    r = cxc.recall_at_k_sets(q, c, [{1}, {2, 0}, set()], ks=(1, 2))
-    assert (r["r1"], r["r2"], r["queries"], r["skipped"]) == (50.0, 100.0, 2, 1)
-    # excluding c0 from q0's ranking puts c1 first
-    assert cxc.recall_at_k_sets(q[:1], c, [{1}], ks=(1,), exclude=[0])["r1"] == 100.0
-    # ties count against: a positive tied with a negative is not at rank 1
-    assert cxc.recall_at_k_sets(q[:1], torch.tensor([[1.0, 0.0], [1.0, 0.0]]), [{1}], ks=(1, 2)) == {
-        "r1": 0.0,
-        "r2": 100.0,
-        "queries": 1,
-        "skipped": 0,
-    }
-
-
-def test_recall_at_k_sets_matches_slow_reference() -> None:
-    g = torch.Generator().manual_seed(0)
-    q = torch.nn.functional.normalize(torch.randn(37, 6, generator=g), dim=1)
-    c = torch.nn.functional.normalize(torch.randn(53, 6, generator=g), dim=1)
-    c[5] = c[4]  # an exact tie
-    rng = np.random.default_rng(0)
-    positives = [set(rng.choice(53, size=rng.integers(0, 4), replace=False).tolist()) for _ in range(37)]
-    exclude = [int(rng.integers(0, 53)) for _ in range(37)]
-    exclude = [e if e not in p else None for e, p in zip(exclude, positives, strict=True)]
-    r = cxc.recall_at_k_sets(q, c, positives, ks=(1, 5, 10), exclude=exclude, block_size=8)
-    for k in (1, 5, 10):
-        ref, n = slow_recall(q, c, positives, k, exclude)
-        assert r[f"r{k}"] == pytest.approx(ref)
-        assert r["queries"] == n
-
-
-def test_recall_at_k_sets_bad_input() -> None:
-    q, c = torch.eye(2), torch.eye(3, 2)
-    with pytest.raises(ValueError, match="outside"):
-        cxc.recall_at_k_sets(q, c, [{3}, {0}])
-    with pytest.raises(ValueError, match="no query has a positive"):
-        cxc.recall_at_k_sets(q, c, [set(), set()])
-    with pytest.raises(ValueError, match="2 queries"):
-        cxc.recall_at_k_sets(q, c, [{0}])
-    with pytest.raises(ValueError, match="both excluded and a positive"):
-        cxc.recall_at_k_sets(q, c, [{0}, {1}], exclude=[0, None])
-
-
 # ------------------------------------------------------------------------------------------ correlation
 
 

@@ -20,7 +20,7 @@ from openalign.eval.datasets import (
     load_retrieval_csv,
     load_retrieval_wds,
 )
-from openalign.eval.retrieval import recall_at_k, retrieval_ranks
+from openalign.eval.retrieval import recall_at_k, recall_at_k_sets, retrieval_ranks
 
 
 def reference_recall(sim: list[list[float]], ids: list[int], ks: tuple[int, ...]) -> dict[str, float]:
@@ -100,6 +100,33 @@ def test_float32_unit_vectors_match_float64_reference() -> None:
     assert bool((t2i[(ids == 3) | (ids == 7)] >= 1).all())
 
 
+def reference_ranks(sim: list[list[float]], ids: list[int]) -> tuple[list[int], list[int]]:
+    """Pessimistic ranks by counting wrong items at or above the best right one, one query at a time."""
+    n, m = len(sim), len(sim[0])
+    i2t = []
+    for i in range(n):
+        best = max(sim[i][j] for j in range(m) if ids[j] == i)
+        i2t.append(sum(1 for j in range(m) if ids[j] != i and sim[i][j] >= best))
+    t2i = [sum(1 for i in range(n) if i != ids[j] and sim[i][j] >= sim[ids[j]][j]) for j in range(m)]
+    return i2t, t2i
+
+
+@pytest.mark.parametrize("tile", [(None, None), (7, 13), (140, 37), (1, 1), (200, 1000)])
+def test_ranks_do_not_depend_on_the_tile_shape(tile: tuple[int | None, int | None]) -> None:
+    # 140 images span more than one 128-row comparison stripe; integer float32 scores are exact, with many
+    # ties, and shuffled captions put own pairs in every tile.
+    rng = np.random.default_rng(11)
+    n, m = 140, 330
+    ids = np.concatenate([np.arange(n), rng.integers(0, n, m - n)])
+    rng.shuffle(ids)
+    x = rng.integers(-2, 3, (n, 4)).astype(np.float32)
+    y = rng.integers(-2, 3, (m, 4)).astype(np.float32)
+    i2t_ref, t2i_ref = reference_ranks((x.astype(np.float64) @ y.T.astype(np.float64)).tolist(), ids.tolist())
+    i2t, t2i = retrieval_ranks(x, y, ids, block_size=tile[0], block_columns=tile[1])
+    assert i2t.tolist() == i2t_ref and t2i.tolist() == t2i_ref
+    assert i2t.dtype == t2i.dtype == torch.long
+
+
 def test_bad_inputs_name_the_problem() -> None:
     x, y = torch.eye(3), torch.eye(3)
     with pytest.raises(ValueError, match="image 1 has no caption"):
@@ -116,6 +143,70 @@ def test_bad_inputs_name_the_problem() -> None:
         recall_at_k(torch.empty(0, 3), y, [0, 1, 2])
     with pytest.raises(ValueError, match="NaN"):
         recall_at_k(x * float("nan"), y, [0, 1, 2])
+
+
+# --------------------------------------------------------------------------------------------------
+# Recall with a set of positives per query (CxC's extended positives)
+
+
+def slow_recall(q: torch.Tensor, c: torch.Tensor, positives, k: int, exclude=None) -> tuple[float, int]:
+    """Plain reference: sort candidates by score, ties broken against the query (negatives first)."""
+    hits, n = 0, 0
+    for i in range(len(q)):
+        pos = set(positives[i])
+        if not pos:
+            continue
+        n += 1
+        cands = [j for j in range(len(c)) if exclude is None or j != exclude[i]]
+        scores = {j: float(q[i] @ c[j]) for j in cands}
+        order = sorted(cands, key=lambda j: (-scores[j], j in pos))
+        hits += any(j in pos for j in order[:k])
+    return 100.0 * hits / n, n
+
+
+def test_recall_at_k_sets_hand_computed() -> None:
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    c = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])
+    # q0 best positive is c1 (rank 1 behind c0); q1's positive c2 is the top; q2 has none (skipped)
+    r = recall_at_k_sets(q, c, [{1}, {2, 0}, set()], ks=(1, 2))
+    assert (r["r1"], r["r2"], r["queries"], r["skipped"]) == (50.0, 100.0, 2, 1)
+    # excluding c0 from q0's ranking puts c1 first
+    assert recall_at_k_sets(q[:1], c, [{1}], ks=(1,), exclude=[0])["r1"] == 100.0
+    # ties count against: a positive tied with a negative is not at rank 1
+    assert recall_at_k_sets(q[:1], torch.tensor([[1.0, 0.0], [1.0, 0.0]]), [{1}], ks=(1, 2)) == {
+        "r1": 0.0,
+        "r2": 100.0,
+        "queries": 1,
+        "skipped": 0,
+    }
+
+
+def test_recall_at_k_sets_matches_slow_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(37, 6, generator=g), dim=1)
+    c = torch.nn.functional.normalize(torch.randn(53, 6, generator=g), dim=1)
+    c[5] = c[4]  # an exact tie
+    rng = np.random.default_rng(0)
+    positives = [set(rng.choice(53, size=rng.integers(0, 4), replace=False).tolist()) for _ in range(37)]
+    exclude = [int(rng.integers(0, 53)) for _ in range(37)]
+    exclude = [e if e not in p else None for e, p in zip(exclude, positives, strict=True)]
+    r = recall_at_k_sets(q, c, positives, ks=(1, 5, 10), exclude=exclude, block_size=8)
+    for k in (1, 5, 10):
+        ref, n = slow_recall(q, c, positives, k, exclude)
+        assert r[f"r{k}"] == pytest.approx(ref)
+        assert r["queries"] == n
+
+
+def test_recall_at_k_sets_bad_input() -> None:
+    q, c = torch.eye(2), torch.eye(3, 2)
+    with pytest.raises(ValueError, match="outside"):
+        recall_at_k_sets(q, c, [{3}, {0}])
+    with pytest.raises(ValueError, match="no query has a positive"):
+        recall_at_k_sets(q, c, [set(), set()])
+    with pytest.raises(ValueError, match="2 queries"):
+        recall_at_k_sets(q, c, [{0}])
+    with pytest.raises(ValueError, match="both excluded and a positive"):
+        recall_at_k_sets(q, c, [{0}, {1}], exclude=[0, None])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,3 +343,14 @@ def test_coco_caption_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text(json.dumps({"images": images, "annotations": anns}))
     with pytest.raises(ValueError, match="caption 4 refers to image_id 30, which is not in 'images'"):
         load_coco_captions(tmp_path / "bad.json", tmp_path)
+
+
+def test_retrieval_bench_reports_both_timings(tmp_path: Path) -> None:
+    from openalign.bench.retrieval import RetrievalBenchSettings, run_retrieval_bench
+
+    out = tmp_path / "bench.json"
+    result = run_retrieval_bench(RetrievalBenchSettings(images=60, dim=16, rounds=1, json_path=str(out)))
+    assert json.loads(out.read_text()) == result
+    assert result["matmul_s"] > 0 and result["ratio"] == pytest.approx(result["recall_at_k_s"] / result["matmul_s"])
+    with pytest.raises(ValueError, match="must be positive"):
+        run_retrieval_bench(RetrievalBenchSettings(images=0))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from openalign.eval.retrieval import recall_at_k_sets
 from openalign.eval.simlex import spearman
 
 TASK_COLUMNS = {
@@ -54,89 +55,6 @@ TASK_COLUMNS = {
     "sis": ("image1", "image2", "agg_score", "sampling_method"),
     "sits": ("caption", "image", "agg_score", "sampling_method"),
 }
-PAPER_ALIGN = {  # the paper's Tables 2 and 3, ALIGN row (fine-tuned on MSCOCO)
-    "i2t_r1": 78.1,
-    "i2t_r5": 94.3,
-    "i2t_r10": 97.4,
-    "t2i_r1": 61.8,
-    "t2i_r5": 84.9,
-    "t2i_r10": 91.1,
-    "t2t_r1": 45.4,
-    "t2t_r5": 66.8,
-    "t2t_r10": 75.2,
-    "i2i_r1": 49.4,
-    "i2i_r5": 81.4,
-    "i2i_r10": 89.1,
-    "sts_mean": 72.9,
-    "sis_mean": 77.2,
-    "sits_mean": 67.6,
-    "mean_avg": 72.6,
-}
-
-
-# --------------------------------------------------------------------------------------------------
-# Retrieval against any set of positives
-
-
-def recall_at_k_sets(
-    query_emb: torch.Tensor,
-    cand_emb: torch.Tensor,
-    positives: Sequence[Collection[int]],
-    ks: Sequence[int] = (1, 5, 10),
-    *,
-    exclude: Sequence[int | None] | None = None,
-    block_size: int = 1024,
-) -> dict[str, Any]:
-    """Recall@k (%) when each query has a set of correct candidates: a query hits at k when any of its
-    positives is among its k best-scored candidates.
-
-    ``positives[q]`` holds candidate indices; ``exclude[q]`` (optional) is one candidate index removed
-    from query q's ranking (the query itself in T2T/I2I). Ties count against the query: a positive ranks
-    behind every non-positive candidate scoring at least as high, so identical embeddings never score.
-    Queries without positives are skipped and counted (``skipped``), never scored as misses or hits.
-    Returns ``{"r1": ..., "r5": ..., "queries": evaluated, "skipped": n}``. Scores are dot products
-    (cosine for L2-normalised rows); the similarity matrix is built ``block_size`` queries at a time.
-    """
-    q, c = torch.as_tensor(query_emb).float(), torch.as_tensor(cand_emb).float()
-    if q.ndim != 2 or c.ndim != 2 or q.shape[1] != c.shape[1]:
-        raise ValueError(
-            f"query and candidate embeddings must be [Q, D] and [N, D], got {list(q.shape)}, {list(c.shape)}"
-        )
-    if len(positives) != q.shape[0]:
-        raise ValueError(f"positives has {len(positives)} entries for {q.shape[0]} queries")
-    if exclude is not None and len(exclude) != q.shape[0]:
-        raise ValueError(f"exclude has {len(exclude)} entries for {q.shape[0]} queries")
-    if not ks or any(k < 1 for k in ks):
-        raise ValueError(f"ks must be positive integers, got {list(ks)}")
-    n = c.shape[0]
-    for i, pos in enumerate(positives):
-        bad = [j for j in pos if not 0 <= j < n]
-        if bad:
-            raise ValueError(f"query {i}: positive candidate index {bad[0]} is outside [0, {n})")
-        if exclude is not None and exclude[i] is not None and exclude[i] in pos:
-            raise ValueError(f"query {i}: candidate {exclude[i]} is both excluded and a positive")
-    keep = [i for i, pos in enumerate(positives) if len(pos) > 0]
-    if not keep:
-        raise ValueError("no query has a positive candidate; nothing to evaluate")
-    ranks = []
-    for start in range(0, len(keep), block_size):
-        rows = keep[start : start + block_size]
-        sim = q[rows] @ c.T
-        is_pos = torch.zeros_like(sim, dtype=torch.bool)
-        for r, i in enumerate(rows):
-            is_pos[r, list(positives[i])] = True
-        if exclude is not None:
-            for r, i in enumerate(rows):
-                if exclude[i] is not None:
-                    sim[r, exclude[i]] = -torch.inf
-        best = sim.masked_fill(~is_pos, -torch.inf).max(1, keepdim=True).values
-        # -inf marks the excluded candidate; it never outranks a finite positive.
-        ranks.append(((sim >= best) & ~is_pos & torch.isfinite(sim)).sum(1))
-    rank = torch.cat(ranks)
-    out: dict[str, Any] = {f"r{k}": 100.0 * float((rank < k).double().mean()) for k in ks}
-    out["queries"] = len(keep)
-    out["skipped"] = len(positives) - len(keep)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 LANGUAGES = ("en", "de", "fr", "cs")
-PAPER_ALIGN_MLING = {"en": 90.2, "de": 84.1, "fr": 84.9, "cs": 63.2}  # Table 9, zero-shot ALIGN_mling
 
 
 @dataclass

@@ -5,9 +5,11 @@ metrics) plus the options it ran with; ``results.md`` is regenerated from every 
 directory, so separate runs into one directory add up to one report.
 
 Paper numbers are shown only where the protocol is the same one the paper used: the same dataset, the
-same split size (Flickr30K 1K test images, MSCOCO 5K, the full ImageNet validation sets) and zero-shot
-use of the model. A different size means a different benchmark, so the paper's column is left out with
-the reason.
+same split size (Flickr30K 1K test images, MSCOCO and CxC 5K, Multi30K 1K, all 999 SimLex-999 pairs, the
+full ImageNet validation sets) and the same use of the model (zero-shot, except CxC, where the paper
+scores its MSCOCO fine-tuned model). A different size means a different benchmark, so the paper's
+column is left out with the reason. The second paper column is the baseline the paper compares to:
+CLIP, or the one a reference names (GloVe for SimLex-999).
 """
 
 from __future__ import annotations
@@ -22,24 +24,28 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PaperReference:
-    """Numbers from the ALIGN paper (and CLIP, which it compares to) for one task on one dataset."""
+    """Numbers from the ALIGN paper (and the baseline it compares to, CLIP unless named) for one task on one
+    dataset, keyed by the metric names the task writes."""
 
     task: str
     dataset: str
     source: str  # the paper table the numbers come from
     align: Mapping[str, float]
-    clip: Mapping[str, float] = field(default_factory=dict)
+    clip: Mapping[str, float] = field(default_factory=dict)  # the baseline's numbers; no column when empty
     # metric -> value our result must have for the comparison to be fair (e.g. the number of test images)
     requires: Mapping[str, float] = field(default_factory=dict)
+    baseline_name: str = "CLIP"  # the header of the ``clip`` column
 
 
 _RETRIEVAL_KEYS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+_CXC_KEYS = tuple(f"{d}_r{k}" for d in ("i2t", "t2i", "t2t", "i2i") for k in (1, 5, 10))
+_SIMLEX_KEYS = ("all", "adjs", "nouns", "verbs", "conc_q1", "conc_q2", "conc_q3", "conc_q4", "hard")
 
 PAPER: list[PaperReference] = [
     PaperReference(
         "retrieval",
         "flickr30k",
-        "Table 4, zero-shot Flickr30K (1K test)",
+        "Table 1, zero-shot Flickr30K (1K test)",
         dict(zip(_RETRIEVAL_KEYS, (88.6, 98.7, 99.7, 75.7, 93.8, 96.8), strict=True)),
         dict(zip(_RETRIEVAL_KEYS, (88.0, 98.7, 99.4, 68.7, 90.6, 95.2), strict=True)),
         {"num_images": 1000, "num_captions": 5000},
@@ -47,20 +53,48 @@ PAPER: list[PaperReference] = [
     PaperReference(
         "retrieval",
         "mscoco",
-        "Table 4, zero-shot MSCOCO (5K test)",
+        "Table 1, zero-shot MSCOCO (5K test)",
         dict(zip(_RETRIEVAL_KEYS, (58.6, 83.0, 89.7, 45.6, 69.8, 78.6), strict=True)),
         dict(zip(_RETRIEVAL_KEYS, (58.4, 81.5, 88.1, 37.8, 62.4, 72.2), strict=True)),
         {"num_images": 5000},
     ),
-    PaperReference("zeroshot", "imagenet", "Table 3, zero-shot", {"top1": 76.4}, {"top1": 76.2}, {"num_images": 50000}),
     PaperReference(
-        "zeroshot", "imagenet-r", "Table 3, zero-shot", {"top1": 92.2}, {"top1": 88.9}, {"num_images": 30000}
+        "zeroshot", "imagenet", "zero-shot classification, §5", {"top1": 76.4}, {"top1": 76.2}, {"num_images": 50000}
     ),
     PaperReference(
-        "zeroshot", "imagenet-a", "Table 3, zero-shot", {"top1": 75.8}, {"top1": 77.2}, {"num_images": 7500}
+        "zeroshot", "imagenet-r", "zero-shot classification, §5", {"top1": 92.2}, {"top1": 88.9}, {"num_images": 30000}
     ),
     PaperReference(
-        "zeroshot", "imagenet-v2", "Table 3, zero-shot", {"top1": 70.1}, {"top1": 70.1}, {"num_images": 10000}
+        "zeroshot", "imagenet-a", "zero-shot classification, §5", {"top1": 75.8}, {"top1": 77.2}, {"num_images": 7500}
+    ),
+    PaperReference(
+        "zeroshot", "imagenet-v2", "zero-shot classification, §5", {"top1": 70.1}, {"top1": 70.1}, {"num_images": 10000}
+    ),
+    PaperReference(
+        "cxc",
+        "cxc-test",
+        "Tables 2 and 3, CxC on the MSCOCO 5K test split, ALIGN fine-tuned on MSCOCO",
+        dict(zip(_CXC_KEYS, (78.1, 94.3, 97.4, 61.8, 84.9, 91.1, 45.4, 66.8, 75.2, 49.4, 81.4, 89.1), strict=True))
+        # Spearman's ρ × 100 (bootstrap means) and the mean of the three
+        | {"sts_mean": 72.9, "sis_mean": 77.2, "sits_mean": 67.6, "mean_avg": 72.6},
+        # every test image is an image→text query, so this counts the split's images
+        requires={"i2t_queries": 5000},
+    ),
+    PaperReference(
+        "simlex",
+        "simlex-999",
+        "supplement Table 1, SimLex-999 Spearman ρ × 100, with GloVe as reported there",
+        dict(zip(_SIMLEX_KEYS, (39.8, 49.8, 45.9, 16.6, 23.9, 41.7, 47.6, 57.8, 31.7), strict=True)),
+        dict(zip(_SIMLEX_KEYS, (40.8, 62.2, 42.8, 19.6, 43.3, 41.6, 42.3, 40.2, 27.2), strict=True)),
+        {"n_all": 999},
+        baseline_name="GloVe",
+    ),
+    PaperReference(
+        "multilingual",
+        "multi30k-test-2016-flickr",
+        "Multi30K zero-shot mean recall of ALIGN_mling (1K test images)",
+        {"en_mean_recall": 90.2, "de_mean_recall": 84.1, "fr_mean_recall": 84.9, "cs_mean_recall": 63.2},
+        requires={"num_images": 1000},
     ),
 ]
 
@@ -117,7 +151,7 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(results: Iterable[Mapping[str, Any]]) -> str:
-    """One table per result: metric, ours, and the paper's ALIGN and CLIP numbers where comparable."""
+    """One table per result: metric, ours, and the paper's ALIGN and baseline numbers where comparable."""
     parts = ["# Evaluation results", ""]
     for r in results:
         metrics = r["metrics"]
@@ -128,16 +162,17 @@ def markdown(results: Iterable[Mapping[str, Any]]) -> str:
         if ref is not None:
             mismatch = [f"{k} {metrics.get(k)} (paper {v:g})" for k, v in ref.requires.items() if metrics.get(k) != v]
         compare = ref is not None and not mismatch
+        header, columns = ["metric", "ours"], []
         if compare:
-            parts += ["| metric | ours | ALIGN (paper) | CLIP (paper) |", "|---|---:|---:|---:|"]
-        else:
-            parts += ["| metric | ours |", "|---|---:|"]
+            header.append("ALIGN (paper)")
+            columns.append(ref.align)
+            if ref.clip:
+                header.append(f"{ref.baseline_name} (paper)")
+                columns.append(ref.clip)
+        parts += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
         for key, value in metrics.items():
-            row = f"| {key} | {_fmt(value)} |"
-            if compare:
-                a, c = ref.align.get(key), ref.clip.get(key)
-                row += f" {'' if a is None else f'{a:.1f}'} | {'' if c is None else f'{c:.1f}'} |"
-            parts.append(row)
+            cells = [key, _fmt(value)] + ["" if (v := col.get(key)) is None else f"{v:.1f}" for col in columns]
+            parts.append("| " + " | ".join(cells) + " |")
         parts.append("")
         if compare:
             parts += [f"Paper numbers: ALIGN paper, {ref.source}.", ""]

@@ -13,13 +13,17 @@ instead of the chance-level luck a ``topk`` with index tie-breaking would give i
 correct caption's score is computed separately from the blocked score matrix, scores within
 ``tie_tolerance`` (default 1e-6, above float32 matmul rounding for unit vectors) count as ties.
 
-Scores are computed in blocks of image rows, so 5K images × 25K captions need a few hundred MB at most,
-and each score is computed once for both directions.
+Scores are computed in cache-sized tiles of image rows × caption columns and counted for both directions
+while the tile is still in cache, so each score is computed once and the working memory stays at a few
+tens of MB however many images and captions there are.
+
+:func:`recall_at_k_sets` is the same measure when each query has its own set of correct candidates (CxC's
+extended positives, text→text and image→image retrieval).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +33,13 @@ from openalign.eval.tasks import Option, Task, register
 
 DEFAULT_KS = (1, 5, 10)
 TIE_TOLERANCE = 1e-6
-_BLOCK_ELEMENTS = 16 * 1024 * 1024  # scores per block: 64 MB of float32
+# Scores are made one tile at a time, 1024 images × 2048 captions (8 MiB of float32), which stays in the L3
+# cache until its comparisons are done; the comparisons then walk it in stripes of 128 rows (1 MiB) so the
+# second comparison of a stripe reads what the first just brought into L2. Larger tiles mean fewer matrix
+# products, whose start and end cost most when another process holds a core.
+_TILE_ROWS = 1024
+_TILE_ELEMENTS = 2 * 1024 * 1024
+_STRIPE_ROWS = 128
 
 
 def _as_matrix(x: Any, name: str) -> torch.Tensor:
@@ -52,11 +62,13 @@ def retrieval_ranks(
     *,
     tie_tolerance: float = TIE_TOLERANCE,
     block_size: int | None = None,
+    block_columns: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pessimistic ranks (0 = first) of every image query's best caption and every caption query's image.
 
     Returns ``(i2t_rank [N], t2i_rank [M])``. Embeddings are compared by dot product (pass L2-normalised
-    rows for cosine similarity). ``block_size`` image rows are scored at a time (default: 64 MB of scores).
+    rows for cosine similarity). Scores are made ``block_size`` image rows × ``block_columns`` captions at a
+    time (default 1024 × 2048); the tile shape changes the speed, not the ranks.
     """
     x = _as_matrix(image_emb, "image_emb")
     y = _as_matrix(text_emb, "text_emb")
@@ -81,34 +93,56 @@ def retrieval_ranks(
         lonely = int((per_image == 0).nonzero()[0])
         raise ValueError(f"image {lonely} has no caption in text_image_ids ({int((per_image == 0).sum())} such images)")
 
-    # Each caption's score with its own image, the bar every other image must stay below.
-    own = (x[ids] * y).sum(1)
-    t2i_rank = torch.zeros(m, dtype=torch.long)
-    i2t_rank = torch.empty(n, dtype=torch.long)
-    cols = torch.arange(m)
-    block = block_size or max(1, _BLOCK_ELEMENTS // m)
-    for start in range(0, n, block):
-        end = min(n, start + block)
-        scores = x[start:end] @ y.T  # [b, M]
-        mine = (ids >= start) & (ids < end)  # captions whose image is in this block
-        rows = ids[mine] - start
-        own_block = scores[rows, cols[mine]]
+    # Each caption's score with its own image is the bar every other image must stay below (text→image);
+    # an image's best own-caption score is the bar for every other caption (image→text).
+    own = torch.cat([(x[ids[a : a + 8192]] * y[a : a + 8192]).sum(1) for a in range(0, m, 8192)])
+    best = torch.full((n,), -torch.inf, dtype=dtype).scatter_reduce_(0, ids, own, reduce="amax")
+    text_bar = (own - tie_tolerance).numpy()
+    image_bar = (best - tie_tolerance).numpy()[:, None]
 
-        # text→image: images in this block that reach the caption's own score; the own image is excluded
-        at_least = scores >= (own - tie_tolerance)
-        # Summing the bool mask as bytes into int32 is ~2.5x faster than torch's default int64 bool sum.
-        counts = at_least.view(torch.uint8).sum(0, dtype=torch.int32)
-        counts[mine] -= at_least[rows, cols[mine]].int()
-        t2i_rank += counts
+    rows = max(1, min(n, block_size or _TILE_ROWS))
+    cols = max(1, min(m, block_columns or max(_TILE_ELEMENTS // rows, 1)))
+    # Own pairs grouped by tile, so each tile finds the scores it must not count as wrong items by slicing.
+    n_col_tiles = -(-m // cols)
+    tile_of = (ids // rows) * n_col_tiles + torch.arange(m) // cols
+    order = torch.argsort(tile_of, stable=True)
+    bounds = [0, *torch.cumsum(torch.bincount(tile_of, minlength=-(-n // rows) * n_col_tiles), 0).tolist()]
+    own_rows, own_cols = ids[order].numpy(), order.numpy()
 
-        # image→text: wrong captions reaching the image's best caption score
-        best = torch.full((end - start,), -torch.inf, dtype=scores.dtype)
-        best.scatter_reduce_(0, rows, own_block, reduce="amax")
-        reach = scores >= (best[:, None] - tie_tolerance)
-        right = torch.zeros(end - start, dtype=torch.long)
-        right.scatter_add_(0, rows, (own_block >= best[rows] - tie_tolerance).long())
-        i2t_rank[start:end] = reach.view(torch.uint8).sum(1, dtype=torch.int32) - right
-    return i2t_rank, t2i_rank
+    t2i_rank = np.zeros(m, dtype=np.int32)
+    i2t_rank = np.zeros(n, dtype=np.int32)
+    # The comparisons run in numpy, on this thread: as hundreds of short parallel torch ops they would each
+    # stall whenever another process holds a core; here they cost little next to the products.
+    score_buf = torch.empty(rows * cols, dtype=dtype)
+    score_np = score_buf.numpy()
+    reach_buf = np.empty(min(rows, _STRIPE_ROWS) * cols, dtype=np.bool_)
+    tile = 0
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        x_block = x[r0:r1]
+        for c0 in range(0, m, cols):
+            c1 = min(m, c0 + cols)
+            size = (r1 - r0) * (c1 - c0)
+            torch.mm(x_block, y[c0:c1].T, out=score_buf[:size].view(r1 - r0, c1 - c0))
+            scores = score_np[:size].reshape(r1 - r0, c1 - c0)
+            for s0 in range(0, r1 - r0, _STRIPE_ROWS):
+                s1 = min(r1 - r0, s0 + _STRIPE_ROWS)
+                stripe = scores[s0:s1]
+                reach = reach_buf[: stripe.size].reshape(stripe.shape)
+                # Bytes summed into int32: no int64 mask or counts are ever materialised.
+                np.greater_equal(stripe, text_bar[c0:c1], out=reach)
+                t2i_rank[c0:c1] += reach.view(np.uint8).sum(0, dtype=np.int32)
+                np.greater_equal(stripe, image_bar[r0 + s0 : r0 + s1], out=reach)
+                i2t_rank[r0 + s0 : r0 + s1] += reach.view(np.uint8).sum(1, dtype=np.int32)
+            # The tile's own pairs were counted above when they reached the bar; take them back out.
+            lo, hi = bounds[tile], bounds[tile + 1]
+            tile += 1
+            if lo < hi:
+                i, j = own_rows[lo:hi], own_cols[lo:hi]
+                s = scores[i - r0, j - c0]
+                t2i_rank[j] -= s >= text_bar[j]
+                np.subtract.at(i2t_rank, i, (s >= image_bar[i, 0]).astype(np.int32))
+    return torch.from_numpy(i2t_rank).long(), torch.from_numpy(t2i_rank).long()
 
 
 def recall_at_k(
@@ -133,6 +167,71 @@ def recall_at_k(
     for name, ranks in (("i2t", i2t), ("t2i", t2i)):
         for k in ks:
             out[f"{name}_r{k}"] = 100.0 * float((ranks < k).double().mean())
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Retrieval against any set of positives
+
+
+def recall_at_k_sets(
+    query_emb: torch.Tensor,
+    cand_emb: torch.Tensor,
+    positives: Sequence[Collection[int]],
+    ks: Sequence[int] = (1, 5, 10),
+    *,
+    exclude: Sequence[int | None] | None = None,
+    block_size: int = 1024,
+) -> dict[str, Any]:
+    """Recall@k (%) when each query has a set of correct candidates: a query hits at k when any of its
+    positives is among its k best-scored candidates.
+
+    ``positives[q]`` holds candidate indices; ``exclude[q]`` (optional) is one candidate index removed
+    from query q's ranking (the query itself in T2T/I2I). Ties count against the query: a positive ranks
+    behind every non-positive candidate scoring at least as high, so identical embeddings never score.
+    Queries without positives are skipped and counted (``skipped``), never scored as misses or hits.
+    Returns ``{"r1": ..., "r5": ..., "queries": evaluated, "skipped": n}``. Scores are dot products
+    (cosine for L2-normalised rows); the similarity matrix is built ``block_size`` queries at a time.
+    """
+    q, c = torch.as_tensor(query_emb).float(), torch.as_tensor(cand_emb).float()
+    if q.ndim != 2 or c.ndim != 2 or q.shape[1] != c.shape[1]:
+        raise ValueError(
+            f"query and candidate embeddings must be [Q, D] and [N, D], got {list(q.shape)}, {list(c.shape)}"
+        )
+    if len(positives) != q.shape[0]:
+        raise ValueError(f"positives has {len(positives)} entries for {q.shape[0]} queries")
+    if exclude is not None and len(exclude) != q.shape[0]:
+        raise ValueError(f"exclude has {len(exclude)} entries for {q.shape[0]} queries")
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"ks must be positive integers, got {list(ks)}")
+    n = c.shape[0]
+    for i, pos in enumerate(positives):
+        bad = [j for j in pos if not 0 <= j < n]
+        if bad:
+            raise ValueError(f"query {i}: positive candidate index {bad[0]} is outside [0, {n})")
+        if exclude is not None and exclude[i] is not None and exclude[i] in pos:
+            raise ValueError(f"query {i}: candidate {exclude[i]} is both excluded and a positive")
+    keep = [i for i, pos in enumerate(positives) if len(pos) > 0]
+    if not keep:
+        raise ValueError("no query has a positive candidate; nothing to evaluate")
+    ranks = []
+    for start in range(0, len(keep), block_size):
+        rows = keep[start : start + block_size]
+        sim = q[rows] @ c.T
+        is_pos = torch.zeros_like(sim, dtype=torch.bool)
+        for r, i in enumerate(rows):
+            is_pos[r, list(positives[i])] = True
+        if exclude is not None:
+            for r, i in enumerate(rows):
+                if exclude[i] is not None:
+                    sim[r, exclude[i]] = -torch.inf
+        best = sim.masked_fill(~is_pos, -torch.inf).max(1, keepdim=True).values
+        # -inf marks the excluded candidate; it never outranks a finite positive.
+        ranks.append(((sim >= best) & ~is_pos & torch.isfinite(sim)).sum(1))
+    rank = torch.cat(ranks)
+    out: dict[str, Any] = {f"r{k}": 100.0 * float((rank < k).double().mean()) for k in ks}
+    out["queries"] = len(keep)
+    out["skipped"] = len(positives) - len(keep)
     return out
 
 

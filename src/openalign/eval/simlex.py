@@ -39,17 +39,6 @@ OFFICIAL_COLUMNS = (
 )
 POS_SUBSETS = {"A": "adjs", "N": "nouns", "V": "verbs"}
 SUBSETS = ("all", "adjs", "nouns", "verbs", "conc_q1", "conc_q2", "conc_q3", "conc_q4", "hard")
-PAPER_ALIGN = {  # supplement Table 1, ALIGN column (Spearman ρ × 100)
-    "all": 39.8,
-    "adjs": 49.8,
-    "nouns": 45.9,
-    "verbs": 16.6,
-    "conc_q1": 23.9,
-    "conc_q2": 41.7,
-    "conc_q3": 47.6,
-    "conc_q4": 57.8,
-    "hard": 31.7,
-}
 
 
 @dataclass(frozen=True)
