@@ -178,6 +178,10 @@ def test_duckdb_normalisation_matches_python_tokenize():
     alphabet = "ab Z" + string.punctuation + WS + "éÄ\u00a0\u2028ß"
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) for _ in range(3000)]
     texts += ["Red car!", " !a! ", "a !! b", "a!b! c", "!!", "x\u2028!", "e-mail", "'quoted' \"words\""]
+    # Separator runs of every shape: a single space (left alone), longer runs, runs at the ends, punctuation
+    # inside a word (kept), and whitespace that is not ASCII (not a separator).
+    texts += ["a b", "a  b", "a\tb", "a ,b", "a, b", "a ,, b", "-a-", " a", "a ", "(a)", "a .", ". a", "a.b", " ", ""]
+    texts += ["a\u00a0b", "\u00a0a\u00a0", "a-b c-d", ",a, b,", "a\x0bb", "A\r\nB", "..a..b..", "a .b. c"]
     con = duckdb.connect()
     con.execute("CREATE TABLE t (i INTEGER, s VARCHAR)")
     con.executemany("INSERT INTO t VALUES (?, ?)", list(enumerate(texts)))
@@ -308,6 +312,70 @@ def test_bad_rows_get_their_own_funnel_lines(tmp_path):
     report = filter_corpus(src, tmp_path / "bad_out.parquet", load_rules("align", **{**OFF, "min_shorter_side": 200}))
     assert nonzero(report) == {"missing_text": 1, "empty_text": 1, "bad_size": 4}
     assert report.rows_in == 7 and report.rows_out == 1
+
+
+def test_empty_text_is_only_ascii_whitespace(tmp_path):
+    rows = [row(0, " \t\n\x0b\f\r"), row(1, "\u00a0"), row(2, "\u2028 "), row(3, ""), row(4, " ! ")]
+    report, kept = run(tmp_path, rows, load_rules("align", **OFF))
+    assert kept == [1, 2, 4] and nonzero(report) == {"empty_text": 2}
+    assert [why for why in reference_filter(rows, load_rules("align", **OFF))] == [
+        "empty_text",
+        None,
+        None,
+        "empty_text",
+        None,
+    ]
+
+
+def zipf_corpus(n: int, seed: int) -> list[dict]:
+    """Captions drawn from a skewed vocabulary, a fifth of them repeating an earlier caption, so n-grams
+    range from very common to seen once, and rare ones are spread over one text or several."""
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(120)]
+    weights = [1.0 / (i + 1) for i in range(len(vocab))]
+    rows: list[dict] = []
+    for i in range(n):
+        if rows and rng.random() < 0.2:
+            caption = rng.choice(rows)["caption"]
+        else:
+            words = rng.choices(vocab, weights, k=rng.randint(1, 7))
+            caption = " ".join(w.upper() + "!" if rng.random() < 0.1 else w for w in words)
+        rows.append(row(i, caption, url=f"http://img/{i}.jpg"))
+    return rows
+
+
+def _rare_split(rows: list[dict], top_k: int) -> tuple[int, int]:
+    """How many (word, successor) pairs of the distinct texts are rare and in more than one place, and how
+    many are not rare: the two sides the DuckDB engine can build its rare-text join on."""
+    texts = Counter(" ".join(tokenize(r["caption"])) for r in rows)
+    counts: Counter = Counter()
+    for text, n in texts.items():
+        ws = text.split(" ") if text else []
+        for g in ws + [f"{a} {b}" for a, b in itertools.pairwise(ws)]:
+            counts[g] += n
+    ranked = sorted(counts.values(), reverse=True)
+    threshold = ranked[top_k - 1] if len(ranked) > top_k else 0
+    places: Counter = Counter()
+    for text in texts:
+        ws = text.split(" ") if text else []
+        places.update(zip(ws, [*ws[1:], ""], strict=True))
+    rare = {p: counts[p[0]] < threshold or (p[1] != "" and counts[f"{p[0]} {p[1]}"] < threshold) for p in places}
+    return sum(1 for p in places if rare[p] and places[p] > 1), sum(1 for p in places if not rare[p])
+
+
+def test_rare_ngram_texts_match_the_reference_whichever_side_the_join_builds_on(tmp_path):
+    rows = zipf_corpus(1500, seed=3)
+    sides = set()
+    for top_k in (5, 30, 150, 400, 600, 5000):
+        rules = load_rules("align", **{**OFF, "vocab_top_k": top_k})
+        report, kept = run(tmp_path, rows, rules, f"k{top_k}")
+        expected = reference_filter(rows, rules)
+        assert kept == [r["id"] for r, why in zip(rows, expected, strict=True) if why is None], top_k
+        assert report.removed.get("rare_ngram", 0) == expected.count("rare_ngram"), top_k
+        repeated_rare, common = _rare_split(rows, top_k)
+        if repeated_rare:
+            sides.add("rare" if repeated_rare <= common else "common")
+    assert sides == {"rare", "common"}
 
 
 def test_binary_parquet_captions_are_decoded_and_invalid_utf8_counted(tmp_path):

@@ -5,6 +5,13 @@ The run is a handful of SQL statements over temporary tables: one row of derived
 distinct alt-text, n-gram counts over the distinct alt-texts weighted by how many rows carry them (web
 alt-text repeats a lot, so this does the expensive tokenisation once per distinct text), and finally one
 ``reason`` per row: the first rule that rejects it, or NULL for a survivor.
+
+Most of the time goes into hashing strings, so the plan hashes as few as it can. Alt-texts that are already
+normal skip the rewriting regex. Each word is paired with its successor and the pairs are counted in one
+pass, giving the bigram counts and the word counts together, without building a string per bigram. A
+rare n-gram found in a single distinct text names that text directly, so only the other texts are read
+again to find the rest. Distinct images are only counted for alt-texts on more rows than the limit, and
+the per-row joins build on the few images and alt-texts that some rule rejects.
 """
 
 from __future__ import annotations
@@ -23,14 +30,15 @@ from openalign.data.filters.person import PersonHook
 from openalign.data.filters.plan import EngineResult, FilterPlan
 from openalign.data.filters.rules import PUNCTUATION, frequent_threshold
 
-# RE2 syntax. Normalising with two regex passes instead of split/strip/join on lists is ~4x faster and
-# gives the same string as " ".join(rules.tokenize(text)) (tested): a separator is a whitespace run with
-# the punctuation touching it (and punctuation-only words between), then punctuation at the text's ends.
-_PUNCT_CLASS = "[" + "".join("\\" + c for c in PUNCTUATION) + "]"
-_WS_CLASS = r"[\t\n\x0B\f\r ]"
-SEPARATOR_PATTERN = f"{_PUNCT_CLASS}*(?:{_WS_CLASS}+{_PUNCT_CLASS}*)+"
-EDGE_PATTERN = f"^{_PUNCT_CLASS}+|{_PUNCT_CLASS}+$"
-_WHITESPACE_SQL = "(' ' || chr(9) || chr(10) || chr(11) || chr(12) || chr(13))"
+# RE2 syntax. The words of rules.tokenize are separated by maximal runs of punctuation and whitespace that
+# contain whitespace, and the text's ends by the runs touching them. One pass turns every such run into a
+# single space and a second, cheap one drops the spaces left at the ends. The first pattern skips runs that
+# already are a single space: those are most separators, and a match costs far more than scanning past one.
+_PUNCT = "".join("\\" + c for c in PUNCTUATION)
+_WS = r"\t\n\x0B\f\r "
+_RUN = f"[{_PUNCT}{_WS}]"
+SEPARATOR_PATTERN = f"^{_RUN}+|{_RUN}+$|{_RUN}+[{_WS}]{_RUN}*|[{_WS}]{_RUN}+|[\\t\\n\\x0B\\f\\r]"
+NOT_WHITESPACE_PATTERN = f"[^{_WS}]"
 
 
 @dataclass
@@ -52,8 +60,10 @@ def literal(value: str) -> str:
 
 def norm_sql(text_sql: str) -> str:
     """The normalised alt-text (its words joined by single spaces, see rules.tokenize) as a DuckDB expression."""
-    spaced = f"regexp_replace(lower({text_sql}), {literal(SEPARATOR_PATTERN)}, ' ', 'g')"
-    return f"trim(regexp_replace({spaced}, {literal(EDGE_PATTERN)}, '', 'g'), ' ')"
+    low, sep = f"lower({text_sql})", literal(SEPARATOR_PATTERN)
+    spaced = f"regexp_replace({low}, {sep}, ' ', 'g')"
+    # Most alt-texts are already normal once lowercased, and RE2 finds out faster than it rewrites.
+    return f"CASE WHEN regexp_matches({low}, {sep}) THEN regexp_replace({spaced}, '^ | $', '', 'g') ELSE {low} END"
 
 
 def _identity_sql(plan: FilterPlan) -> str:
@@ -68,7 +78,8 @@ def _invalid_sql(plan: FilterPlan) -> str:
     if plan.has_text_error_column:
         cases.append("WHEN text_error IS NOT NULL THEN text_error")
     cases.append("WHEN txt IS NULL THEN 'missing_text'")
-    cases.append(f"WHEN trim(txt, {_WHITESPACE_SQL}) = '' THEN 'empty_text'")
+    # trim() with a character set decodes every character and is several times slower than RE2.
+    cases.append(f"WHEN NOT regexp_matches(txt, {literal(NOT_WHITESPACE_PATTERN)}) THEN 'empty_text'")
     if plan.width is not None:
         ok = "isfinite(w) AND w > 0 AND isfinite(h) AND h > 0"
         cases.append(f"WHEN NOT coalesce({ok}, false) THEN 'bad_size'")
@@ -77,7 +88,8 @@ def _invalid_sql(plan: FilterPlan) -> str:
     return "CASE " + " ".join(cases) + " END"
 
 
-def _reason_sql(plan: FilterPlan) -> str:
+def _row_reason_sql(plan: FilterPlan) -> str | None:
+    """The first rule decided by the row itself or its image (``r``: rows, ``i``: the images over the limit)."""
     r = plan.rules
     cases = []
     if plan.unsafe is not None:
@@ -89,36 +101,71 @@ def _reason_sql(plan: FilterPlan) -> str:
         ratio = "greatest(r.w, r.h) / least(r.w, r.h)"
         cases.append(f"WHEN {ratio} {op} {float(r.max_aspect_ratio)!r} THEN 'aspect_ratio'")
     if r.max_texts_per_image is not None:
-        cases.append(f"WHEN i.n_texts > {int(r.max_texts_per_image)} THEN 'image_text_count'")
+        cases.append("WHEN i.ident IS NOT NULL THEN 'image_text_count'")
+    return "CASE " + " ".join(cases) + " END" if cases else None
+
+
+def _text_reason_sql(plan: FilterPlan) -> str | None:
+    """The first rule decided by the alt-text alone (``t``: texts with n_words and repeated; ``s``: shared
+    texts; ``rn``, ``rw``: texts with a rare n-gram, a rare word)."""
+    r = plan.rules
+    cases = []
     if r.max_images_per_text is not None:
-        cases.append(f"WHEN t.n_images > {int(r.max_images_per_text)} THEN 'shared_text'")
+        cases.append("WHEN s.norm IS NOT NULL THEN 'shared_text'")
     if r.vocab_top_k is not None:
-        cases.append("WHEN t.rare_ngram THEN 'rare_ngram'")
+        cases.append("WHEN rn.tid IS NOT NULL THEN 'rare_ngram'")
     if r.min_word_count is not None:
-        cases.append("WHEN t.rare_word THEN 'rare_word'")
+        cases.append("WHEN rw.tid IS NOT NULL THEN 'rare_word'")
     if r.min_words is not None:
         cases.append(f"WHEN t.n_words < {int(r.min_words)} THEN 'too_few_words'")
     if r.max_words is not None:
         cases.append(f"WHEN t.n_words > {int(r.max_words)} THEN 'too_many_words'")
     if r.max_repeated_fraction is not None:
         cases.append(f"WHEN t.repeated > {float(r.max_repeated_fraction)!r} THEN 'repeated_words'")
-    if not cases:
-        return "NULL"
-    return "CASE " + " ".join(cases) + " END"
+    return "CASE " + " ".join(cases) + " END" if cases else None
 
 
-def _rare_texts(
-    ex: Callable[[str], Any], table: str, occurrences: str, counts: str, threshold: int, n_rare: int, n_all: int
-) -> None:
-    """Create ``table`` (tid) of the texts with an n-gram counted fewer than ``threshold`` times.
+def _word_stream_sql(texts_sql: str, successors: bool) -> str:
+    """One row per word of the texts in ``texts_sql`` (tid, norm, n_rows): ``a`` the word and, with
+    ``successors``, ``b`` the word after it ('' for the last; a word is never empty). Words come from
+    splitting the normalised text on its single spaces, so no tokeniser runs twice, and a bigram stays two
+    short strings instead of a new concatenated one, which is cheaper to build and to hash."""
+    lists = f"SELECT tid, n_rows, string_split(norm, ' ') AS w FROM {texts_sql} WHERE norm <> ''"
+    if not successors:
+        return f"SELECT tid, n_rows, unnest(w) AS a FROM ({lists})"
+    pairs = f"SELECT tid, n_rows, unnest(w) AS a, unnest(w[2:len(w)]) AS b FROM ({lists})"
+    return f"SELECT tid, n_rows, a, coalesce(b, '') AS b FROM ({pairs})"
 
-    The hash join builds on the smaller side: the rare n-grams (semi join) or the frequent ones (anti join).
+
+def _find_rare_texts(ex: Callable[[str], Any], table: str, texts_sql: str, keys: list[str], grams_sql: str) -> None:
+    """Create ``table`` (tid): the texts of ``texts_sql`` with a rare n-gram.
+
+    ``grams_sql`` has a row per distinct value of ``keys`` in the word stream of the texts (a word, or a word
+    with its successor): ``rare`` when an n-gram it stands for is rare, ``occ`` its occurrences in the
+    distinct texts and ``t1`` the first of those texts. When ``occ`` is 1, ``t1`` is its only text, and
+    that covers much of a corpus's long tail, so many rare texts are found without reading a text again.
+    Only the other texts are scanned, for the rare values that occur more than once; that scan's hash join
+    builds on the smaller side: those values (a hit is rare) or the ones that are not rare (a miss is).
     """
-    if n_rare <= n_all - n_rare:
-        join = f"SEMI JOIN (SELECT g FROM ({counts}) WHERE cnt < {threshold}) x ON o.g = x.g"
+    ex(f"CREATE TEMP TABLE {table}_grams AS {grams_sql}")
+    ex(f"CREATE TEMP TABLE {table} AS SELECT DISTINCT t1 AS tid FROM {table}_grams WHERE rare AND occ = 1")
+    n_repeated_rare, n_common = ex(
+        f"SELECT count(*) FILTER (WHERE rare AND occ > 1), count(*) FILTER (WHERE NOT rare) FROM {table}_grams"
+    ).fetchone()
+    if not n_repeated_rare:
+        return
+    if n_repeated_rare <= n_common:
+        where, hit = "rare AND occ > 1", "x.a IS NOT NULL"
     else:
-        join = f"ANTI JOIN (SELECT g FROM ({counts}) WHERE cnt >= {threshold}) x ON o.g = x.g"
-    ex(f"CREATE TEMP TABLE {table} AS SELECT DISTINCT o.tid FROM ({occurrences}) o {join}")
+        where, hit = "NOT rare", "x.a IS NULL"
+    # Materialised, so that the join knows its exact size and builds on it.
+    ex(f"CREATE TEMP TABLE {table}_build AS SELECT {', '.join(keys)} FROM {table}_grams WHERE {where}")
+    on = " AND ".join(f"x.{k} = o.{k}" for k in keys)
+    others = f"(SELECT t.* FROM {texts_sql} t ANTI JOIN {table} r ON t.tid = r.tid)"
+    ex(
+        f"INSERT INTO {table} SELECT DISTINCT o.tid FROM ({_word_stream_sql(others, len(keys) == 2)}) o "
+        f"LEFT JOIN {table}_build x ON {on} WHERE {hit}"
+    )
 
 
 def _copy_options(fmt: str) -> str:
@@ -173,8 +220,8 @@ def _run(
         start, cpu = time.perf_counter(), _cpu_seconds()
         result = con.execute(sql)
         head = sql.split(None, 4)
-        if log is not None and head[0] in ("CREATE", "COPY"):
-            what = "write output" if head[0] == "COPY" else f"table {head[3]}"
+        if log is not None and head[0] in ("CREATE", "INSERT", "COPY"):
+            what = {"CREATE": f"table {head[3]}", "INSERT": f"insert into {head[2]}"}.get(head[0], "write output")
             log(f"duckdb: {what} {time.perf_counter() - start:.1f}s (cpu {_cpu_seconds() - cpu:.1f}s)")
         return result
 
@@ -191,6 +238,8 @@ def _run(
         f"CREATE TEMP TABLE src AS SELECT *, (row_number() OVER ()) - 1 AS {ROW_ID_COLUMN} "
         f"FROM read_parquet([{files}], union_by_name = true)"
     )
+    # The row ids above follow the input order; from here on only the output keeps an order, by ORDER BY.
+    ex("SET preserve_insertion_order = false")
     source_rows = ex("SELECT count(*) FROM src").fetchone()[0]
 
     inner = [f"{ROW_ID_COLUMN} AS rid", f"{_identity_sql(plan)} AS ident"]
@@ -209,68 +258,87 @@ def _run(
     # The raw corpus: every well-formed row, before any rule.
     ex("CREATE TEMP TABLE img AS SELECT ident, count(*) AS n_texts FROM rows WHERE invalid IS NULL GROUP BY ident")
     stats["distinct_images"] = ex("SELECT count(*) FROM img").fetchone()[0]
-    n_images = "count(DISTINCT ident)" if r.max_images_per_text is not None else "0"
-    ex(
-        f"CREATE TEMP TABLE txt AS SELECT row_number() OVER () AS tid, norm, n_rows, n_images FROM ("
-        f"SELECT norm, count(*) AS n_rows, {n_images} AS n_images FROM rows WHERE invalid IS NULL GROUP BY norm)"
-    )
+    # A text's id is its row in this table.
+    ex("CREATE TEMP TABLE txt AS SELECT norm, count(*) AS n_rows FROM rows WHERE invalid IS NULL GROUP BY norm")
     stats["distinct_texts"] = ex("SELECT count(*) FROM txt").fetchone()[0]
+    flag_joins = []
+    if r.max_images_per_text is not None:
+        # Only a text on more rows than the limit can be on more distinct images than it.
+        limit = int(r.max_images_per_text)
+        ex(
+            f"CREATE TEMP TABLE shared AS SELECT r.norm FROM rows r "
+            f"SEMI JOIN (SELECT norm FROM txt WHERE n_rows > {limit}) c ON r.norm = c.norm "
+            f"WHERE r.invalid IS NULL GROUP BY r.norm HAVING count(DISTINCT r.ident) > {limit}"
+        )
+        flag_joins.append("LEFT JOIN shared s ON s.norm = t.norm")
 
-    # Words come from splitting the normalised text on its single spaces; no tokeniser runs twice.
-    words = "SELECT tid, n_rows, unnest(string_split(norm, ' ')) AS g FROM txt WHERE norm <> ''"
-    pairs = "list_transform(range(1, len(w)), lambda i: w[i] || ' ' || w[i + 1])"
-    bigrams = (
-        f"SELECT tid, n_rows, unnest({pairs}) AS g FROM (SELECT tid, n_rows, string_split(norm, ' ') AS w FROM txt)"
-    )
-    flag_joins, flag_cols = [], []
+    texts = "(SELECT rowid AS tid, norm, n_rows FROM txt)"
+    bigrams = r.vocab_top_k is not None and r.rare_ngram_order == 2
+    uni_hist: dict[int, int] = {}
     if r.vocab_top_k is not None or r.min_word_count is not None:
-        ex(f"CREATE TEMP TABLE uni AS SELECT g, sum(n_rows) AS cnt FROM ({words}) GROUP BY g")
-        stats["distinct_words"] = ex("SELECT count(*) FROM uni").fetchone()[0]
+        # Per n-gram: its count, its occurrences in the distinct texts (occ) and the first such text (t1).
+        stats_sql = "sum(n_rows) AS cnt, count(*) AS occ, min(tid) AS t1"
+        if bigrams:
+            # Each word with its successor: the bigrams, and (b = '') each text's last word, so that the
+            # word counts follow without a second pass over the texts.
+            successions = _word_stream_sql(texts, True)
+            ex(f"CREATE TEMP TABLE pairs AS SELECT a, b, {stats_sql} FROM ({successions}) GROUP BY a, b")
+            word_counts = "SELECT a, sum(cnt) AS cnt, sum(occ) AS occ, min(t1) AS t1 FROM pairs GROUP BY a"
+        else:
+            word_counts = f"SELECT a, {stats_sql} FROM ({_word_stream_sql(texts, False)}) GROUP BY a"
+        ex(f"CREATE TEMP TABLE uni AS {word_counts}")
+        uni_hist = dict(ex("SELECT cnt, count(*) FROM uni GROUP BY cnt").fetchall())
+        stats["distinct_words"] = sum(uni_hist.values())
     if r.vocab_top_k is not None:
-        grams, gram_tables = words, ["uni"]
-        if r.rare_ngram_order == 2:
-            ex(f"CREATE TEMP TABLE bi AS SELECT g, sum(n_rows) AS cnt FROM ({bigrams}) GROUP BY g")
-            grams, gram_tables = f"{words} UNION ALL {bigrams}", ["uni", "bi"]
-        union = " UNION ALL ".join(f"SELECT g, cnt FROM {t}" for t in gram_tables)
-        hist = dict(ex(f"SELECT cnt, count(*) FROM ({union}) GROUP BY cnt").fetchall())
+        hist = dict(uni_hist)
+        if bigrams:
+            for cnt, n in ex("SELECT cnt, count(*) FROM pairs WHERE b <> '' GROUP BY cnt").fetchall():
+                hist[cnt] = hist.get(cnt, 0) + n
         threshold = frequent_threshold(hist, r.vocab_top_k)
         stats["distinct_ngrams"] = sum(hist.values())
         stats["frequent_min_count"] = threshold
         stats["rare_ngrams"] = sum(n for c, n in hist.items() if c < threshold)
-        if stats["rare_ngrams"]:
-            _rare_texts(ex, "rare_ngram_tid", grams, union, threshold, stats["rare_ngrams"], stats["distinct_ngrams"])
-            flag_joins.append("LEFT JOIN rare_ngram_tid rn ON rn.tid = t.tid")
-            flag_cols.append("rn.tid IS NOT NULL AS rare_ngram")
+        if bigrams:
+            # A word-successor pair is rare when its bigram is or its first word is (the last word of a text
+            # is the first of a pair with b = '', so every word is checked).
+            rare = f"(p.b <> '' AND p.cnt < {threshold}) OR u.cnt < {threshold}"
+            grams = f"SELECT p.a, p.b, p.occ, p.t1, {rare} AS rare FROM pairs p JOIN uni u ON p.a = u.a"
+            _find_rare_texts(ex, "rare_ngram_tid", texts, ["a", "b"], grams)
+        else:
+            grams = f"SELECT a, occ, t1, cnt < {threshold} AS rare FROM uni"
+            _find_rare_texts(ex, "rare_ngram_tid", texts, ["a"], grams)
+        flag_joins.append("LEFT JOIN rare_ngram_tid rn ON rn.tid = t.tid")
     if r.min_word_count is not None:
         limit = int(r.min_word_count)
-        stats["rare_words"] = ex(f"SELECT count(*) FROM uni WHERE cnt < {limit}").fetchone()[0]
-        if stats["rare_words"]:
-            _rare_texts(
-                ex,
-                "rare_word_tid",
-                words,
-                "SELECT g, cnt FROM uni",
-                limit,
-                stats["rare_words"],
-                stats["distinct_words"],
-            )
-            flag_joins.append("LEFT JOIN rare_word_tid rw ON rw.tid = t.tid")
-            flag_cols.append("rw.tid IS NOT NULL AS rare_word")
-    for name in ("rare_ngram", "rare_word"):
-        if not any(c.endswith(f" AS {name}") for c in flag_cols):
-            flag_cols.append(f"false AS {name}")
-    n_words = "CASE WHEN t.norm = '' THEN 0 ELSE length(t.norm) - length(replace(t.norm, ' ', '')) + 1 END"
-    repeated = "0.0"
+        stats["rare_words"] = sum(n for c, n in uni_hist.items() if c < limit)
+        grams = f"SELECT a, occ, t1, cnt < {limit} AS rare FROM uni"
+        _find_rare_texts(ex, "rare_word_tid", texts, ["a"], grams)
+        flag_joins.append("LEFT JOIN rare_word_tid rw ON rw.tid = t.tid")
+
+    n_words = "CASE WHEN norm = '' THEN 0 ELSE strlen(norm) - strlen(replace(norm, ' ', '')) + 1 END"
+    text_cols = ["tid", "norm", f"{n_words} AS n_words"]
     if r.max_repeated_fraction is not None:
-        distinct = "len(list_distinct(string_split(t.norm, ' ')))"
-        repeated = f"CASE WHEN t.norm = '' THEN 0.0 ELSE ({n_words} - {distinct}) / ({n_words}) END"
+        distinct = "len(list_distinct(string_split(norm, ' ')))"
+        text_cols.append(f"CASE WHEN norm = '' THEN 0.0 ELSE ({n_words} - {distinct}) / ({n_words}) END AS repeated")
+    text_reason = _text_reason_sql(plan)
+    row_reason = _row_reason_sql(plan)
+    # The per-row joins build only on the images and texts that some rule rejects.
+    joins, reasons = [], ["r.invalid"]
+    if row_reason is not None:
+        reasons.append(row_reason)
+    if r.max_texts_per_image is not None:
+        busy = f"SELECT ident FROM img WHERE n_texts > {int(r.max_texts_per_image)}"
+        joins.append(f"LEFT JOIN ({busy}) i ON r.ident = i.ident")
+    if text_reason is not None:
+        ex(
+            f"CREATE TEMP TABLE txtreason AS SELECT norm, reason FROM (SELECT t.norm, {text_reason} AS reason "
+            f"FROM (SELECT {', '.join(text_cols)} FROM {texts}) t {' '.join(flag_joins)}) WHERE reason IS NOT NULL"
+        )
+        joins.append("LEFT JOIN txtreason x ON r.norm = x.norm")
+        reasons.append("x.reason")
     ex(
-        f"CREATE TEMP TABLE txtflags AS SELECT t.norm, t.n_images, {n_words} AS n_words, {repeated} AS repeated, "
-        f"{', '.join(flag_cols)} FROM txt t {' '.join(flag_joins)}"
-    )
-    ex(
-        f"CREATE TEMP TABLE decisions AS SELECT r.rid, coalesce(r.invalid, {_reason_sql(plan)}) AS reason "
-        f"FROM rows r LEFT JOIN img i ON r.ident = i.ident LEFT JOIN txtflags t ON r.norm = t.norm"
+        f"CREATE TEMP TABLE decisions AS SELECT r.rid, coalesce({', '.join(reasons)}) AS reason "
+        f"FROM rows r {' '.join(joins)}"
     )
     removed_sql = "SELECT reason, count(*) FROM decisions WHERE reason IS NOT NULL GROUP BY reason"
     removed = dict(ex(removed_sql).fetchall())
