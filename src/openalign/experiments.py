@@ -295,16 +295,19 @@ def mean_std(values: Sequence[float]) -> Stat:
     return Stat(mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)), n)
 
 
-def trend(expect: Expect, reference: Stat, variant: Stat) -> str:
+def trend(expect: Expect, reference: Stat, variant: Stat, chance: float | None = None) -> str:
     """How the variant's mean moved from the reference's, judged against the paper's direction.
 
     A difference no larger than the pooled sample std of the two rows is "within noise"; with one seed
-    there is no noise estimate and only the sign is reported.
+    there is no noise estimate and only the sign is reported. When both rows score under three times
+    ``chance`` (R@1 of random embeddings) neither model learnt enough for a difference to mean anything.
     """
     if expect == "reference":
         return "reference"
     if variant.n == 0 or reference.n == 0:
         return "no result"
+    if chance is not None and max(reference.mean, variant.mean) < 3 * chance:
+        return f"no signal: both near chance ({chance:.1f}); train longer"
     diff = variant.mean - reference.mean
     pooled = None
     if reference.std is not None and variant.std is not None:
@@ -468,9 +471,11 @@ def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequ
                 }
             )
         ref = stats[ablation.reference.name]
+        sizes = {r["metrics"].get("num_images") for r in runs if r["ablation"] == key and "metrics" in r} - {None}
+        chance = 100.0 / min(sizes) if sizes else None  # R@1 of random embeddings, in percent
         for row, variant in zip(rows, ablation.variants, strict=True):
             own = stats[variant.name]
-            row["trend"] = {m: trend(variant.expect, ref[m], own[m]) for m in ("t2i_r1", "i2t_r1")}
+            row["trend"] = {m: trend(variant.expect, ref[m], own[m], chance) for m in ("t2i_r1", "i2t_r1")}
         out[key] = {
             "title": ablation.title,
             "source": ablation.source,
