@@ -15,7 +15,7 @@ import pytest
 import openalign
 from openalign.data.shards import write_shards
 from openalign.data.synthetic import SyntheticWorld, retrieval_set
-from openalign.eval.retrieval import evaluate_retrieval
+from openalign.eval.retrieval import HeldOutSet, evaluate_retrieval
 from openalign.text import load_tokenizer, train_wordpiece
 from openalign.train.config import load_train_config
 from openalign.train.loop import train
@@ -24,11 +24,6 @@ PAIRS = 8192  # distinct training pairs, a quarter of them alt-text noise; seen 
 STEPS = 200
 BATCH = 128
 EVAL_IMAGES = 100
-
-
-class HeldOut:
-    def __init__(self, n_images: int):
-        self.images, self.captions, self.text_image_ids = retrieval_set(n_images, 5, seed=0)
 
 
 @pytest.mark.slow
@@ -61,9 +56,8 @@ def test_nano_learns_the_synthetic_world_from_shards(tmp_path: Path) -> None:
     assert result.metrics["temperature"] < 0.5  # it falls from 1.0 only once the towers agree on something
 
     model = openalign.load_model(result.final_dir)
-    metrics = evaluate_retrieval(
-        model, load_tokenizer(result.final_dir), HeldOut(EVAL_IMAGES), batch_size=100, progress=False
-    )
+    held_out = HeldOutSet(*retrieval_set(EVAL_IMAGES, 5, seed=0))
+    metrics = evaluate_retrieval(model, load_tokenizer(result.final_dir), held_out, batch_size=100, progress=False)
     chance_r1, chance_r10 = 100 / EVAL_IMAGES, 1000 / EVAL_IMAGES
     assert metrics["num_images"] == EVAL_IMAGES and metrics["num_captions"] == 5 * EVAL_IMAGES
     # Far above chance in both directions, on scenes the model has never seen.

@@ -330,13 +330,6 @@ def trend(expect: Expect, reference: Stat, variant: Stat, chance: float | None =
 # Running
 
 
-@dataclass
-class _HeldOut:
-    images: list[Any]
-    captions: list[str]
-    text_image_ids: list[int]
-
-
 def _log(message: str) -> None:
     print(f"[experiments] {message}", flush=True)
 
@@ -347,12 +340,12 @@ def _settings_record(spec: RunSpec, eval_images: int) -> dict[str, Any]:
     return json.loads(json.dumps({"overrides": overrides, "eval_images": eval_images}))
 
 
-def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], _HeldOut]) -> dict[str, Any]:
+def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], Any]) -> dict[str, Any]:
     import torch
 
     import openalign
     from openalign.data.synthetic import retrieval_set
-    from openalign.eval.retrieval import evaluate_retrieval
+    from openalign.eval.retrieval import HeldOutSet, evaluate_retrieval
     from openalign.train.loop import NonFiniteError, train
 
     cfg = build_config(spec)
@@ -368,7 +361,7 @@ def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], _
     # One held-out set for every run (its own seed space), rendered once per invocation.
     key = (eval_images, cfg.data.synthetic.image_size)
     if key not in eval_sets:
-        eval_sets[key] = _HeldOut(*retrieval_set(eval_images, 5, image_size=key[1]))
+        eval_sets[key] = HeldOutSet(*retrieval_set(eval_images, 5, image_size=key[1]))
     model = openalign.load_model(result.final_dir)
     tokenizer = openalign.load_tokenizer(result.final_dir, max_length=model.config.text.max_length)
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
@@ -399,7 +392,7 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     wall = time.perf_counter()
-    eval_sets: dict[tuple[int, int], _HeldOut] = {}
+    eval_sets: dict[tuple[int, int], Any] = {}
     runs = []
     for i, spec in enumerate(specs, 1):
         path = spec.run_dir / RESULT_FILE

@@ -24,6 +24,7 @@ extended positives, text→text and image→image retrieval).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -237,6 +238,16 @@ def recall_at_k_sets(
 
 # --------------------------------------------------------------------------------------------------
 # The `retrieval` eval task
+
+
+@dataclass
+class HeldOutSet:
+    """A retrieval set already in memory (e.g. the synthetic world's held-out scenes), in the shape
+    :func:`evaluate_retrieval` reads: images, captions, and the image each caption describes."""
+
+    images: list[Any]
+    captions: list[str]
+    text_image_ids: list[int]
 
 
 def evaluate_retrieval(

@@ -507,6 +507,8 @@ def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step:
 
 
 def _load_eval_set(cfg: TrainConfig) -> Any:
+    from openalign.eval.retrieval import HeldOutSet
+
     e = cfg.eval
     if e.source == "karpathy":
         from openalign.eval.datasets import load_karpathy
@@ -517,15 +519,8 @@ def _load_eval_set(cfg: TrainConfig) -> Any:
         # The first eval.images images and their captions: a cheap, fixed check between steps.
         keep = [j for j, i in enumerate(data.text_image_ids) if i < e.images]
         images = [image for _, image in zip(range(e.images), data.images, strict=False)]
-        return _HeldOut(images, [data.captions[j] for j in keep], [data.text_image_ids[j] for j in keep])
+        return HeldOutSet(images, [data.captions[j] for j in keep], [data.text_image_ids[j] for j in keep])
     from openalign.data.synthetic import retrieval_set
 
     images, captions, ids = retrieval_set(e.images, e.captions_per_image)
-    return _HeldOut(images, captions, ids)
-
-
-@dataclass
-class _HeldOut:
-    images: list[Any]
-    captions: list[str]
-    text_image_ids: list[int]
+    return HeldOutSet(images, captions, ids)
