@@ -7,6 +7,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -100,14 +101,15 @@ def test_float32_unit_vectors_match_float64_reference() -> None:
     assert bool((t2i[(ids == 3) | (ids == 7)] >= 1).all())
 
 
-def reference_ranks(sim: list[list[float]], ids: list[int]) -> tuple[list[int], list[int]]:
-    """Pessimistic ranks by counting wrong items at or above the best right one, one query at a time."""
+def reference_ranks(sim: list[list[float]], ids: list[int], tolerance: float = 0.0) -> tuple[list[int], list[int]]:
+    """Pessimistic ranks by counting wrong items at or above the best right one (less ``tolerance``), one
+    query at a time."""
     n, m = len(sim), len(sim[0])
     i2t = []
     for i in range(n):
         best = max(sim[i][j] for j in range(m) if ids[j] == i)
-        i2t.append(sum(1 for j in range(m) if ids[j] != i and sim[i][j] >= best))
-    t2i = [sum(1 for i in range(n) if i != ids[j] and sim[i][j] >= sim[ids[j]][j]) for j in range(m)]
+        i2t.append(sum(1 for j in range(m) if ids[j] != i and sim[i][j] >= best - tolerance))
+    t2i = [sum(1 for i in range(n) if i != ids[j] and sim[i][j] >= sim[ids[j]][j] - tolerance) for j in range(m)]
     return i2t, t2i
 
 
@@ -125,6 +127,128 @@ def test_ranks_do_not_depend_on_the_tile_shape(tile: tuple[int | None, int | Non
     i2t, t2i = retrieval_ranks(x, y, ids, block_size=tile[0], block_columns=tile[1])
     assert i2t.tolist() == i2t_ref and t2i.tolist() == t2i_ref
     assert i2t.dtype == t2i.dtype == torch.long
+
+
+def capped(ranks: list[int], max_rank: int) -> list[int]:
+    return [min(r, max_rank) for r in ranks]
+
+
+def clustered(seed: int, n: int = 150, m: int = 450, d: int = 48, spread: float = 2e-3):
+    """Images in groups of five nearly identical vectors (closer than bfloat16 can tell apart) and captions
+    near their image: bfloat16 scores alone tie or misorder most of the ranks that matter."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(n // 5, d, generator=g), dim=1)
+    x = torch.nn.functional.normalize(centres.repeat_interleave(5, 0) + spread * torch.randn(n, d, generator=g), dim=1)
+    ids = torch.cat([torch.arange(n), torch.randint(0, n, (m - n,), generator=g)])
+    y = torch.nn.functional.normalize(x[ids] + spread * torch.randn(m, d, generator=g), dim=1)
+    return x, y, ids
+
+
+def near_zero(seed: int, n: int = 150, m: int = 450, d: int = 48):
+    """Scores within 0.01 of zero, where rounding the product to bfloat16 costs almost nothing and the
+    rounding of the inputs is the whole error; captions stand out from their image's neighbours by ~1e-3."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    b = torch.randn(d, generator=g)
+    b = torch.nn.functional.normalize(b - (b @ a) * a, dim=0)
+    x = torch.nn.functional.normalize(a + 1e-3 * torch.randn(n, d, generator=g), dim=1)
+    ids = torch.cat([torch.arange(n), torch.randint(0, n, (m - n,), generator=g)])
+    y = torch.nn.functional.normalize(b + 20 * (x[ids] - a) + 1e-3 * torch.randn(m, d, generator=g), dim=1)
+    return x, y, ids
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("data", [clustered, near_zero])
+@pytest.mark.parametrize("tile", [(None, None), (40, 70), (150, 16)])
+def test_bfloat16_ranks_are_the_exact_ranks(seed: int, data: Any, tile: tuple[int | None, int | None]) -> None:
+    x, y, ids = data(seed)
+    sim = (x.double() @ y.double().T).tolist()
+    # Scores within the default tie tolerance of the bar count as ties, as they do in float32.
+    i2t_ref, t2i_ref = reference_ranks(sim, ids.tolist(), tolerance=1e-6)
+    # The data must be a case that bfloat16 scores alone get wrong, or this test proves nothing.
+    naive_i2t, naive_t2i = reference_ranks((x.bfloat16() @ y.bfloat16().T).double().tolist(), ids.tolist())
+    assert capped(naive_t2i, 10) != capped(t2i_ref, 10) and capped(naive_i2t, 10) != capped(i2t_ref, 10)
+    for max_rank in (1, 5, 10):
+        i2t, t2i = retrieval_ranks(
+            x, y, ids, max_rank=max_rank, precision="bfloat16", block_size=tile[0], block_columns=tile[1]
+        )
+        assert i2t.tolist() == capped(i2t_ref, max_rank)
+        assert t2i.tolist() == capped(t2i_ref, max_rank)
+
+
+@pytest.mark.parametrize("high, d", [(2, 4), (20, 8)])
+def test_bfloat16_integer_scores_keep_ties_pessimistic(high: int, d: int) -> None:
+    # Small integers are exact in bfloat16, so every tie is a true tie. With components up to 20 the inputs
+    # are still exact but scores pass 256, where bfloat16 cannot tell neighbouring integers apart: the
+    # rounding of the product is then the only error, and the ranks must allow for it.
+    rng = np.random.default_rng(5)
+    n, m = 60, 200
+    ids = np.concatenate([np.arange(n), rng.integers(0, n, m - n)])
+    x = rng.integers(-high, high + 1, (n, d)).astype(np.float32)
+    y = rng.integers(-high, high + 1, (m, d)).astype(np.float32)
+    i2t_ref, t2i_ref = reference_ranks((x.astype(np.float64) @ y.T.astype(np.float64)).tolist(), ids.tolist())
+    i2t, t2i = retrieval_ranks(x, y, ids, max_rank=10, precision="bfloat16", block_size=16, block_columns=50)
+    assert i2t.tolist() == capped(i2t_ref, 10) and t2i.tolist() == capped(t2i_ref, 10)
+
+
+def test_recall_is_the_same_at_every_precision() -> None:
+    g = torch.Generator().manual_seed(1)
+    n, d = 300, 128
+    x = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    ids = torch.arange(5 * n) // 5
+    y = torch.nn.functional.normalize(x[ids] + 4 / d**0.5 * torch.randn(5 * n, d, generator=g), dim=1)
+    expected = reference_recall((x.double() @ y.double().T).tolist(), ids.tolist(), (1, 5, 10))
+    assert 5 < expected["t2i_r1"] < 95  # neither trivial nor hopeless
+    for precision in ("float32", "bfloat16", "auto"):
+        assert recall_at_k(x, y, ids, precision=precision) == pytest.approx(expected)
+
+
+def test_bfloat16_product_error_stays_within_the_bound_the_ranks_rely_on() -> None:
+    # The bound assumes this CPU's bfloat16 matrix product sums in float32 and rounds once: checked here on
+    # every pair of unit and non-unit vectors, against the bound written out plainly.
+    g = torch.Generator().manual_seed(2)
+    for d, scale in ((64, 1.0), (640, 1.0), (640, 7.5), (1024, 0.01)):
+        x = scale * torch.nn.functional.normalize(torch.randn(200, d, generator=g), dim=1)
+        y = torch.nn.functional.normalize(torch.randn(700, d, generator=g) + 0.3, dim=1)
+        exact = x.double() @ y.double().T
+        approx = (x.bfloat16() @ y.bfloat16().T).double()
+        dx = (x.bfloat16().double() - x.double()).norm(dim=1)[:, None]
+        dy = (y.bfloat16().double() - y.double()).norm(dim=1)[None, :]
+        nx, ny = x.double().norm(dim=1)[:, None], y.double().norm(dim=1)[None, :]
+        gamma = 2 * d * 2.0**-24 / (1 - 2 * d * 2.0**-24)
+        input_error = nx * dy + dx * ny + dx * dy + gamma * (nx + dx) * (ny + dy)
+        output_rounding = 2.0**-8 / (1 - 2.0**-8) * approx.abs()
+        assert bool(((approx - exact).abs() <= input_error + output_rounding).all())
+
+
+@pytest.mark.parametrize("sure", [True, False])
+def test_bfloat16_thresholds_round_the_safe_way(sure: bool) -> None:
+    from openalign.eval.retrieval import _BF16_ROUNDING, _score_reaching
+
+    rng = np.random.default_rng(3)
+    bar = np.concatenate([rng.normal(0, 0.3, 2000), [0.0, 1e-30, -1e-30, 1.0, -1.0]])
+    t = _score_reaching(bar, sure=sure).astype(np.float64)
+    r = _BF16_ROUNDING
+    if sure:
+        # Any score at or above the threshold is certainly at or above the bar, even at its lowest.
+        assert bool((t - r * np.abs(t) >= bar).all())
+    else:
+        # Any score below the threshold cannot reach the bar, even at its highest.
+        below = np.nextafter(t.astype(np.float32), np.float32(-np.inf)).astype(np.float64)
+        assert bool((below + r * np.abs(below) < bar).all())
+
+
+def test_max_rank_caps_float32_ranks_and_precision_is_checked() -> None:
+    x, y, ids = clustered(0, n=30, m=60)
+    i2t, t2i = retrieval_ranks(x, y, ids)
+    i2t5, t2i5 = retrieval_ranks(x, y, ids, max_rank=5, precision="float32")
+    assert i2t5.tolist() == capped(i2t.tolist(), 5) and t2i5.tolist() == capped(t2i.tolist(), 5)
+    with pytest.raises(ValueError, match="needs max_rank"):
+        retrieval_ranks(x, y, ids, precision="bfloat16")
+    with pytest.raises(ValueError, match="precision must be"):
+        retrieval_ranks(x, y, ids, max_rank=5, precision="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_rank must be a positive integer"):
+        retrieval_ranks(x, y, ids, max_rank=0)
 
 
 def test_bad_inputs_name_the_problem() -> None:
@@ -352,5 +476,6 @@ def test_retrieval_bench_reports_both_timings(tmp_path: Path) -> None:
     result = run_retrieval_bench(RetrievalBenchSettings(images=60, dim=16, rounds=1, json_path=str(out)))
     assert json.loads(out.read_text()) == result
     assert result["matmul_s"] > 0 and result["ratio"] == pytest.approx(result["recall_at_k_s"] / result["matmul_s"])
+    assert result["identical"] and 0 < result["metrics"]["t2i_r1"] < 100
     with pytest.raises(ValueError, match="must be positive"):
         run_retrieval_bench(RetrievalBenchSettings(images=0))

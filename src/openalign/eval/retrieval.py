@@ -17,15 +17,23 @@ Scores are computed in cache-sized tiles of image rows × caption columns and co
 while the tile is still in cache, so each score is computed once and the working memory stays at a few
 tens of MB however many images and captions there are.
 
+Recall at K only needs ranks below the largest K, which lets the one big matrix product run in bfloat16 on
+CPUs that multiply it natively (half the work of float32) without changing a single rank: each score's
+error has a proven bound, wrong items are counted when they certainly reach the bar, and the few that only
+possibly do are scored exactly in float64 for the queries that can still rank below K. Queries whose count
+of certain wrong items reaches K are settled and skipped from then on.
+
 :func:`recall_at_k_sets` is the same measure when each query has its own set of correct candidates (CxC's
 extended positives, text→text and image→image retrieval).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import functools
+import math
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,6 +49,9 @@ TIE_TOLERANCE = 1e-6
 _TILE_ROWS = 1024
 _TILE_ELEMENTS = 2 * 1024 * 1024
 _STRIPE_ROWS = 128
+_PAIRS_AT_ONCE = 2048  # rows gathered at a time for pair scores
+
+Precision = Literal["auto", "float32", "bfloat16"]
 
 
 def _as_matrix(x: Any, name: str) -> torch.Tensor:
@@ -51,7 +62,8 @@ def _as_matrix(x: Any, name: str) -> torch.Tensor:
         t = t.float()
     if t.dtype in (torch.float16, torch.bfloat16):
         t = t.float()
-    if not bool(torch.isfinite(t).all()):
+    # NaN propagates through max; either extreme being infinite is the only other way to be non-finite.
+    if not (math.isfinite(float(t.amax())) and math.isfinite(float(t.amin()))):
         raise ValueError(f"{name} contains NaN or infinite values")
     return t
 
@@ -64,13 +76,50 @@ def retrieval_ranks(
     tie_tolerance: float = TIE_TOLERANCE,
     block_size: int | None = None,
     block_columns: int | None = None,
+    max_rank: int | None = None,
+    precision: Precision = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pessimistic ranks (0 = first) of every image query's best caption and every caption query's image.
 
     Returns ``(i2t_rank [N], t2i_rank [M])``. Embeddings are compared by dot product (pass L2-normalised
     rows for cosine similarity). Scores are made ``block_size`` image rows × ``block_columns`` captions at a
     time (default 1024 × 2048); the tile shape changes the speed, not the ranks.
+
+    With ``max_rank`` every rank at or above it is reported as ``max_rank`` (all that recall at K ≤ max_rank
+    needs). That allows ``precision="bfloat16"``: scores from bfloat16 copies of the embeddings, half the
+    arithmetic on CPUs with bfloat16 dot-product instructions, with a proven bound on their error; every
+    query whose rank below ``max_rank`` that error could change is recounted exactly in float64, so the ranks
+    are the float32 path's. ``"auto"`` takes it for large float32 inputs on such CPUs.
     """
+    x, y, ids = _checked_inputs(image_emb, text_emb, text_image_ids)
+    if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1):
+        raise ValueError(f"max_rank must be a positive integer, got {max_rank!r}")
+    if precision not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}")
+    if precision == "bfloat16" and max_rank is None:
+        raise ValueError("precision='bfloat16' needs max_rank: only ranks below it are recounted exactly")
+    n, m = x.shape[0], y.shape[0]
+    rows = max(1, min(n, block_size or _TILE_ROWS))
+    cols = max(1, min(m, block_columns or max(_TILE_ELEMENTS // rows, 1)))
+    if precision == "bfloat16" or (precision == "auto" and max_rank is not None and _bfloat16_pays(x, y)):
+        assert max_rank is not None
+        i2t, t2i = _bfloat16_ranks(x, y, ids, tie_tolerance, max_rank, rows, cols)
+    else:
+        # Each caption's score with its own image is the bar every other image must stay below (text→image);
+        # an image's best own-caption score is the bar for every other caption (image→text).
+        own, best = _own_scores(x, y, ids)
+        text_bar = (own - tie_tolerance).numpy()
+        image_bar = (best - tie_tolerance).numpy()
+        t2i, i2t = _count_reaching(x, y, ids, text_bar, image_bar, rows, cols)
+        if max_rank is not None:
+            np.minimum(t2i, max_rank, out=t2i)
+            np.minimum(i2t, max_rank, out=i2t)
+    return torch.from_numpy(i2t).long(), torch.from_numpy(t2i).long()
+
+
+def _checked_inputs(
+    image_emb: Any, text_emb: Any, text_image_ids: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = _as_matrix(image_emb, "image_emb")
     y = _as_matrix(text_emb, "text_emb")
     if x.shape[1] != y.shape[1]:
@@ -93,30 +142,36 @@ def retrieval_ranks(
     if bool((per_image == 0).any()):
         lonely = int((per_image == 0).nonzero()[0])
         raise ValueError(f"image {lonely} has no caption in text_image_ids ({int((per_image == 0).sum())} such images)")
+    return x, y, ids
 
-    # Each caption's score with its own image is the bar every other image must stay below (text→image);
-    # an image's best own-caption score is the bar for every other caption (image→text).
-    own = torch.cat([(x[ids[a : a + 8192]] * y[a : a + 8192]).sum(1) for a in range(0, m, 8192)])
-    best = torch.full((n,), -torch.inf, dtype=dtype).scatter_reduce_(0, ids, own, reduce="amax")
-    text_bar = (own - tie_tolerance).numpy()
-    image_bar = (best - tie_tolerance).numpy()[:, None]
 
-    rows = max(1, min(n, block_size or _TILE_ROWS))
-    cols = max(1, min(m, block_columns or max(_TILE_ELEMENTS // rows, 1)))
+def _own_scores(
+    x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, *, exact: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each caption's score with its own image, and each image's best score with one of its captions; in
+    float64 when ``exact``."""
+    own = _pair_scores(x, y, ids, torch.arange(y.shape[0]), exact=exact)
+    best = torch.full((x.shape[0],), -torch.inf, dtype=own.dtype).scatter_reduce_(0, ids, own, reduce="amax")
+    return own, best
+
+
+def _score_tiles(
+    x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, rows: int, cols: int
+) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
+    """``(r0, c0, scores, own_rows, own_cols)`` per tile: ``scores = x[r0:r1] @ y[c0:c1].T`` as a numpy view that
+    the next tile overwrites (float32 for bfloat16 inputs, which float32 holds exactly), and the own pairs
+    (image, caption) that fall inside the tile."""
+    n, m = x.shape[0], y.shape[0]
+    low = x.dtype == torch.bfloat16
     # Own pairs grouped by tile, so each tile finds the scores it must not count as wrong items by slicing.
     n_col_tiles = -(-m // cols)
     tile_of = (ids // rows) * n_col_tiles + torch.arange(m) // cols
     order = torch.argsort(tile_of, stable=True)
     bounds = [0, *torch.cumsum(torch.bincount(tile_of, minlength=-(-n // rows) * n_col_tiles), 0).tolist()]
     own_rows, own_cols = ids[order].numpy(), order.numpy()
-
-    t2i_rank = np.zeros(m, dtype=np.int32)
-    i2t_rank = np.zeros(n, dtype=np.int32)
-    # The comparisons run in numpy, on this thread: as hundreds of short parallel torch ops they would each
-    # stall whenever another process holds a core; here they cost little next to the products.
-    score_buf = torch.empty(rows * cols, dtype=dtype)
+    score_buf = torch.empty(rows * cols, dtype=torch.float32 if low else x.dtype)
+    product_buf = torch.empty(rows * cols, dtype=x.dtype) if low else score_buf
     score_np = score_buf.numpy()
-    reach_buf = np.empty(min(rows, _STRIPE_ROWS) * cols, dtype=np.bool_)
     tile = 0
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -124,26 +179,227 @@ def retrieval_ranks(
         for c0 in range(0, m, cols):
             c1 = min(m, c0 + cols)
             size = (r1 - r0) * (c1 - c0)
-            torch.mm(x_block, y[c0:c1].T, out=score_buf[:size].view(r1 - r0, c1 - c0))
-            scores = score_np[:size].reshape(r1 - r0, c1 - c0)
-            for s0 in range(0, r1 - r0, _STRIPE_ROWS):
-                s1 = min(r1 - r0, s0 + _STRIPE_ROWS)
-                stripe = scores[s0:s1]
-                reach = reach_buf[: stripe.size].reshape(stripe.shape)
-                # Bytes summed into int32: no int64 mask or counts are ever materialised.
-                np.greater_equal(stripe, text_bar[c0:c1], out=reach)
-                t2i_rank[c0:c1] += reach.view(np.uint8).sum(0, dtype=np.int32)
-                np.greater_equal(stripe, image_bar[r0 + s0 : r0 + s1], out=reach)
-                i2t_rank[r0 + s0 : r0 + s1] += reach.view(np.uint8).sum(1, dtype=np.int32)
-            # The tile's own pairs were counted above when they reached the bar; take them back out.
+            product = product_buf[:size].view(r1 - r0, c1 - c0)
+            torch.mm(x_block, y[c0:c1].T, out=product)
+            if low:
+                score_buf[:size].view(r1 - r0, c1 - c0).copy_(product)
             lo, hi = bounds[tile], bounds[tile + 1]
             tile += 1
-            if lo < hi:
-                i, j = own_rows[lo:hi], own_cols[lo:hi]
-                s = scores[i - r0, j - c0]
-                t2i_rank[j] -= s >= text_bar[j]
-                np.subtract.at(i2t_rank, i, (s >= image_bar[i, 0]).astype(np.int32))
-    return torch.from_numpy(i2t_rank).long(), torch.from_numpy(t2i_rank).long()
+            yield r0, c0, score_np[:size].reshape(r1 - r0, c1 - c0), own_rows[lo:hi], own_cols[lo:hi]
+
+
+def _stripes(scores: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    for s0 in range(0, scores.shape[0], _STRIPE_ROWS):
+        yield s0, scores[s0 : s0 + _STRIPE_ROWS]
+
+
+def _pair_scores(
+    x: torch.Tensor, y: torch.Tensor, images: torch.Tensor, captions: torch.Tensor, *, exact: bool = False
+) -> torch.Tensor:
+    """``x[images[k]] · y[captions[k]]`` for every k, in float64 when ``exact`` (float32 products and their
+    sums are then exact to far below the tie tolerance); a few thousand pairs at a time, so the gathered rows
+    stay small enough to be reused memory rather than fresh pages."""
+    dtype = torch.float64 if exact else x.dtype
+    out = torch.empty(len(images), dtype=dtype)
+    for a in range(0, len(images), _PAIRS_AT_ONCE):
+        i, c = images[a : a + _PAIRS_AT_ONCE], captions[a : a + _PAIRS_AT_ONCE]
+        torch.linalg.vecdot(x[i].to(dtype), y[c].to(dtype), out=out[a : a + len(i)])
+    return out
+
+
+def _count_reaching(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    text_bar: np.ndarray,
+    image_bar: np.ndarray,
+    rows: int,
+    cols: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per caption, how many other images score at or above its bar; per image, how many captions of other
+    images score at or above its bar."""
+    n, m = x.shape[0], y.shape[0]
+    t2i = np.zeros(m, dtype=np.int32)
+    i2t = np.zeros(n, dtype=np.int32)
+    image_col = image_bar[:, None]
+    # The comparisons run in numpy, on this thread: as hundreds of short parallel torch ops they would each
+    # stall whenever another process holds a core; here they cost little next to the products.
+    reach_buf = np.empty(min(rows, _STRIPE_ROWS) * cols, dtype=np.bool_)
+    for r0, c0, scores, own_i, own_j in _score_tiles(x, y, ids, rows, cols):
+        c1 = c0 + scores.shape[1]
+        for s0, stripe in _stripes(scores):
+            reach = reach_buf[: stripe.size].reshape(stripe.shape)
+            # Bytes summed into int32: no int64 mask or counts are ever materialised.
+            np.greater_equal(stripe, text_bar[c0:c1], out=reach)
+            t2i[c0:c1] += reach.view(np.uint8).sum(0, dtype=np.int32)
+            np.greater_equal(stripe, image_col[r0 + s0 : r0 + s0 + len(stripe)], out=reach)
+            i2t[r0 + s0 : r0 + s0 + len(stripe)] += reach.view(np.uint8).sum(1, dtype=np.int32)
+        # The tile's own pairs were counted above when they reached the bar; take them back out.
+        if len(own_i):
+            s = scores[own_i - r0, own_j - c0]
+            t2i[own_j] -= s >= text_bar[own_j]
+            np.subtract.at(i2t, own_i, (s >= image_bar[own_i]).astype(np.int32))
+    return t2i, i2t
+
+
+# bfloat16 keeps an 8-bit significand: rounding to it moves a value by at most 2^-8 of itself (unit roundoff),
+# which also bounds the move measured against the rounded value to 2^-8 / (1 - 2^-8); float32 sums move by
+# at most 2^-24 of the running sum per addition.
+_BF16_UNIT = 2.0**-8
+_BF16_ROUNDING = _BF16_UNIT / (1 - _BF16_UNIT)
+_FP32_UNIT = 2.0**-24
+_BF16_MIN_WORK = 1 << 30  # multiply-adds below which float32 is fast enough not to bother
+
+
+def _bfloat16_pays(x: torch.Tensor, y: torch.Tensor) -> bool:
+    big = x.shape[0] * y.shape[0] * x.shape[1] >= _BF16_MIN_WORK
+    return x.dtype == torch.float32 and big and _cpu_has_bfloat16_dot()
+
+
+@functools.cache
+def _cpu_has_bfloat16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere it is emulated, slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class _Bracket:
+    """One direction's ranks from bfloat16 scores, bracketed by their error bound.
+
+    Per query (a caption ranking images, or an image ranking captions): how many wrong items certainly reach
+    its bar, and the (image, caption, score) triples of those that only possibly do. Once the sure count
+    reaches ``max_rank`` the query's rank is settled and its items stop being looked at.
+    """
+
+    def __init__(self, bar: np.ndarray, eps: np.ndarray, max_rank: int) -> None:
+        self.bar, self.eps, self.max_rank = bar, eps, max_rank
+        self.sure_at = _score_reaching(bar + eps, sure=True)
+        self.maybe_at = _score_reaching(bar - eps)  # +inf once the query is settled
+        self.sure = np.zeros(len(bar), dtype=np.int32)
+        self._band: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def take(self, lo: int, query: np.ndarray, image: np.ndarray, caption: np.ndarray, score: np.ndarray) -> None:
+        """Items that reached their query's ``maybe_at``, own pairs already removed; queries lie in
+        [lo, lo + the span the caller scanned)."""
+        if not len(query):
+            return
+        sure = score >= self.sure_at[query]
+        counts = np.bincount(query[sure] - lo)
+        span = slice(lo, lo + len(counts))
+        self.sure[span] += counts.astype(np.int32)
+        settled = np.flatnonzero(self.sure[span] >= self.max_rank)
+        self.maybe_at[lo + settled] = np.inf
+        band = ~sure
+        if band.any():
+            self._band.append((image[band].astype(np.int32), caption[band].astype(np.int32), score[band]))
+
+    def ranks(self, query_of: str, exact_scores: Any) -> np.ndarray:
+        """Ranks capped at ``max_rank``: the sure count plus the kept items whose exact score reaches the bar."""
+        rank = np.minimum(self.sure, self.max_rank)
+        if not self._band:
+            return rank
+        image, caption, approx = (np.concatenate(parts) for parts in zip(*self._band, strict=True))
+        query = caption if query_of == "caption" else image
+        take = self.sure[query] < self.max_rank
+        image, caption, approx, query = image[take], caption[take], approx[take], query[take]
+        exact = exact_scores(image, caption)
+        # The bound is what makes these ranks exact; check it wherever an exact score is at hand.
+        slack = self.eps[query] + _BF16_ROUNDING * np.abs(approx.astype(np.float64))
+        broken = np.flatnonzero(np.abs(exact - approx) > slack)
+        if len(broken):
+            k = broken[0]
+            raise RuntimeError(
+                f"bfloat16 score of image {image[k]} and caption {caption[k]} is {approx[k]:.6g}, exact "
+                f"{exact[k]:.6g}: outside the error bound {slack[k]:.3g}; use precision='float32'"
+            )
+        rank += np.bincount(query[exact >= self.bar[query]], minlength=len(rank)).astype(rank.dtype)
+        return np.minimum(rank, self.max_rank)
+
+
+def _bfloat16_ranks(
+    x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, tie_tolerance: float, max_rank: int, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks capped at ``max_rank`` from bfloat16 scores bracketed by their error bound.
+
+    For a pair (a, b) whose bfloat16 copies differ by (da, db), the exact dot product of the copies is within
+    |a||db| + |da||b| + |da||db| of a·b (Cauchy-Schwarz); summing it in float32 adds at most γ|ã||b̃|, with
+    γ = k u / (1 - k u) for k additions (2d allowed, for sums split across blocks); rounding the sum to
+    bfloat16 moves it by at most 2^-8 / (1 - 2^-8) of the rounded value. A wrong item is "sure" when even its
+    lowest possible exact score reaches the bar, "maybe" when its highest does; the maybe-but-not-sure items
+    of queries that can still rank below ``max_rank`` are scored exactly in float64 at the end.
+    """
+    d = x.shape[1]
+    own, best = _own_scores(x, y, ids, exact=True)
+    xb, yb = x.bfloat16(), y.bfloat16()
+
+    def norms(a: torch.Tensor, ab: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # A float32 value minus its bfloat16 rounding is exact in float32, and |ã| ≤ |a| + |ã - a|. A float32
+        # norm is within (d + 2) u of the true one; scaled up by twice that, it is an upper bound.
+        up = 1 + 2 * (d + 2) * _FP32_UNIT
+        norm, err = (torch.linalg.vector_norm(t, dim=1).double() * up for t in (a, ab.float().sub_(a)))
+        return norm, err, norm + err
+
+    x_norm, x_err, xb_norm = norms(x, xb)
+    y_norm, y_err, yb_norm = norms(y, yb)
+    gamma = 2 * d * _FP32_UNIT / (1 - 2 * d * _FP32_UNIT)
+
+    def bound(q: tuple[torch.Tensor, ...], c: tuple[torch.Tensor, ...]) -> np.ndarray:
+        # Against every candidate at once: the largest candidate norms stand in for each one's own.
+        (q_norm, q_err, qb_norm), (c_norm, c_err, cb_norm) = q, (t.max() for t in c)
+        return (q_norm * c_err + q_err * c_norm + q_err * c_err + gamma * qb_norm * cb_norm + 1e-30).numpy()
+
+    t2i = _Bracket((own - tie_tolerance).numpy(), bound((y_norm, y_err, yb_norm), (x_norm, x_err, xb_norm)), max_rank)
+    i2t = _Bracket((best - tie_tolerance).numpy(), bound((x_norm, x_err, xb_norm), (y_norm, y_err, yb_norm)), max_rank)
+    own_image = ids.numpy()
+    image_maybe_col = i2t.maybe_at[:, None]  # a view: settling an image shows through
+
+    mask_buf = np.empty(min(rows, _STRIPE_ROWS) * cols, dtype=np.bool_)
+    for r0, c0, scores, _, _ in _score_tiles(xb, yb, ids, rows, cols):
+        width = scores.shape[1]
+        for s0, stripe in _stripes(scores):
+            a = r0 + s0
+            mask = mask_buf[: stripe.size].reshape(stripe.shape)
+            flat = stripe.reshape(-1)
+            for bracket, bars, by_caption in (
+                (t2i, t2i.maybe_at[c0 : c0 + width], True),
+                (i2t, image_maybe_col[a : a + len(stripe)], False),
+            ):
+                np.greater_equal(stripe, bars, out=mask)
+                idx = np.flatnonzero(mask)
+                if not len(idx):
+                    continue
+                r, c = np.divmod(idx, width)
+                image, caption = r + a, c + c0
+                wrong = own_image[caption] != image
+                image, caption, score = image[wrong], caption[wrong], flat[idx[wrong]]
+                if by_caption:
+                    bracket.take(c0, caption, image, caption, score)
+                else:
+                    bracket.take(a, image, image, caption, score)
+
+    def exact_scores(image: np.ndarray, caption: np.ndarray) -> np.ndarray:
+        return _pair_scores(x, y, torch.from_numpy(image), torch.from_numpy(caption), exact=True).numpy()
+
+    return i2t.ranks("image", exact_scores), t2i.ranks("caption", exact_scores)
+
+
+def _score_reaching(bar: np.ndarray, *, sure: bool = False) -> np.ndarray:
+    """The float32 threshold on bfloat16 scores at which the exact score certainly (``sure``) or possibly
+    reaches ``bar`` (already widened by the input error), the bfloat16 rounding being at most
+    ``_BF16_ROUNDING`` of the rounded score."""
+    r = _BF16_ROUNDING
+    # s - r|s| (the lowest exact score) and s + r|s| (the highest) increase with s; invert them piecewise.
+    positive, negative = (1 - r, 1 + r) if sure else (1 + r, 1 - r)
+    t = np.where(bar >= 0, bar / positive, bar / negative)
+    t32 = t.astype(np.float32)
+    # Rounding the threshold to float32 must never let through a score that should not pass, or the reverse.
+    if sure:
+        return np.where(t32 < t, np.nextafter(t32, np.float32(np.inf)), t32)
+    return np.where(t32 > t, np.nextafter(t32, np.float32(-np.inf)), t32)
 
 
 def recall_at_k(
@@ -153,17 +409,21 @@ def recall_at_k(
     ks: Sequence[int] = DEFAULT_KS,
     *,
     tie_tolerance: float = TIE_TOLERANCE,
+    precision: Precision = "auto",
 ) -> dict[str, float]:
     """Image→text and text→image recall at each K, in percent.
 
     ``image_emb`` [N, D] and ``text_emb`` [M, D] are L2-normalised embeddings (tensors or arrays);
     ``text_image_ids[j]`` is the index of the image caption j describes (several captions per image;
     every image needs at least one). Returns ``{"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", ...}``.
+    ``precision`` is :func:`retrieval_ranks`'s; every choice gives the same recalls.
     """
     ks = tuple(ks)
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f"ks must be positive integers, got {list(ks)}")
-    i2t, t2i = retrieval_ranks(image_emb, text_emb, text_image_ids, tie_tolerance=tie_tolerance)
+    i2t, t2i = retrieval_ranks(
+        image_emb, text_emb, text_image_ids, tie_tolerance=tie_tolerance, max_rank=max(ks), precision=precision
+    )
     out: dict[str, float] = {}
     for name, ranks in (("i2t", i2t), ("t2i", t2i)):
         for k in ks:
