@@ -201,6 +201,7 @@ def test_recall_is_the_same_at_every_precision() -> None:
     assert 5 < expected["t2i_r1"] < 95  # neither trivial nor hopeless
     for precision in ("float32", "bfloat16", "auto"):
         assert recall_at_k(x, y, ids, precision=precision) == pytest.approx(expected)
+    assert recall_at_k(x.double().numpy(), y.double().numpy(), ids, precision="bfloat16") == pytest.approx(expected)
 
 
 def test_bfloat16_product_error_stays_within_the_bound_the_ranks_rely_on() -> None:

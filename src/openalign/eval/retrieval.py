@@ -337,10 +337,10 @@ def _bfloat16_ranks(
     xb, yb = x.bfloat16(), y.bfloat16()
 
     def norms(a: torch.Tensor, ab: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # A float32 value minus its bfloat16 rounding is exact in float32, and |ã| ≤ |a| + |ã - a|. A float32
+        # A value minus its bfloat16 rounding is exact in its own dtype, and |ã| ≤ |a| + |ã - a|. A float32
         # norm is within (d + 2) u of the true one; scaled up by twice that, it is an upper bound.
         up = 1 + 2 * (d + 2) * _FP32_UNIT
-        norm, err = (torch.linalg.vector_norm(t, dim=1).double() * up for t in (a, ab.float().sub_(a)))
+        norm, err = (torch.linalg.vector_norm(t, dim=1).double() * up for t in (a, ab.to(a.dtype).sub_(a)))
         return norm, err, norm + err
 
     x_norm, x_err, xb_norm = norms(x, xb)
