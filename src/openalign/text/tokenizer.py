@@ -135,7 +135,9 @@ def train_wordpiece(
     """Learn a WordPiece vocabulary from captions (the paper: 100k pieces from its training data).
 
     ``texts`` is consumed once, as a stream of captions or of caption batches (lists), so a corpus
-    larger than memory works; only the word counts are held.
+    larger than memory works; only the word counts are held. The trainer breaks ties between equally
+    frequent merges in hash-map order, so two runs on the same text can differ in a few pieces: learn a
+    vocabulary once and keep the saved one.
     """
     backend = Backend(models.WordPiece(unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)

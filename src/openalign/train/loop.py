@@ -78,7 +78,10 @@ def train(
     ``tokenizer`` the one loaded from ``data.tokenizer``. Under torchrun every process calls this.
     """
     owns_group = not (dist.is_available() and dist.is_initialized())
-    run = _Run(cfg, init_distributed(cfg.train.device), stream_factory, tokenizer)
+    info = init_distributed(cfg.train.device)
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(cfg, resume, info.is_main)
+    run = _Run(cfg, info, stream_factory, tokenizer)
     try:
         run.restore(resume)
         try:
@@ -120,7 +123,7 @@ class _Run:
         self.run_dir = Path(t.run_dir)
         if t.threads is not None:
             torch.set_num_threads(t.threads)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(cfg)
+        self.tokenizer = tokenizer
         self.model_config = cfg.model.resolve(self.tokenizer.vocab_size if self.tokenizer is not None else None)
         _check_vocab(self.model_config, self.tokenizer)
         self.total_steps = cfg.total_steps
@@ -453,23 +456,41 @@ def _reduce_stats(stats: Any) -> dict[str, int]:
     return dict(reduce_stats(dict(stats)))
 
 
-def _load_tokenizer(cfg: TrainConfig) -> Any:
+def _has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / n).is_file() for n in ("tokenizer.json", "vocab.txt"))
+
+
+def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Any:
+    """The run's tokenizer: ``data.tokenizer``, the ``model.init`` checkpoint's, or (synthetic data) a vocabulary
+    learnt from the world's captions. A learnt one is learnt once, by rank 0, and handed to every rank; a
+    resumed run takes the one saved with its checkpoint. Learning it again is not safe: the WordPiece trainer
+    breaks ties between equally frequent merges in hash-map order, so two learners can disagree."""
     from openalign.text import load_tokenizer
 
     length = cfg.data.max_text_length
     if cfg.data.tokenizer:
         return load_tokenizer(cfg.data.tokenizer, max_length=length)
     init = cfg.model.init
-    if init is not None and any((Path(init) / n).is_file() for n in ("tokenizer.json", "vocab.txt")):
+    if init is not None and _has_tokenizer(init):
         return load_tokenizer(init, max_length=length)
-    if cfg.data.source == "synthetic":
-        return _synthetic_tokenizer(cfg)
-    return None
+    if cfg.data.source != "synthetic":
+        return None
+    tokenizer = None
+    if is_main:
+        found = None
+        if resume:
+            with contextlib.suppress(FileNotFoundError):  # restore() reports it, on every rank
+                found = ckpt.find_checkpoint(cfg.train.run_dir, resume)
+        if found is not None and _has_tokenizer(found):
+            tokenizer = load_tokenizer(found, max_length=length)
+        else:
+            tokenizer = _synthetic_tokenizer(cfg)
+    return broadcast_object(tokenizer)
 
 
 def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Any:
     """A WordPiece vocabulary learnt from the synthetic world's captions (noise included), as
-    ``openalign vocab`` would; deterministic, so every rank learns the same one."""
+    ``openalign vocab`` would."""
     from openalign.data.synthetic import SyntheticWorld
     from openalign.text import train_wordpiece
 
