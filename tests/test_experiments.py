@@ -55,6 +55,7 @@ def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
         assert cfg.eval.every == 0
         assert cfg.optim.total_steps == 400 and cfg.total_steps == 400
         assert cfg.data.batch_size == 256 and cfg.data.source == "synthetic"
+        assert cfg.data.tokenizer == str(tmp_path / "vocab")  # one vocabulary for the whole grid
         return cfg
 
     n = round(400 * 256 / 48)  # the clean set is seen 4 × 12 times
@@ -175,6 +176,11 @@ def test_runs_are_reused_and_reported(tmp_path: Path, monkeypatch: pytest.Monkey
         run_dir = tmp_path / "runs" / "e" / run["variant"] / "seed0"
         assert (run_dir / "result.json").is_file() and (run_dir / "final").is_dir()
         assert not (run_dir / "checkpoints").exists()
+
+    # Both runs tokenised with the one vocabulary learnt for the grid, saved beside the runs.
+    shared = (tmp_path / "vocab" / "vocab.txt").read_text()
+    for run in first["runs"]:
+        assert (tmp_path / "runs" / "e" / run["variant"] / "seed0" / "final" / "vocab.txt").read_text() == shared
 
     second = run_experiments(settings, log=lambda _: None)
     assert len(calls) == 2  # nothing retrained

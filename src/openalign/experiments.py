@@ -11,7 +11,10 @@ and reports mean ± sample std per variant beside the direction the paper found:
   e  label smoothing 0.1 vs 0
 
 Every run lives in ``OUT/runs/<ablation>/<variant>/seed<k>``; its ``result.json`` is written only once it is
-evaluated, so a second invocation reuses the finished runs and an interrupted one loses none of them.
+evaluated, so a second invocation reuses the finished runs and an interrupted one loses none of them. All runs
+share one WordPiece vocabulary, learnt once into ``OUT/vocab``: learnt per run it differs by a few pieces
+(the trainer breaks merge ties in hash-map order), which changes the embedding table and with it every
+weight drawn after it, so runs of one seed would not start from the same weights.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
 
 BASE_CONFIG = "nano_cpu"
 RESULT_FILE = "result.json"
+VOCAB_DIR = "vocab"
 
 # Full mode: the recipe's batch for a modest number of steps, scored on a Flickr-sized held-out set.
 FULL_STEPS = 400
@@ -257,6 +261,7 @@ def expand_grid(settings: ExperimentSettings) -> list[RunSpec]:
                     "optim.warmup_steps": max(1, steps // 16),
                     "train.seed": seed,
                     "train.run_dir": str(run_dir),
+                    "data.tokenizer": str(Path(settings.out) / VOCAB_DIR),
                     "train.keep_checkpoints": 1,
                     "eval.every": 0,
                     "eval.images": settings.eval_images,
@@ -337,7 +342,7 @@ def _log(message: str) -> None:
 
 def _settings_record(spec: RunSpec, eval_images: int) -> dict[str, Any]:
     """What decides a run's result; a reused result must have been produced by the same."""
-    overrides = {k: v for k, v in spec.overrides.items() if k != "train.run_dir"}
+    overrides = {k: v for k, v in spec.overrides.items() if k not in ("train.run_dir", "data.tokenizer")}
     return json.loads(json.dumps({"overrides": overrides, "eval_images": eval_images}))
 
 
@@ -392,6 +397,7 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
     specs = expand_grid(settings)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
+    _shared_vocabulary(settings, log)
     wall = time.perf_counter()
     eval_sets: dict[tuple[int, int], Any] = {}
     runs = []
@@ -424,6 +430,24 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
     print(markdown, flush=True)
     log(f"wrote {out / 'experiments.json'} and {out / 'experiments.md'}")
     return summary
+
+
+def _shared_vocabulary(settings: ExperimentSettings, log: Callable[[str], None]) -> None:
+    """Learn the grid's vocabulary from the recipe's synthetic captions, unless an earlier invocation did."""
+    from openalign.train.config import load_train_config
+    from openalign.train.loop import _synthetic_tokenizer
+
+    path = Path(settings.out) / VOCAB_DIR
+    if (path / "tokenizer.json").is_file():
+        return
+    overrides = {k: v for k, v in settings.overrides.items() if k != "data.tokenizer"}
+    tokenizer = _synthetic_tokenizer(load_train_config(BASE_CONFIG, overrides))
+    tmp = path.with_name(VOCAB_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save(tmp)
+    shutil.rmtree(path, ignore_errors=True)  # a partial copy from an interrupted invocation
+    os.replace(tmp, path)
+    log(f"learnt the shared vocabulary ({tokenizer.vocab_size} pieces) into {path}")
 
 
 def _run_line(run: dict[str, Any]) -> str:
