@@ -125,28 +125,68 @@ def load_tokenizer(path: str | Path, max_length: int = 64) -> Tokenizer:
     return Tokenizer(_bert_pipeline(backend, lowercase), max_length)
 
 
+def continuation_tokens(characters: Iterable[str], lowercase: bool = True) -> list[str]:
+    """The ``##`` pieces that can stand for ``characters`` inside a word, after BERT normalisation, sorted.
+
+    A character that the pre-tokeniser always splits off on its own (punctuation, CJK, white space) never
+    continues a word, so it gets no ``##`` piece.
+    """
+    probe = Backend(models.WordPiece(unk_token="[UNK]"))
+    probe.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)
+    probe.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    pieces: set[str] = set()
+    for char in set(characters):
+        words = probe.pre_tokenizer.pre_tokenize_str(probe.normalizer.normalize_str(f"a{char}a"))
+        if len(words) == 1:
+            pieces.update("##" + c for c in words[0][0][1:-1])
+    return sorted(pieces)
+
+
+def _characters(texts: Iterable[str] | Iterable[list[str]]) -> set[str]:
+    chars: set[str] = set()
+    for item in texts:
+        if isinstance(item, str):
+            chars.update(item)
+        else:
+            for text in item:
+                chars.update(text)
+    return chars
+
+
 def train_wordpiece(
     texts: Iterable[str] | Iterable[list[str]],
     vocab_size: int = 100_000,
     lowercase: bool = True,
     min_frequency: int = 2,
     max_length: int = 64,
+    characters: Iterable[str] | None = None,
 ) -> Tokenizer:
     """Learn a WordPiece vocabulary from captions (the paper: 100k pieces from its training data).
 
-    ``texts`` is consumed once, as a stream of captions or of caption batches (lists), so a corpus
-    larger than memory works; only the word counts are held. The trainer breaks ties between equally
-    frequent merges in hash-map order, so two runs on the same text can differ in a few pieces: learn a
-    vocabulary once and keep the saved one.
+    ``texts`` is a sequence of captions or of caption batches (lists). The same text always gives the same
+    vocabulary: HF's trainer numbers the ``##`` pieces in hash-map order and breaks ties between equally
+    frequent merges by those numbers, so every ``##`` piece is numbered in sorted order before training
+    (as special tokens of the trainer, made ordinary vocabulary entries afterwards). That needs the
+    corpus' ``characters`` up front: pass them (any superset works) to stream ``texts`` once in constant
+    memory; without them ``texts`` is read twice, or held in memory if it is a one-shot iterator.
     """
+    if characters is None:
+        if iter(texts) is texts:  # a generator cannot be read twice
+            texts = list(texts)
+        characters = _characters(texts)
+    continuation = continuation_tokens(characters, lowercase)
     backend = Backend(models.WordPiece(unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True, handle_chinese_chars=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *continuation],
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
+    # The ## pieces were special only to fix their numbers: keep them as ordinary pieces of the vocabulary.
+    state = json.loads(backend.to_str())
+    state["added_tokens"] = [t for t in state["added_tokens"] if t["content"] in SPECIAL_TOKENS]
+    backend = Backend.from_str(json.dumps(state))
     return Tokenizer(_bert_pipeline(backend, lowercase), max_length)

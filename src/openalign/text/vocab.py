@@ -250,6 +250,11 @@ def build_vocab(
     config.validate()
     skipped: Counter[str] = Counter()
     counted: Counter[str] = Counter()
+    # A first pass collects the characters, so the trainer numbers its pieces in a stable order and the
+    # second pass streams the captions straight into it: the same corpus always gives the same vocabulary.
+    characters: set[str] = set()
+    for caption in iter_captions(source, column=config.column, batch_size=config.batch_size, skipped=Counter()):
+        characters.update(caption)
     captions = iter_captions(source, column=config.column, batch_size=config.batch_size, skipped=skipped)
     with tqdm(unit="caption", desc="vocab", disable=not progress, unit_scale=True) as bar:
         tokenizer = train_wordpiece(
@@ -258,6 +263,7 @@ def build_vocab(
             lowercase=config.lowercase,
             min_frequency=config.min_frequency,
             max_length=config.max_length,
+            characters=characters,
         )
     used = counted["captions"]
     if used == 0:
