@@ -41,11 +41,12 @@ class DemoConfig:
     batch_size: int = 256
     eval_every: int = 200
     dedup_threshold: float = 0.975  # the paper's cosine for a near-duplicate
-    copy_detector_seconds: float = 60.0  # training budget of the separate image model used for dedup
+    copy_detector_steps: int = 150  # training steps of the separate image model used for dedup
     workers: int = 1  # DataLoader processes decoding training images
 
     def validate(self) -> None:
-        for name in ("corpus_size", "retrieval_images", "classification_per_class", "vocab_size", "train_steps"):
+        positive = ("corpus_size", "retrieval_images", "classification_per_class", "vocab_size", "train_steps")
+        for name in (*positive, "copy_detector_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"demo {name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.noise <= 1.0:
@@ -65,7 +66,7 @@ def quick_config(out: str) -> DemoConfig:
         train_steps=30,
         batch_size=64,
         eval_every=15,
-        copy_detector_seconds=10.0,
+        copy_detector_steps=20,
         workers=0,
     )
 
@@ -101,9 +102,15 @@ def _log(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = _log) -> Path:
-    """Run (or finish) the demo in ``cfg.out``; returns the path of ``report.md``."""
+STAGES = ("world", "filter", "dedup", "vocab", "shards", "train", "eval", "index", "queries")
+
+
+def run_demo(cfg: DemoConfig, *, until: str | None = None, log: Callable[[str], None] = _log) -> Path:
+    """Run (or finish) the demo in ``cfg.out``; returns the path of ``report.md``, or of the run folder
+    when ``until`` names the last stage to run."""
     cfg.validate()
+    if until is not None and until not in STAGES:
+        raise ConfigError(f"demo: no stage {until!r}; the stages are {', '.join(STAGES)}")
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
     saved = root / "demo_config.json"
@@ -111,15 +118,21 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = _log) -> Path:
         raise ValueError(f"{root} holds a demo run with other settings; use another --out or delete it")
     saved.write_text(json.dumps(asdict(cfg), indent=2))
     stages = Stages(root, log)
-    stages.run("world", lambda: _world(cfg, root))
-    stages.run("filter", lambda: _filter(cfg, root))
-    stages.run("dedup", lambda: _dedup(cfg, root))
-    stages.run("vocab", lambda: _vocab(cfg, root))
-    stages.run("shards", lambda: _shards(root))
-    stages.run("train", lambda: _train(cfg, root))
-    stages.run("eval", lambda: _evaluate(cfg, root))
-    stages.run("index", lambda: _index(root))
-    stages.run("queries", lambda: _queries(root))
+    work: dict[str, Callable[[], dict[str, Any]]] = {
+        "world": lambda: _world(cfg, root),
+        "filter": lambda: _filter(cfg, root),
+        "dedup": lambda: _dedup(cfg, root),
+        "vocab": lambda: _vocab(cfg, root),
+        "shards": lambda: _shards(root),
+        "train": lambda: _train(cfg, root),
+        "eval": lambda: _evaluate(cfg, root),
+        "index": lambda: _index(root),
+        "queries": lambda: _queries(root),
+    }
+    for name in STAGES:
+        stages.run(name, work[name])
+        if name == until:
+            return root
     report = _report(cfg, root, stages.summaries)
     log(f"report: {report}")
     log(f"browse the index: openalign serve --index {root / 'index'} --model {root / 'train' / 'final'}")
@@ -198,7 +211,7 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
         detector = CopyDetector.load(detector_dir)
     else:
         detector = train_copy_detector(
-            list(train_images()), steps=400, seconds=cfg.copy_detector_seconds, seed=cfg.seed, progress=True
+            list(train_images()), steps=cfg.copy_detector_steps, seed=cfg.seed, progress=True
         )
         detector.save(detector_dir)
     train_emb = detector.embed(train_images(), progress=True)
