@@ -67,3 +67,25 @@ def test_unknown_stage_is_a_config_error(tmp_path: Path) -> None:
         run_demo(DemoConfig(out=str(tmp_path)), until="training")
     with pytest.raises(ConfigError, match="copy_detector_steps"):
         run_demo(DemoConfig(out=str(tmp_path), copy_detector_steps=0))
+
+
+def _summaries(t2i: float, temperature: float, planted: int = 100, found: int = 30) -> dict[str, dict]:
+    return {
+        "eval": {"results": [{"t2i_r1": t2i}]},
+        "train": {"metrics": {"temperature": temperature}, "skipped_steps": 0},
+        "dedup": {"planted_after_filter": planted, "planted_found": found, "other_rows_removed": 7},
+    }
+
+
+def test_the_report_says_where_to_look_when_the_mark_is_missed() -> None:
+    from openalign.demo import diagnose
+
+    cfg = DemoConfig(target_r1=65.0)
+    missed = diagnose(cfg, _summaries(40.0, 0.5), [(100, 2.0), (400, 20.0), (500, 40.0)])
+    assert "does not reach" in missed[0]
+    assert any("still climbing" in line and "20.0 % at step 400" in line for line in missed)
+    assert any("Temperature: 0.500" in line for line in missed)
+    assert any("found 30 of 100" in line and "30 % recall" in line for line in missed)
+    reached = diagnose(cfg, _summaries(70.0, 0.08), [(400, 69.5), (500, 70.0)])
+    assert "reaches" in reached[0] and any("levelled off" in line for line in reached)
+    assert not any("Temperature" in line for line in reached)

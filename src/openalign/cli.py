@@ -569,14 +569,18 @@ def cmd_bench_filter(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from openalign.demo import DemoConfig, quick_config, run_demo
+    from openalign.demo import DemoConfig, quick_config, run_demo, run_demo_seeds
 
     cfg = quick_config(args.out) if args.quick else DemoConfig(out=args.out)
+    cfg.seed = args.seed
     if args.corpus_size is not None:
         cfg.corpus_size = args.corpus_size
     if args.steps is not None:
         cfg.train_steps = args.steps
-    run_demo(cfg)
+    if args.seeds > 1:
+        run_demo_seeds(cfg, args.seeds)
+    else:
+        run_demo(cfg)
     return 0
 
 
@@ -894,6 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="small sizes: about a minute, for a first look")
     demo.add_argument("--corpus-size", type=int, help="crawled pairs to generate (default 40000)")
     demo.add_argument("--steps", type=int, help="training steps (default 800)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the crawl, the weights and the data order")
+    demo.add_argument(
+        "--seeds", type=int, default=1, help="run this many seeds from --seed, in OUT/seed-S, and compare"
+    )
     demo.set_defaults(func=cmd_demo)
 
     experiments = sub.add_parser(
