@@ -45,6 +45,7 @@ class DemoConfig:
     dedup_threshold: float = 0.975  # the paper's cosine for a near-duplicate
     copy_detector_steps: int = 150  # training steps of the separate image model used for dedup
     workers: int = 1  # DataLoader processes decoding training images
+    index_shards: int = 10  # training shards (1,000 pairs each) in the search index; 0 = all
 
     def validate(self) -> None:
         positive = ("corpus_size", "retrieval_images", "classification_per_class", "vocab_size", "train_steps")
@@ -55,8 +56,8 @@ class DemoConfig:
             raise ConfigError(f"demo noise must be in [0, 1], got {self.noise}")
         if self.batch_size < 2:
             raise ConfigError(f"demo batch_size must be at least 2 (in-batch negatives), got {self.batch_size}")
-        if self.checks < 0:
-            raise ConfigError(f"demo checks must be 0 or more, got {self.checks}")
+        if self.checks < 0 or self.index_shards < 0:
+            raise ConfigError(f"demo checks and index_shards must be 0 or more, got {self.checks}, {self.index_shards}")
 
 
 def quick_config(out: str) -> DemoConfig:
@@ -130,7 +131,7 @@ def run_demo(cfg: DemoConfig, *, until: str | None = None, log: Callable[[str], 
         "shards": lambda: _shards(root),
         "train": lambda: _train(cfg, root),
         "eval": lambda: _evaluate(cfg, root),
-        "index": lambda: _index(root),
+        "index": lambda: _index(cfg, root),
         "queries": lambda: _queries(root),
     }
     for name in STAGES:
@@ -367,11 +368,15 @@ def _load_final(root: Path) -> tuple[Any, Any]:
     return model, openalign.load_tokenizer(final, max_length=model.config.text.max_length)
 
 
-def _index(root: Path) -> dict[str, Any]:
+def _index(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     from openalign.search.build import build_config, build_index
 
     model, tokenizer = _load_final(root)
-    counts = build_index(model, tokenizer, root / "shards", root / "index", build_config(captions=True))
+    source = str(root / "shards")
+    names = sorted(p.stem for p in (root / "shards").glob("*.tar"))
+    if 0 < cfg.index_shards < len(names):
+        source = f"{source}/{{{names[0]}..{names[cfg.index_shards - 1]}}}.tar"
+    counts = build_index(model, tokenizer, source, root / "index", build_config(captions=True))
     return {k: v for k, v in counts.items() if k in ("images", "captions", "skipped")}
 
 
