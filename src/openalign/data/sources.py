@@ -803,7 +803,7 @@ def open_source(
     elif _looks_like_shards(text):
         kind = "shards"
     else:
-        raise FileNotFoundError(f"no such input: {text} (not an existing folder, table or shard)")
+        raise FileNotFoundError(f"no such input: {text} (no such directory, table or shard)")
     if captions is not None:
         raise ValueError("--captions applies to an image folder input, not to a table or shards")
     if kind == "table":
