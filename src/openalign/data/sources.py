@@ -49,6 +49,7 @@ __all__ = [
     "CAPTION_COLUMNS",
     "CAPTION_MEMBER",
     "CAPTION_SUFFIX",
+    "CAPTION_TEXT_SUFFIXES",
     "FILENAME_COLUMNS",
     "IMAGE_BYTES_COLUMNS",
     "IMAGE_MEMBER",
@@ -58,9 +59,13 @@ __all__ = [
     "METADATA_MEMBER",
     "METADATA_SUFFIX",
     "SHARD_SUFFIXES",
+    "SPECIAL_TOKENS_MAP",
     "TABLE_SUFFIXES",
+    "TOKENIZER_CONFIG",
     "TOKENIZER_FILES",
+    "TOKENIZER_JSON",
     "TOKENIZER_VOCAB_FILES",
+    "VOCAB_TXT",
     "BadInput",
     "ErrorHandler",
     "FolderScan",
@@ -115,14 +120,19 @@ TABLE_SUFFIXES: Mapping[str, str] = {
     ".ndjson": "jsonl",
     ".jsonl.gz": "jsonl",
 }
+CAPTION_TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".text")  # a plain list of captions, one per line
 CAPTION_COLUMNS: tuple[str, ...] = ("caption", "text", "alt", "alt_text", "txt", "TEXT")
 IMAGE_BYTES_COLUMNS: tuple[str, ...] = ("jpg", "image", "image_bytes", "img", "bytes", "png", "webp")
 IMAGE_PATH_COLUMN = "image_path"  # a table row's image file, relative to the image root
 FILENAME_COLUMNS: tuple[str, ...] = ("filename", "file", "image", "path", "image_path")  # captions tables
 
 # A saved tokenizer: the file that defines it, in order of preference, then the files that describe it.
-TOKENIZER_VOCAB_FILES: tuple[str, ...] = ("tokenizer.json", "vocab.txt")
-TOKENIZER_FILES: tuple[str, ...] = (*TOKENIZER_VOCAB_FILES, "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_JSON = "tokenizer.json"  # Hugging Face tokenizers' format (preferred)
+VOCAB_TXT = "vocab.txt"  # BERT's one-wordpiece-per-line vocabulary
+TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' settings (do_lower_case, model_max_length, ...)
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+TOKENIZER_VOCAB_FILES: tuple[str, ...] = (TOKENIZER_JSON, VOCAB_TXT)
+TOKENIZER_FILES: tuple[str, ...] = (*TOKENIZER_VOCAB_FILES, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 
 ErrorHandler = Callable[[str, str], None]
 SourceKind = Literal["folder", "table", "shards"]
