@@ -3,22 +3,16 @@ deduplication share, so an embedding means the same thing everywhere."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import islice
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from PIL import Image
 from tqdm import tqdm
 
+from openalign.data.sources import batched
 from openalign.data.transforms import model_transform
 from openalign.model.dual_encoder import DualEncoder
-
-
-def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    it = iter(items)
-    while batch := list(islice(it, size)):
-        yield batch
 
 
 def _check_batch_size(batch_size: int) -> None:
@@ -49,7 +43,7 @@ def embed_images(
     out: list[torch.Tensor] = []
     try:
         with tqdm(total=total, unit="img", desc="embed images", disable=not progress) as bar:
-            for batch in _batches(images, batch_size):
+            for batch in batched(images, batch_size):
                 pixels = torch.stack([x if isinstance(x, torch.Tensor) else transform(x) for x in batch])
                 out.append(model.encode_image(pixels.to(device)).float().cpu())
                 bar.update(len(batch))
@@ -83,7 +77,7 @@ def embed_texts(
     max_length = min(getattr(tokenizer, "max_length", 64), model.config.text.max_position_embeddings)
     try:
         with tqdm(total=total, unit="text", desc="embed texts", disable=not progress) as bar:
-            for batch in _batches(texts, batch_size):
+            for batch in batched(texts, batch_size):
                 tokens = tokenizer(list(batch), max_length=max_length, pad_to_max=False)
                 emb = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
                 out.append(emb.float().cpu())

@@ -46,16 +46,10 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from openalign.config import ConfigError
+from openalign.data.sources import decode_records, open_source, table_format
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-SHARD_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 ENGINES = ("duckdb", "sparse", "numpy")
-TABLE_READERS = {
-    ".parquet": "read_parquet",
-    ".csv": "read_csv_auto",
-    ".jsonl": "read_json_auto",
-    ".json": "read_json_auto",
-}
+TABLE_READERS = {"parquet": "read_parquet", "csv": "read_csv_auto", "jsonl": "read_json_auto"}  # by table_format
 
 
 @dataclass
@@ -550,43 +544,15 @@ def load_embeddings(path: str | Path) -> np.ndarray:
 
 
 def iter_source_images(source: str, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, Any]]:
-    """(key, RGB image) from an image folder (key = relative path without suffix) or WebDataset shards.
+    """(key, RGB image) from any input ``openalign.data.sources.open_source`` reads: an image folder (key =
+    relative path without suffix), a table, or WebDataset shards (key = the sample key).
 
-    Undecodable images and unreadable shards are passed to ``on_skip(reason, detail)`` and skipped.
+    Undecodable images, non-image files and unreadable shards are passed to ``on_skip(reason, detail)`` and
+    skipped.
     """
-    from openalign.data.transforms import BadImage, decode_image
-
-    root = Path(source)
-    files = []
-    if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if files:
-        for f in files:
-            try:
-                yield f.relative_to(root).with_suffix("").as_posix(), decode_image(f.read_bytes())
-            except BadImage as err:
-                on_skip(err.reason, f"{f}: {err}")
-            except OSError as err:
-                on_skip("unreadable", f"{f}: {err}")
-        return
-    from openalign.data.shards import expand_urls, read_samples
-
-    try:
-        urls = expand_urls(source)
-    except (FileNotFoundError, ValueError) as err:
-        raise FileNotFoundError(f"{source}: neither an image folder nor WebDataset shards ({err})") from err
-    if root.suffix == ".npy" or not any(Path(u).exists() or u.startswith("pipe:") for u in urls):
-        raise FileNotFoundError(f"{source}: neither an image folder nor existing WebDataset shards")
-    for url in urls:
-        for sample in read_samples(url, on_error=on_skip):
-            ext = next((e for e in SHARD_IMAGE_EXTS if e in sample), None)
-            if ext is None:
-                on_skip("no_image", f"{url}: sample {sample.get('__key__')} has no image member")
-                continue
-            try:
-                yield str(sample["__key__"]), decode_image(sample[ext])
-            except BadImage as err:
-                on_skip(err.reason, f"{url}/{sample.get('__key__')}: {err}")
+    opened = open_source(source)
+    for record, image in decode_records(opened.records(on_skip), on_skip):
+        yield (Path(record.key).with_suffix("").as_posix() if record.kind == "folder" else record.key), image
 
 
 def embed_source(
@@ -630,12 +596,12 @@ def remove_from_table(
     p = Path(table_path)
     if not p.is_file():
         raise FileNotFoundError(f"{table_path}: no such metadata table")
-    suffix = p.suffix.lower()
-    if suffix not in TABLE_READERS:
-        raise ValueError(f"{table_path}: unsupported table format {suffix!r} (use .parquet, .csv or .jsonl)")
+    fmt = table_format(p)
+    if fmt is None:
+        raise ValueError(f"{table_path}: unsupported table format {p.suffix.lower()!r} (use .parquet, .csv or .jsonl)")
     con = duckdb.connect()
     try:
-        source = f"{TABLE_READERS[suffix]}({_sql_string(p)})"
+        source = f"{TABLE_READERS[fmt]}({_sql_string(p)})"
         con.execute(f"CREATE VIEW meta AS SELECT *, row_number() OVER () - 1 AS __row FROM {source}")
         columns = [r[0] for r in con.execute("DESCRIBE meta").fetchall()]
         if drop_keys is not None:

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from openalign.config import ModelConfig
+from openalign.data.sources import BadInput
 
 # The paper resizes to 346 before cropping 289; other sizes keep the same ratio.
 RESIZE_RATIO = 346 / 289
@@ -22,12 +23,8 @@ RESIZE_RATIO = 346 / 289
 Transform = Callable[[Image.Image], torch.Tensor]
 
 
-class BadImage(ValueError):
-    """An image that cannot be used; ``reason`` is a short slug for counting skipped samples."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+class BadImage(BadInput):
+    """An image that cannot be decoded; ``reason`` is a short slug for counting skipped samples."""
 
 
 def decode_image(data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2) -> Image.Image:

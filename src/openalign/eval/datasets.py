@@ -22,10 +22,17 @@ from pathlib import Path
 
 from PIL import Image
 
+from openalign.data.sources import (
+    CAPTION_MEMBER,
+    BadInput,
+    expand_urls,
+    image_member,
+    read_file,
+    read_samples,
+    scan_folder,
+)
 from openalign.eval.templates import SUBSETS, imagenet_classes, subset_indices
 
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"})
-WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "image")
 LAYOUTS = ("auto", "names", "wnids", "indices", *SUBSETS)
 _WNID = re.compile(r"^n\d{8}$")
 
@@ -42,11 +49,11 @@ def _decode(data: bytes, where: str) -> Image.Image:
 def open_image(path: str | Path) -> Image.Image:
     """An RGB image from a file; a missing or undecodable file is an error naming the path."""
     try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: image file not found") from None
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read image ({err.strerror or err})") from None
+        data = read_file(path)
+    except BadInput as err:
+        if err.reason == "missing_file":
+            raise FileNotFoundError(f"{path}: image file not found") from None
+        raise ValueError(f"{path}: cannot read image ({err.detail.removeprefix(f'{path}: ')})") from None
     return _decode(data, str(path))
 
 
@@ -110,8 +117,6 @@ class ImageSource(Sequence):
 
 
 def _read_shards(urls: Sequence[str]) -> Iterator[dict]:
-    from openalign.data.shards import read_samples
-
     errors: list[str] = []
 
     def on_error(reason: str, detail: str) -> None:
@@ -125,16 +130,14 @@ def _read_shards(urls: Sequence[str]) -> Iterator[dict]:
 
 
 def _image_ext(sample: dict) -> str:
-    for ext in WDS_IMAGE_EXTS:
-        if ext in sample:
-            return ext
+    ext = image_member(sample)
+    if ext is not None:
+        return ext
     members = ", ".join(k for k in sample if not k.startswith("__"))
     raise ValueError(f"{sample['__url__']}: sample {sample['__key__']!r} has no image member (has: {members})")
 
 
 def _expand(spec: str) -> list[str]:
-    from openalign.data.shards import expand_urls
-
     urls = expand_urls(spec)
     missing = [u for u in urls if not u.startswith("pipe:") and not Path(u).is_file()]
     if missing:
@@ -269,11 +272,12 @@ def load_retrieval_wds(spec: str) -> RetrievalSet:
     for sample in _read_shards(urls):
         where = f"{sample['__url__']}:{sample['__key__']}"
         _image_ext(sample)
-        if "txt" not in sample:
-            raise ValueError(f"{where}: sample has no 'txt' captions")
-        lines = [line.strip() for line in sample["txt"].decode("utf-8", "replace").splitlines() if line.strip()]
+        if CAPTION_MEMBER not in sample:
+            raise ValueError(f"{where}: sample has no '{CAPTION_MEMBER}' captions")
+        text = sample[CAPTION_MEMBER].decode("utf-8", "replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         if not lines:
-            raise ValueError(f"{where}: the 'txt' member holds no caption")
+            raise ValueError(f"{where}: the '{CAPTION_MEMBER}' member holds no caption")
         for line in lines:
             captions.append(line)
             ids.append(len(keys))
@@ -356,7 +360,7 @@ class ClassificationSet:
     class_ids: list[str]
     labels: list[int]
     images: ImageSource
-    skipped_files: list[str] = field(default_factory=list)  # non-image files in class folders
+    skipped_files: list[str] = field(default_factory=list)  # non-image files in class folders (sidecars aside)
 
     def __post_init__(self) -> None:
         if not self.classnames:
@@ -453,14 +457,10 @@ def load_class_folders(
     for cid in class_ids:
         if cid not in present:
             continue
-        for p in sorted((root / cid).rglob("*")):
-            if p.is_dir() or any(part.startswith(".") for part in p.relative_to(root).parts):
-                continue
-            if p.suffix.lower() in IMAGE_SUFFIXES:
-                files.append(p)
-                labels.append(index[cid])
-            else:
-                skipped.append(str(p))
+        scan = scan_folder(root / cid)  # the same images every other stage reads from a folder
+        files += scan.images
+        labels += [index[cid]] * len(scan.images)
+        skipped += [str(p) for p in scan.other]
     name = _subset_name(layout, class_ids) or root.name
     return ClassificationSet(name, names, class_ids, labels, ImageSource.from_files(files), skipped)
 

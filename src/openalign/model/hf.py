@@ -385,12 +385,13 @@ def export_hf_align(model: DualEncoder, path: str | Path, tokenizer_dir: str | P
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_for(cfg), indent=2) + "\n")
     if tokenizer_dir is not None:
+        from openalign.data.sources import TOKENIZER_CONFIG
         from openalign.text import load_tokenizer
 
         tok = load_tokenizer(tokenizer_dir)
         tok.save(out)
         # Keep the vocabulary's own casing (a cased multilingual vocabulary must stay cased in transformers).
-        tok_cfg_path = out / "tokenizer_config.json"
+        tok_cfg_path = out / TOKENIZER_CONFIG
         tok_cfg = json.loads(tok_cfg_path.read_text())
         tok_cfg.update(tokenizer_class="BertTokenizer", model_max_length=cfg.text.max_length)
         tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")

@@ -22,6 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
+from openalign.data.sources import BadInput, read_file
 from openalign.data.transforms import BadImage, decode_image
 from openalign.search.build import make_thumbnail
 from openalign.search.query import MAX_K, Query, Searcher
@@ -212,8 +213,8 @@ def create_app(
             if not path.is_file():
                 raise HTTPException(404, f"image {image_id} has no thumbnail and its file is not readable")
             try:
-                data = make_thumbnail(decode_image(path.read_bytes(), max_pixels=max_pixels), thumbnail_size)
-            except (BadImage, OSError) as err:
+                data = make_thumbnail(decode_image(read_file(path), max_pixels=max_pixels), thumbnail_size)
+            except BadInput as err:
                 raise HTTPException(404, f"image {image_id} could not be read") from err
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "public, max-age=86400"})
 

@@ -18,7 +18,6 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from openalign.config import ConfigError, from_dict, to_dict
-from openalign.data.transforms import BadImage, decode_image, model_transform
+from openalign.data.sources import BadInput, Record, batched, open_source
+from openalign.data.transforms import decode_image, model_transform
 from openalign.search.catalog import (
     FORMAT,
     FORMAT_VERSION,
@@ -44,8 +44,6 @@ from openalign.search.catalog import (
 )
 from openalign.search.index import AnnConfig, VectorStore, ann_config, build_store, extend_store, save_vectors
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-SHARD_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 PENDING = "pending"
 
 
@@ -88,62 +86,35 @@ class Item:
 # Sources
 
 
-def iter_directory(root: str | Path) -> Iterator[Item]:
-    """Images under ``root`` (recursively, sorted); ``foo.txt`` next to ``foo.jpg`` is its caption."""
-    base = Path(root)
-    files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    for path in files:
-        sidecar = path.with_suffix(".txt")
-        caption = sidecar.read_text(errors="replace").strip() if sidecar.is_file() else ""
-        yield Item(
-            key=path.relative_to(base).as_posix(), path=str(path.resolve()), read=path.read_bytes, caption=caption
-        )
-
-
-def iter_shard_items(spec: str, on_error: Callable[[str, str], None]) -> Iterator[Item]:
-    """Samples of WebDataset shards (img2dataset layout): image member, ``txt`` caption, ``json`` url."""
-    from openalign.data.shards import expand_urls, read_samples
-
-    for url in expand_urls(spec):
-        shard = Path(url).name
-        for sample in read_samples(url, on_error=on_error):
-            ext = next((e for e in SHARD_IMAGE_EXTS if e in sample), None)
-            key = f"{shard}/{sample['__key__']}"
-            if ext is None:
-                on_error("no_image", key)
-                continue
-            caption = sample.get("txt", b"").decode("utf-8", "replace").strip()
-            web_url = ""
-            if "json" in sample:
-                try:
-                    web_url = str(json.loads(sample["json"]).get("url") or "")
-                except (ValueError, AttributeError):
-                    on_error("bad_json", key)
-            data = sample[ext]
-            yield Item(key=key, path=url, read=lambda data=data: data, caption=caption, url=web_url)
+def _item(record: Record, on_error: Callable[[str, str], None]) -> Item:
+    """An index item from a source record. Keys are what an index stores and grows by: a folder image's path
+    relative to the folder, ``SHARD.tar/KEY`` for a shard sample, the key (or row number) of a table row."""
+    if record.kind == "folder":
+        assert record.path is not None
+        return Item(record.key, str(record.path.resolve()), record.read, record.caption or "")
+    if record.kind == "shards":
+        key = f"{Path(record.origin).name}/{record.key}"
+        url = ""
+        if record.raw_meta is not None:
+            try:
+                url = str(record.metadata().get("url") or "")
+            except BadInput:
+                on_error("bad_json", key)
+        return Item(key, record.origin, record.read, record.caption or "", url)
+    meta = record.metadata()
+    return Item(record.key, record.origin, record.read, record.caption or "", str(meta.get("url") or ""))
 
 
 def iter_source(source: str | Path, on_error: Callable[[str, str], None]) -> Iterator[Item]:
-    """A directory of image files, or a shard specification (directory of tars, brace range, glob, file)."""
-    text = os.fspath(source)
-    path = Path(text)
-    if path.is_dir():
-        has_images = any(p.suffix.lower() in IMAGE_SUFFIXES for p in path.rglob("*") if p.is_file())
-        if has_images:
-            return iter_directory(path)
-    elif not any(ch in text for ch in "{*?,") and not path.exists():
-        raise FileNotFoundError(f"{source}: no such directory or shard")
-    return iter_shard_items(text, on_error)
+    """Every item of an image folder (recursive; ``foo.txt`` beside ``foo.jpg`` is its caption), a table or
+    WebDataset shards (``openalign.data.sources.open_source``); skipped items go to ``on_error``.
+    Recognising the input happens here, so a missing one raises before the first item."""
+    opened = open_source(source)
+    return (_item(record, on_error) for record in opened.records(on_error))
 
 
 # --------------------------------------------------------------------------------------------------
 # Chunks
-
-
-def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    it = iter(items)
-    while batch := list(islice(it, size)):
-        yield batch
 
 
 def make_thumbnail(image: Image.Image, size: int) -> bytes:
@@ -201,16 +172,13 @@ def _embed_chunk(
     vecs: list[torch.Tensor] = []
     rows: list[dict] = []
     thumbs: list[bytes] = []
-    for batch in _batched(items, cfg.batch_size):
+    for batch in batched(items, cfg.batch_size):
         pixels = []
         for item in batch:
             try:
                 image = decode_image(item.read(), max_pixels=cfg.max_pixels)
-            except BadImage as err:
+            except BadInput as err:  # an unreadable file, or an image that does not decode
                 skipped[err.reason] += 1
-                continue
-            except OSError:
-                skipped["unreadable"] += 1
                 continue
             pixels.append(transform(image))
             rows.append(
@@ -396,7 +364,7 @@ def build_index(
     skipped: Counter = Counter()
     chunks: list[Path] = []
     with tqdm(unit="img", desc="index", disable=not progress) as bar:
-        for number, chunk in enumerate(_batched(items, cfg.chunk_size)):
+        for number, chunk in enumerate(batched(items, cfg.chunk_size)):
             directory = pending / f"chunk-{number:06d}"
             if directory.is_dir():
                 skipped.update(json.loads((directory / "stats.json").read_text())["skipped"])

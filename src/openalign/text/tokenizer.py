@@ -14,6 +14,15 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from openalign.data.sources import (
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    TOKENIZER_VOCAB_FILES,
+    VOCAB_TXT,
+    find_tokenizer_file,
+)
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
@@ -84,9 +93,9 @@ class Tokenizer:
         into directory ``path``: what transformers' ``BertTokenizerFast.from_pretrained`` reads."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(out / "tokenizer.json"))
+        self.backend.save(str(out / TOKENIZER_JSON))
         vocab = sorted(self.backend.get_vocab().items(), key=lambda kv: kv[1])
-        (out / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
+        (out / VOCAB_TXT).write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
         specials = {f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")}
         # transformers rebuilds the normaliser from these flags, so they must match tokenizer.json exactly.
         config = {
@@ -97,28 +106,24 @@ class Tokenizer:
             "model_max_length": self.max_length,
             **specials,
         }
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+        (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (out / SPECIAL_TOKENS_MAP).write_text(json.dumps(specials, indent=2) + "\n")
         return out
 
 
 def load_tokenizer(path: str | Path, max_length: int = 64) -> Tokenizer:
     """Load ``tokenizer.json`` or ``vocab.txt``, given as the file or a directory holding either
     (an openalign checkpoint, a vocabulary directory, or a transformers AlignModel directory)."""
-    p = Path(path)
-    if p.is_dir():
-        for name in ("tokenizer.json", "vocab.txt"):
-            if (p / name).is_file():
-                p = p / name
-                break
-        else:
-            raise FileNotFoundError(f"{path}: no tokenizer.json or vocab.txt in this directory")
-    if not p.is_file():
+    found = find_tokenizer_file(path)
+    if found is None:
+        if Path(path).is_dir():
+            raise FileNotFoundError(f"{path}: no {' or '.join(TOKENIZER_VOCAB_FILES)} in this directory")
         raise FileNotFoundError(f"{path}: no such tokenizer file")
+    p = found
     if p.suffix == ".json":
         return Tokenizer(Backend.from_file(str(p)), max_length)
     lowercase = True
-    config = p.parent / "tokenizer_config.json"
+    config = p.parent / TOKENIZER_CONFIG
     if config.is_file():
         lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True))
     backend = Backend(models.WordPiece.from_file(str(p), unk_token="[UNK]"))

@@ -19,10 +19,8 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from openalign.config import ConfigError
+from openalign.data.sources import CAPTION_MEMBER, CAPTION_TEXT_SUFFIXES, expand_urls, iter_samples, table_format
 from openalign.text.tokenizer import Tokenizer, train_wordpiece
-
-TEXT_SUFFIXES = (".txt", ".text")
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
 @dataclass
@@ -166,13 +164,11 @@ def _lines(path: Path, skipped: Counter[str]) -> Iterator[str]:
 
 
 def _shards(spec: str, skipped: Counter[str]) -> Iterator[str]:
-    from openalign.data.shards import iter_samples
-
     for sample in iter_samples(spec, on_error=lambda reason, detail: skipped.update([f"shard_{reason}"])):
-        if "txt" not in sample:
+        if CAPTION_MEMBER not in sample:
             skipped["no_txt"] += 1
             continue
-        if (text := _decode(sample["txt"], skipped)) is not None:
+        if (text := _decode(sample[CAPTION_MEMBER], skipped)) is not None:
             yield text
 
 
@@ -196,21 +192,20 @@ def iter_captions(
         _text_column(pq.ParquetFile(first).schema_arrow, column, first)
         return _parquet(path, column, batch_size, skipped)
     if path.is_file():
-        if suffix == ".parquet":
+        fmt = table_format(path) if suffix != ".gz" else None  # compressed tables are not streamed here
+        if fmt == "parquet":
             import pyarrow.parquet as pq
 
             _text_column(pq.ParquetFile(path).schema_arrow, column, path)
             return _parquet(path, column, batch_size, skipped)
-        if suffix in (".csv", ".tsv"):
+        if fmt == "csv":
             _csv_header(path, column)
             return _csv(path, column, skipped)
-        if suffix in JSONL_SUFFIXES:
+        if fmt == "jsonl":
             return _jsonl(path, column, skipped)
-        if suffix in TEXT_SUFFIXES:
+        if suffix in CAPTION_TEXT_SUFFIXES:
             return _lines(path, skipped)
     if path.is_dir() or any(mark in text for mark in (".tar", ".tgz", "{", "*", "::")) or text.startswith("pipe:"):
-        from openalign.data.shards import expand_urls
-
         urls = expand_urls(text)  # raises FileNotFoundError for a folder or pattern without shards
         if not any(Path(u).exists() or u.startswith("pipe:") for u in urls):
             raise FileNotFoundError(f"{source}: no such shard file")

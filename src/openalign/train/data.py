@@ -48,6 +48,14 @@ import torch
 from PIL import Image
 
 from openalign.config import ConfigError, ModelConfig
+from openalign.data.sources import (
+    CAPTION_MEMBER,
+    IMAGE_MEMBERS,
+    METADATA_MEMBER,
+    expand_urls,
+    image_member,
+    read_samples,
+)
 
 __all__ = ["DataConfig", "SyntheticDataConfig", "TrainStream", "build_train_stream", "reduce_stats"]
 
@@ -81,8 +89,8 @@ class DataConfig:
     pixel_mean: tuple[float, float, float] | None = None  # None = the model's (0.5: pixels in [-1, 1])
     pixel_std: tuple[float, float, float] | None = None
     max_text_length: int = 64  # wordpieces per caption, [CLS] and [SEP] included (the paper: 64)
-    caption_key: str = "txt"  # tar member holding the caption, or "json:<field>" for a field of key.json
-    image_keys: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")  # the first member present is the image
+    caption_key: str = CAPTION_MEMBER  # tar member holding the caption, or "json:<field>" for a field of key.json
+    image_keys: tuple[str, ...] = IMAGE_MEMBERS  # the first member present is the image (data/sources.py)
     shuffle_buffer: int = 1000  # samples mixed across shards; 0 or 1 keeps the reading order
     shuffle_shards: bool = True  # a new shard order every epoch
     resampled: bool = False  # draw shards with replacement per worker (multi-node); position then approximate
@@ -179,7 +187,7 @@ def probe_image(data: bytes, *, max_pixels: int, min_side: int) -> str | None:
 def _caption(sample: dict, key: str) -> str:
     """The caption of a shard sample, or raise _Skip with the reason it is unusable."""
     if key.startswith("json:"):
-        raw_json = sample.get("json")
+        raw_json = sample.get(METADATA_MEMBER)
         if raw_json is None:
             raise _Skip("missing_text")
         try:
@@ -224,8 +232,6 @@ class _ShardSource:
         return json.dumps(["shards", self.urls, c.caption_key, list(c.image_keys), c.max_pixels, c.min_side])
 
     def read(self, url: str) -> Iterator[Event]:
-        from openalign.data.shards import read_samples
-
         errors: list[str] = []
         for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"shard_{reason}")):
             yield from errors
@@ -235,9 +241,10 @@ class _ShardSource:
 
     def _record(self, sample: dict) -> Event:
         cfg = self.cfg
-        image = next((sample[k] for k in cfg.image_keys if k in sample), None)
-        if image is None:
+        member = image_member(sample, cfg.image_keys)
+        if member is None:
             return "missing_image"
+        image = sample[member]
         try:
             caption = _caption(sample, cfg.caption_key)
         except _Skip as skip:
@@ -642,8 +649,6 @@ def build_train_stream(
     if opts["resize"] < opts["image_size"]:
         raise ConfigError(f"data.resize {opts['resize']} is smaller than the crop size {opts['image_size']}")
     if cfg.source == "shards":
-        from openalign.data.shards import expand_urls
-
         urls = expand_urls(cfg.shards if isinstance(cfg.shards, str) else list(cfg.shards))
         if not urls:
             raise ValueError(f"data.shards {cfg.shards!r} names no shard")

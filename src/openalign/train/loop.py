@@ -457,7 +457,9 @@ def _reduce_stats(stats: Any) -> dict[str, int]:
 
 
 def _has_tokenizer(path: str | Path) -> bool:
-    return any((Path(path) / n).is_file() for n in ("tokenizer.json", "vocab.txt"))
+    from openalign.data.sources import find_tokenizer_file
+
+    return Path(path).is_dir() and find_tokenizer_file(path) is not None
 
 
 def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Any:

@@ -89,7 +89,7 @@ def detect_format(spec: str) -> str:
 def input_files(spec: str, fmt: str) -> list[str]:
     """Every file ``spec`` names: a file, a directory, a glob, or (WebDataset) a brace range."""
     if fmt == "webdataset":
-        from openalign.data.shards import expand_urls
+        from openalign.data.sources import expand_urls
 
         if os.path.isdir(spec):
             return sorted(str(p) for p in Path(spec).iterdir() if _format_of(p.name) == "webdataset")
@@ -408,7 +408,7 @@ def _stage_json(files: list[str], columns: ColumnNames, work_dir: Path, fmt: str
 def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) -> StagedInput:
     """Per-sample ``.json`` metadata (img2dataset writes url, caption, width, height, sha256, ...), with the
     ``.txt`` member as the alt-text when the json has none and the sample key as ``key`` when it has none."""
-    from openalign.data.shards import read_samples
+    from openalign.data.sources import CAPTION_MEMBER, METADATA_MEMBER, read_samples
 
     errors: list[str] = []
     text_name = columns.text or "caption"
@@ -418,17 +418,17 @@ def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) ->
         for url in files:
             for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"{reason}: {detail}")):
                 meta: Any = {}
-                if "json" in sample:
+                if METADATA_MEMBER in sample:
                     try:
-                        meta = json.loads(sample["json"].decode("utf-8", "surrogateescape"))
+                        meta = json.loads(sample[METADATA_MEMBER].decode("utf-8", "surrogateescape"))
                     except ValueError:
                         meta = None
                 if not isinstance(meta, dict):
                     malformed += 1
                     errors.append(f"bad_json: {sample.get('__url__', url)}:{sample.get('__key__')}")
                     continue
-                if "txt" in sample and not any(c in meta for c in (text_name, *TEXT_COLUMN_CANDIDATES)):
-                    meta[text_name] = sample["txt"].decode("utf-8", "surrogateescape")
+                if CAPTION_MEMBER in sample and not any(c in meta for c in (text_name, *TEXT_COLUMN_CANDIDATES)):
+                    meta[text_name] = sample[CAPTION_MEMBER].decode("utf-8", "surrogateescape")
                 meta.setdefault(columns.key, sample["__key__"])
                 # ensure_ascii writes lone surrogates as \udcXX escapes, which parse back unchanged
                 out.write(json.dumps(meta, ensure_ascii=True) + "\n")

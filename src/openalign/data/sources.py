@@ -1,0 +1,849 @@
+"""What the pipeline reads: the one place that knows inputs.
+
+Every stage that takes images (``shard``, ``dedup``, ``index build``, eval's folder and shard sets, the
+training stream) and every reader of captions (``vocab``) goes through this module, so they accept exactly
+the same inputs and name a skipped item with the same reason:
+
+- **names**: which file suffixes are images (``IMAGE_SUFFIXES``, case-insensitive), which WebDataset
+  members hold a sample's image, caption and metadata (``IMAGE_MEMBERS``, ``CAPTION_MEMBER``,
+  ``METADATA_MEMBER``), the sidecar files beside an image in a folder, the columns of a table, and the files
+  of a saved tokenizer (``TOKENIZER_FILES``; ``find_tokenizer_file`` prefers ``tokenizer.json``);
+- **shard lists**: ``expand_urls`` turns brace ranges, globs, comma / ``::`` lists and folders of tars into
+  shard urls, and ``read_samples`` / ``iter_samples`` read WebDataset tars without ever raising mid-stream;
+- **one reader**: ``open_source`` recognises an image folder (recursive), a table (Parquet, CSV/TSV, JSON
+  lines with image bytes or an ``image_path`` column) or WebDataset shards, and ``Source.records`` yields
+  uniform ``Record`` s (key, image bytes read on demand, caption if any, metadata); ``decode_records`` and
+  ``batched`` turn them into decoded images and batches.
+
+Items that cannot be used are never raised mid-stream: they are reported as ``BadInput`` (a reason slug
+plus a detail), either through an ``on_skip(reason, detail)`` callback or in the stream itself
+(``Source.events``), so the caller counts them. Every file read of an input goes through ``read_file`` and
+every table path through ``resolve_image_path``: the places where limits on what is read belong.
+
+This module is model-free and torch-free at import: decoding pulls in ``openalign.data.transforms`` only
+when an image is actually decoded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import subprocess
+import tarfile
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CAPTION_COLUMNS",
+    "CAPTION_MEMBER",
+    "CAPTION_SUFFIX",
+    "CAPTION_TEXT_SUFFIXES",
+    "FILENAME_COLUMNS",
+    "IMAGE_BYTES_COLUMNS",
+    "IMAGE_MEMBER",
+    "IMAGE_MEMBERS",
+    "IMAGE_PATH_COLUMN",
+    "IMAGE_SUFFIXES",
+    "METADATA_MEMBER",
+    "METADATA_SUFFIX",
+    "SHARD_SUFFIXES",
+    "SPECIAL_TOKENS_MAP",
+    "TABLE_SUFFIXES",
+    "TOKENIZER_CONFIG",
+    "TOKENIZER_FILES",
+    "TOKENIZER_JSON",
+    "TOKENIZER_VOCAB_FILES",
+    "VOCAB_TXT",
+    "BadInput",
+    "ErrorHandler",
+    "FolderScan",
+    "Record",
+    "Source",
+    "SourceKind",
+    "batched",
+    "decode_records",
+    "expand_urls",
+    "find_tokenizer_file",
+    "image_member",
+    "is_image_file",
+    "iter_samples",
+    "open_source",
+    "read_caption_table",
+    "read_file",
+    "read_samples",
+    "read_table_batches",
+    "resolve_image_path",
+    "scan_folder",
+    "split_member_name",
+    "table_format",
+]
+
+# --------------------------------------------------------------------------------------------------
+# Names
+
+# Image files of a folder, compared lower-cased (``.JPG`` is an image too).
+IMAGE_SUFFIXES: frozenset[str] = frozenset(
+    {".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm"}
+)
+# WebDataset members that hold a sample's image, in order of preference (the first one present is the image).
+# Member extensions are compared lower-cased (see ``split_member_name``).
+IMAGE_MEMBERS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "jfif", "bmp", "gif", "tif", "tiff", "ppm", "image")
+IMAGE_MEMBER = "jpg"  # the member the shard writer stores every image as (always JPEG)
+CAPTION_MEMBER = "txt"  # a sample's caption (UTF-8; CLIP_benchmark retrieval sets put one caption per line)
+METADATA_MEMBER = "json"  # a sample's metadata (img2dataset: url, caption, width, height, ...)
+# Files beside ``cat.jpg`` in an image folder: ``cat.txt`` is its caption, ``cat.json`` its metadata.
+CAPTION_SUFFIX = ".txt"
+METADATA_SUFFIX = ".json"
+SHARD_SUFFIXES: tuple[str, ...] = (".tar", ".tgz", ".tar.gz")
+
+# Tables: format by suffix (a trailing ``.gz`` is part of it).
+TABLE_SUFFIXES: Mapping[str, str] = {
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".csv.gz": "csv",
+    ".tsv.gz": "csv",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".jsonl.gz": "jsonl",
+}
+CAPTION_TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".text")  # a plain list of captions, one per line
+CAPTION_COLUMNS: tuple[str, ...] = ("caption", "text", "alt", "alt_text", "txt", "TEXT")
+IMAGE_BYTES_COLUMNS: tuple[str, ...] = ("jpg", "image", "image_bytes", "img", "bytes", "png", "webp")
+IMAGE_PATH_COLUMN = "image_path"  # a table row's image file, relative to the image root
+FILENAME_COLUMNS: tuple[str, ...] = ("filename", "file", "image", "path", "image_path")  # captions tables
+
+# A saved tokenizer: the file that defines it, in order of preference, then the files that describe it.
+TOKENIZER_JSON = "tokenizer.json"  # Hugging Face tokenizers' format (preferred)
+VOCAB_TXT = "vocab.txt"  # BERT's one-wordpiece-per-line vocabulary
+TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' settings (do_lower_case, model_max_length, ...)
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+TOKENIZER_VOCAB_FILES: tuple[str, ...] = (TOKENIZER_JSON, VOCAB_TXT)
+TOKENIZER_FILES: tuple[str, ...] = (*TOKENIZER_VOCAB_FILES, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
+
+ErrorHandler = Callable[[str, str], None]
+SourceKind = Literal["folder", "table", "shards"]
+T = TypeVar("T")
+
+
+class BadInput(ValueError):
+    """An input item that cannot be used; ``reason`` is a short slug for counting skipped items."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def is_image_file(path: str | os.PathLike) -> bool:
+    """Whether a file name has an image suffix (case-insensitive)."""
+    return Path(path).suffix.lower() in IMAGE_SUFFIXES
+
+
+def image_member(sample: Mapping[str, Any], members: Sequence[str] = IMAGE_MEMBERS) -> str | None:
+    """The member of a WebDataset sample that holds its image (the first of ``members`` present), or None."""
+    return next((m for m in members if m in sample), None)
+
+
+def find_tokenizer_file(path: str | os.PathLike) -> Path | None:
+    """The tokenizer a path names: the file itself, or in a directory ``tokenizer.json`` before ``vocab.txt``."""
+    p = Path(path)
+    if p.is_dir():
+        return next((p / name for name in TOKENIZER_VOCAB_FILES if (p / name).is_file()), None)
+    return p if p.is_file() else None
+
+
+def table_format(path: str | os.PathLike) -> str | None:
+    """``"parquet"``, ``"csv"`` or ``"jsonl"`` from a table's suffix (``.csv.gz`` included), else None."""
+    p = Path(path)
+    suffix = "".join(p.suffixes[-2:]).lower() if p.suffix.lower() == ".gz" else p.suffix.lower()
+    return TABLE_SUFFIXES.get(suffix)
+
+
+def read_file(path: str | os.PathLike) -> bytes:
+    """The bytes of an input file; raises ``BadInput`` (``missing_file``, ``unreadable_file``) instead of OSError."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise BadInput("missing_file", str(path)) from None
+    except OSError as err:
+        raise BadInput("unreadable_file", f"{path}: {err.strerror or err}") from None
+
+
+def resolve_image_path(root: Path, value: str) -> Path:
+    """The file a table's image path names: relative paths are taken from ``root``."""
+    file = Path(value)
+    return file if file.is_absolute() else root / file
+
+
+def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """Consecutive lists of ``size`` items (the last one shorter)."""
+    if size < 1:
+        raise ValueError(f"batch size must be at least 1, got {size}")
+    it = iter(items)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+# --------------------------------------------------------------------------------------------------
+# WebDataset member names
+
+# webdataset's rule: the key is the path up to the first dot of the file name, the extension is the rest.
+_MEMBER_NAME = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """``"dir/000123.jpg"`` → ``("dir/000123", "jpg")``; ``None`` for a name without an extension."""
+    match = _MEMBER_NAME.match(name.removeprefix("./"))
+    if match is None:
+        return None
+    return match.group(1), match.group(2).lower()
+
+
+# --------------------------------------------------------------------------------------------------
+# Shard lists
+
+
+def _split_top_level(spec: str) -> list[str]:
+    """Split on "::" and on commas that are not inside braces (inside braces a comma is an alternative)."""
+    parts: list[str] = []
+    depth, start, i = 0, 0, 0
+    while i < len(spec):
+        ch = spec[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth = max(depth - 1, 0)
+        elif depth == 0 and (ch == "," or spec.startswith("::", i)):
+            parts.append(spec[start:i])
+            i += 2 if ch == ":" else 1
+            start = i
+            continue
+        i += 1
+    parts.append(spec[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    """Bash-style brace expansion: ``{00..09}`` (zero padding kept), ``{a,b}``, nested and repeated groups."""
+    start = pattern.find("{")
+    if start < 0:
+        return [pattern]
+    depth = 0
+    for end in range(start, len(pattern)):
+        if pattern[end] == "{":
+            depth += 1
+        elif pattern[end] == "}":
+            depth -= 1
+            if depth == 0:
+                break
+    else:
+        raise ValueError(f"unbalanced brace in shard pattern {pattern!r}")
+    head, body, tail = pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+    match = _RANGE.match(body)
+    if match:
+        lo_s, hi_s = match.groups()
+        lo, hi = int(lo_s), int(hi_s)
+        padded = (len(lo_s) > 1 and lo_s.lstrip("-").startswith("0")) or (
+            len(hi_s) > 1 and hi_s.lstrip("-").startswith("0")
+        )
+        width = max(len(lo_s), len(hi_s)) if padded else 0
+        step = 1 if hi >= lo else -1
+        choices = [str(v).zfill(width) for v in range(lo, hi + step, step)]
+    else:
+        choices = _split_alternatives(body)
+    out: list[str] = []
+    for choice in choices:
+        for expanded in _expand_braces(head + choice + tail):
+            out.append(expanded)
+    return out
+
+
+def _split_alternatives(body: str) -> list[str]:
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(body[start:i])
+            start = i + 1
+    out.append(body[start:])
+    return out
+
+
+def _is_remote(url: str) -> bool:
+    if url.startswith("pipe:"):
+        return True
+    return re.match(r"^[a-z][a-z0-9+.\-]*://", url) is not None and not url.startswith("file://")
+
+
+def expand_urls(spec: str | Sequence[str]) -> list[str]:
+    """Turn a shard specification into an ordered list of shard urls.
+
+    Accepts brace ranges (``data/{00000..00009}.tar``), brace and top-level comma lists, ``::``-separated
+    lists (webdataset's separator), globs (``data/*.tar``), a directory (its ``*.tar``/``*.tgz`` files),
+    ``file://`` urls, ``pipe:COMMAND`` urls, or a sequence of any of these. Explicit paths that do not exist
+    are kept, so that ``read_samples`` reports them; a glob or directory that matches nothing is an error.
+    """
+    if isinstance(spec, str | os.PathLike):
+        text = os.fspath(spec)
+        if os.path.exists(text) and not os.path.isdir(text):
+            return [text]  # a real file whose name happens to contain a comma or braces
+        parts = [text] if text.startswith("pipe:") else _split_top_level(text)
+    else:
+        parts = [os.fspath(s) for s in spec]
+    if not parts:
+        raise ValueError("empty shard specification")
+    urls: list[str] = []
+    for part in parts:
+        if part.startswith("pipe:"):
+            urls.append(part)
+            continue
+        for item in _expand_braces(part):
+            item = item.removeprefix("file://")
+            if _is_remote(item):
+                urls.append(item)
+            elif os.path.isdir(item):
+                shards = glob.glob(os.path.join(glob.escape(item), "*"))
+                found = sorted(p for p in shards if p.endswith(SHARD_SUFFIXES))
+                if not found:
+                    raise FileNotFoundError(f"no .tar shards in directory {item}")
+                urls.extend(found)
+            elif glob.has_magic(item) and not os.path.exists(item):
+                found = sorted(glob.glob(item))
+                if not found:
+                    raise FileNotFoundError(f"no shards match {item}")
+                urls.extend(found)
+            else:
+                urls.append(item)
+    return urls
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading WebDataset tars
+
+
+def _log_error(reason: str, detail: str) -> None:
+    log.warning("skipped (%s): %s", reason, detail)
+
+
+def _scan(fileobj: BinaryIO, start: int, end: int | None) -> tuple[bool, int]:
+    """Whether the bytes in [start, end) (to EOF when end is None) are all zero, and how many there are."""
+    fileobj.seek(start)
+    seen, zero = 0, True
+    while end is None or start + seen < end:
+        chunk = fileobj.read(1 << 20 if end is None else min(1 << 20, end - start - seen))
+        if not chunk:
+            break
+        seen += len(chunk)
+        zero = zero and chunk.count(0) == len(chunk)
+    return zero, seen
+
+
+def _iter_tar(tf: tarfile.TarFile, url: str, report: ErrorHandler, seekable: bool) -> Iterator[dict]:
+    """Group consecutive members by key into samples; drop a sample any of whose members is unreadable."""
+    current: dict[str, Any] | None = None
+    current_bad = False
+    after_gap = False  # the member after a damaged region may start a sample that lost its first member
+    expected = 0  # where the next header should start if nothing between members was damaged
+    raw = tf.fileobj
+    while True:
+        try:
+            member = tf.next()
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+            report("truncated", f"{url}: {err}")
+            current_bad = True
+            break
+        if seekable and (member is None or member.offset > expected):
+            # With ignore_zeros tarfile steps over blocks it cannot parse; non-zero skipped bytes were a header.
+            zero, seen = _scan(raw, expected, None if member is None else member.offset)
+            if not zero and member is None and seen < tarfile.BLOCKSIZE:
+                report("truncated", f"{url}: the file ends inside a member header at offset {expected}")
+                current_bad = True
+            elif not zero and member is None and expected == 0:
+                report("not_a_tar", f"{url}: no tar header found")
+            elif not zero:
+                where = "at the end" if member is None else f"before {member.name}"
+                report("corrupt", f"{url}: unreadable bytes {where} (from offset {expected}) skipped")
+                current_bad = after_gap = True
+            elif member is None and seen < 2 * tarfile.BLOCKSIZE:
+                # A complete tar ends with two zero blocks; without them the last member may be missing.
+                report("truncated", f"{url}: no end-of-archive marker after offset {expected}")
+                current_bad = True
+        if member is None:
+            break
+        expected = tf.offset  # tarfile's own idea of where the next header starts
+        if not member.isreg():
+            continue
+        parts = split_member_name(member.name)
+        if parts is None:
+            report("no_extension", f"{url}: member {member.name} has no extension")
+            continue
+        key, ext = parts
+        if current is None or key != current["__key__"]:
+            if current is not None and not current_bad:
+                yield current
+            current = {"__key__": key, "__url__": url}
+            current_bad = after_gap
+        after_gap = False
+        try:
+            handle = tf.extractfile(member)
+            data = handle.read() if handle is not None else b""
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+            report("truncated", f"{url}: member {member.name}: {err}")
+            current_bad = True
+            break
+        if len(data) != member.size:
+            report("truncated", f"{url}: member {member.name} has {len(data)} of {member.size} bytes")
+            current_bad = True
+            break
+        if ext in current:
+            report("duplicate_member", f"{url}: {member.name} appears twice in a row; kept the first")
+            continue
+        current[ext] = data
+    if current is not None and not current_bad:
+        yield current
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def read_samples(url: str, *, on_error: ErrorHandler | None = None) -> Iterator[dict]:
+    """Yield one dict per sample of a WebDataset tar: ``{"__key__", "__url__", "<ext>": bytes, ...}``.
+
+    ``url`` is a local path (optionally ``file://``, optionally gzip-compressed) or ``pipe:COMMAND`` whose
+    stdout is a tar. Problems are passed to ``on_error(reason, detail)`` (default: a logged warning) and
+    skipped, never raised: reasons are ``missing``, ``unreadable``, ``not_a_tar``, ``truncated``, ``corrupt``
+    (a damaged header; the samples on both sides of it are dropped because either may have lost a member),
+    ``no_extension``, ``duplicate_member``, ``unsupported_url`` and ``pipe_failed``.
+    """
+    report = on_error or _log_error
+    url = os.fspath(url)
+    if url.startswith("pipe:"):
+        yield from _read_pipe(url, report)
+        return
+    path = url.removeprefix("file://")
+    if _is_remote(path):
+        report("unsupported_url", f"{url}: only local paths and pipe: urls are read (try pipe:curl -s {url})")
+        return
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - closed below, after the generator finishes
+    except FileNotFoundError as err:
+        report("missing", f"{url}: {err.strerror}")
+        return
+    except OSError as err:
+        report("unreadable", f"{url}: {err}")
+        return
+    with handle:
+        try:
+            tf = tarfile.open(fileobj=handle, mode="r:*", ignore_zeros=True)  # noqa: SIM115 - closed below
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+            report("not_a_tar", f"{url}: {_one_line(err)}")
+            return
+        with tf:
+            yield from _iter_tar(tf, url, report, seekable=True)
+
+
+def _read_pipe(url: str, report: ErrorHandler) -> Iterator[dict]:
+    command = url.removeprefix("pipe:")
+    proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        try:
+            tf = tarfile.open(fileobj=proc.stdout, mode="r|*", ignore_zeros=True)  # noqa: SIM115
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+            report("not_a_tar", f"{url}: {_one_line(err)}")
+        else:
+            with tf:
+                yield from _iter_tar(tf, url, report, seekable=False)
+    finally:
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr else ""
+        if proc.wait() != 0:
+            report("pipe_failed", f"{url}: exit status {proc.returncode}: {stderr[-200:]}")
+
+
+def iter_samples(spec: str | Sequence[str], *, on_error: ErrorHandler | None = None) -> Iterator[dict]:
+    """``read_samples`` over every shard of ``expand_urls(spec)``, in order."""
+    for url in expand_urls(spec):
+        yield from read_samples(url, on_error=on_error)
+
+
+# --------------------------------------------------------------------------------------------------
+# Folders
+
+
+@dataclass(frozen=True)
+class FolderScan:
+    """The files of an image folder, searched recursively in sorted order; hidden files and folders (a name
+    starting with ``.``) are left out. ``other`` are the files that are neither an image nor the caption or
+    metadata sidecar of one: they are reported as skipped (``not_an_image``), never silently dropped."""
+
+    root: Path
+    images: list[Path]
+    other: list[Path]
+
+
+def scan_folder(root: str | os.PathLike) -> FolderScan:
+    """List an image folder (see ``FolderScan``)."""
+    base = Path(root)
+    files = sorted(
+        p
+        for p in base.rglob("*")
+        if not any(part.startswith(".") for part in p.relative_to(base).parts) and p.is_file()
+    )
+    images = [p for p in files if is_image_file(p)]
+    stems = {p.with_suffix("") for p in images}
+    sidecar = (CAPTION_SUFFIX, METADATA_SUFFIX)
+    other = [p for p in files if not is_image_file(p) and not (p.suffix in sidecar and p.with_suffix("") in stems)]
+    return FolderScan(base, images, other)
+
+
+def read_caption_table(path: str | os.PathLike) -> dict[str, str]:
+    """Captions of an image folder from a table: a file column (path relative to the folder, or file name)
+    and a caption column."""
+    names, batches = read_table_batches(Path(path))
+    file_col = next((c for c in FILENAME_COLUMNS if c in names), None)
+    text_col = next((c for c in CAPTION_COLUMNS if c in names), None)
+    if file_col is None or text_col is None:
+        need = f"a file column ({' / '.join(FILENAME_COLUMNS)}) and a caption column ({' / '.join(CAPTION_COLUMNS)})"
+        raise ValueError(f"{path}: a captions table needs {need}; has {names}")
+    return {str(r[file_col]): "" if r[text_col] is None else str(r[text_col]) for b in batches for r in b}
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables
+
+
+def read_table_batches(path: Path, batch_size: int = 4096) -> tuple[list[str], Iterator[list[dict]]]:
+    """Column names and row batches of a Parquet, CSV/TSV or JSON-lines file, read incrementally where possible."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.json as pjson
+    import pyarrow.parquet as pq
+
+    fmt = table_format(path)
+    try:
+        if fmt == "parquet":
+            pf = pq.ParquetFile(path)
+            return pf.schema_arrow.names, (b.to_pylist() for b in pf.iter_batches(batch_size=batch_size))
+        if fmt == "csv":
+            tsv = ".tsv" in [s.lower() for s in path.suffixes[-2:]]
+            parse = pcsv.ParseOptions(delimiter="\t" if tsv else ",", newlines_in_values=True)
+            # Strings stay strings: a key "000123" must not become the integer 123.
+            probe = pcsv.open_csv(path, parse_options=parse)
+            names = probe.schema.names
+            probe.close()
+            text_like = {"key", "url", "sha256", *CAPTION_COLUMNS, *FILENAME_COLUMNS}
+            convert = pcsv.ConvertOptions(column_types={n: pa.string() for n in names if n in text_like})
+            reader = pcsv.open_csv(path, parse_options=parse, convert_options=convert)
+            return names, (b.to_pylist() for b in reader)
+        if fmt == "jsonl":
+            table = pjson.read_json(path)
+            return table.schema.names, (b.to_pylist() for b in table.to_batches(max_chunksize=batch_size))
+    except pa.ArrowInvalid as err:
+        raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from err
+    suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+    raise ValueError(f"{path}: unsupported table format {suffix.lower()!r} (use .parquet, .csv, .tsv or .jsonl)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class Record:
+    """One image of a source, its caption and metadata, in the same shape whatever the source.
+
+    ``key`` names the item within its source: for a folder the path relative to it (``sub/cat.jpg``), for
+    shards the sample key (``000123``; ``origin`` is its shard), for a table the ``key`` column or the row
+    number. ``index`` is the item's position among the source's images. The image is either already in
+    memory (``data``: a shard member, a table's bytes column) or read from ``path`` on demand by ``read``.
+    """
+
+    key: str
+    kind: SourceKind
+    origin: str  # the image file, or the shard / table the bytes come from
+    index: int = 0
+    caption: str | None = None  # None: the source has no caption for this image
+    path: Path | None = None
+    data: bytes | None = field(default=None, repr=False)
+    raw_meta: Mapping[str, Any] | bytes | Path | None = field(default=None, repr=False)
+
+    def read(self) -> bytes:
+        """The encoded image; raises ``BadInput`` (``missing_file``, ``unreadable_file``, ``missing_image``)."""
+        if self.data is not None:
+            return self.data
+        if self.path is not None:
+            return read_file(self.path)
+        raise BadInput("missing_image", f"{self.origin}: {self.key}")
+
+    def decode(self, *, max_pixels: int = 64_000_000, min_side: int = 2) -> Image.Image:
+        """The image as 8-bit RGB; raises ``BadInput`` with the reason it cannot be used."""
+        from openalign.data.transforms import decode_image
+
+        return decode_image(self.read(), max_pixels=max_pixels, min_side=min_side)
+
+    def metadata(self) -> dict[str, Any]:
+        """The item's metadata: a table's other columns, a shard's ``json`` member or a folder's ``.json``
+        sidecar (``{}`` when there is none); raises ``BadInput("bad_json")`` when it is not a JSON object."""
+        raw = self.raw_meta
+        if raw is None:
+            return {}
+        if isinstance(raw, Mapping):
+            return dict(raw)
+        try:
+            value = json.loads(read_file(raw) if isinstance(raw, Path) else raw)
+        except (ValueError, TypeError) as err:  # UnicodeDecodeError is a ValueError
+            raise BadInput("bad_json", f"{self.origin}: {self.key}: {err}") from None
+        if not isinstance(value, dict):
+            raise BadInput("bad_json", f"{self.origin}: {self.key}: a JSON {type(value).__name__}, not an object")
+        return value
+
+
+Event = Record | BadInput
+
+
+def _folder_events(scan: FolderScan, captions: Mapping[str, str] | None) -> Iterator[Event]:
+    for file in scan.other:
+        yield BadInput("not_an_image", str(file))
+    for index, file in enumerate(scan.images):
+        rel = file.relative_to(scan.root).as_posix()
+        if captions is not None:
+            caption = captions.get(rel, captions.get(file.name))
+        else:
+            sidecar = file.with_suffix(CAPTION_SUFFIX)
+            try:
+                caption = read_file(sidecar).decode("utf-8", "replace").strip() if sidecar.is_file() else None
+            except BadInput as err:
+                yield err
+                continue
+        meta = file.with_suffix(METADATA_SUFFIX)
+        yield Record(
+            key=rel,
+            kind="folder",
+            origin=str(file),
+            index=index,
+            caption=caption,
+            path=file,
+            raw_meta=meta if meta.is_file() else None,
+        )
+
+
+def _table_events(
+    path: Path, image_root: Path, caption_column: str | None, image_column: str | None, require_caption: bool
+) -> Iterator[Event]:
+    names, batches = read_table_batches(path)
+    caption = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
+    if (caption_column and caption_column not in names) or (require_caption and caption is None):
+        raise ValueError(f"{path}: no caption column ({caption_column or ' / '.join(CAPTION_COLUMNS)}); has {names}")
+    if image_column is not None and image_column not in names:
+        raise ValueError(f"{path}: no image column {image_column!r}; has {names}")
+    candidates = [image_column] if image_column else [c for c in IMAGE_BYTES_COLUMNS if c in names]
+    if not candidates and IMAGE_PATH_COLUMN not in names:
+        raise ValueError(
+            f"{path}: no image bytes column ({' / '.join(IMAGE_BYTES_COLUMNS)}) or {IMAGE_PATH_COLUMN} column"
+        )
+    index = 0
+    for batch in batches:
+        for row in batch:
+            key = row.get("key")
+            key = str(key) if key not in (None, "") else f"{index:09d}"
+            data: bytes | None = None
+            for column in candidates:
+                value = row.get(column)
+                if isinstance(value, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
+                    value = value.get("bytes")
+                if isinstance(value, bytes):
+                    data = value
+                    break
+            file = None
+            if data is None and row.get(IMAGE_PATH_COLUMN):
+                file = resolve_image_path(image_root, str(row[IMAGE_PATH_COLUMN]))
+            if data is None and file is None:
+                yield BadInput("missing_image", f"row {key}: no image bytes or {IMAGE_PATH_COLUMN}")
+            else:
+                text = row.get(caption) if caption else None
+                yield Record(
+                    key=key,
+                    kind="table",
+                    origin=str(file) if file is not None else str(path),
+                    index=index,
+                    caption=None if caption is None else ("" if text is None else str(text)),
+                    path=file,
+                    data=data,
+                    raw_meta={k: v for k, v in row.items() if k not in candidates},
+                )
+            index += 1
+
+
+def _shard_events(urls: Sequence[str]) -> Iterator[Event]:
+    errors: list[BadInput] = []
+    index = 0
+    for url in urls:
+        for sample in read_samples(url, on_error=lambda reason, detail: errors.append(BadInput(reason, detail))):
+            yield from errors
+            errors.clear()
+            key = str(sample["__key__"])
+            member = image_member(sample)
+            if member is None:
+                yield BadInput("no_image", f"{url}: sample {key} has no image member")
+                continue
+            text = sample.get(CAPTION_MEMBER)
+            yield Record(
+                key=key,
+                kind="shards",
+                origin=url,
+                index=index,
+                caption=None if text is None else text.decode("utf-8", "replace").strip(),
+                data=sample[member],
+                raw_meta=sample.get(METADATA_MEMBER),
+            )
+            index += 1
+        yield from errors
+        errors.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclass(frozen=True)
+class Source:
+    """An input recognised by ``open_source``: an image folder, a table or WebDataset shards."""
+
+    spec: str
+    kind: SourceKind
+    scan: FolderScan | None = None  # folder
+    urls: tuple[str, ...] = ()  # shards
+    table: Path | None = None  # table
+    captions: Mapping[str, str] | None = field(default=None, repr=False)  # folder: captions by file
+    image_root: Path | None = None  # table: where relative image paths start (default the table's folder)
+    caption_column: str | None = None  # table: default the first of CAPTION_COLUMNS present
+    image_column: str | None = None  # table: default the first of IMAGE_BYTES_COLUMNS present, then image_path
+    require_caption: bool = False  # table: a missing caption column is an error
+
+    def events(self) -> Iterator[Record | BadInput]:
+        """Every item in order: a ``Record``, or a ``BadInput`` for an item (or a whole shard) that was skipped.
+
+        A table whose columns do not fit raises ``ValueError`` before the first item."""
+        if self.kind == "folder":
+            assert self.scan is not None
+            return _folder_events(self.scan, self.captions)
+        if self.kind == "table":
+            assert self.table is not None
+            root = self.image_root if self.image_root is not None else self.table.parent
+            events = _table_events(self.table, root, self.caption_column, self.image_column, self.require_caption)
+            first = next(events, None)  # column checks happen here, not at the first next() of the caller
+            return iter(()) if first is None else _chain(first, events)
+        return _shard_events(self.urls)
+
+    def records(self, on_skip: ErrorHandler | None = None) -> Iterator[Record]:
+        """The usable records; every skipped item goes to ``on_skip(reason, detail)`` (default: a warning)."""
+        report = on_skip or _log_error
+        for event in self.events():
+            if isinstance(event, BadInput):
+                report(event.reason, event.detail)
+            else:
+                yield event
+
+
+def _chain(first: T, rest: Iterator[T]) -> Iterator[T]:
+    yield first
+    yield from rest
+
+
+def _looks_like_shards(text: str) -> bool:
+    return text.startswith("pipe:") or any(mark in text for mark in ("{", "*", "?", "[", ",", "::")) or _is_remote(text)
+
+
+def open_source(
+    spec: str | os.PathLike,
+    *,
+    captions: str | os.PathLike | None = None,
+    image_root: str | os.PathLike | None = None,
+    caption_column: str | None = None,
+    image_column: str | None = None,
+    require_caption: bool = False,
+) -> Source:
+    """Recognise an input: a folder holding images (read recursively; ``cat.txt`` / ``cat.json`` beside
+    ``cat.jpg`` are its caption and metadata, or ``captions`` names a table of them), a folder of ``.tar``
+    shards, a table (``.parquet``, ``.csv``/``.tsv``, ``.jsonl``; image bytes or an ``image_path`` column,
+    relative to ``image_root``), or a shard file / pattern (``{00000..00009}.tar``, globs, lists, ``pipe:``).
+
+    Raises ``FileNotFoundError`` for an input that does not exist or holds nothing readable and
+    ``ValueError`` for an option that does not apply to the input's kind.
+    """
+    text = os.fspath(spec)
+    path = Path(text)
+    table_options = caption_column or image_column  # image_root only matters for a table
+    if path.is_dir():
+        scan = scan_folder(path)
+        if not scan.images and not any(p.name.endswith(SHARD_SUFFIXES) for p in scan.other):
+            raise FileNotFoundError(f"{text}: no images or .tar shards in this folder")
+        if scan.images:
+            if table_options:
+                raise ValueError("--caption-column/--image-column apply to a table input, not to a folder")
+            table = read_caption_table(captions) if captions is not None else None
+            return Source(text, "folder", scan=scan, captions=table)
+        kind: SourceKind = "shards"
+    elif path.is_file():
+        kind = "table" if table_format(path) is not None else "shards"
+        if kind == "shards" and not text.endswith(SHARD_SUFFIXES):
+            raise ValueError(
+                f"{text}: not an image folder, a table (.parquet, .csv, .tsv, .jsonl) or a WebDataset shard (.tar)"
+            )
+    elif _looks_like_shards(text):
+        kind = "shards"
+    else:
+        raise FileNotFoundError(f"no such input: {text} (no such directory, table or shard)")
+    if captions is not None:
+        raise ValueError("--captions applies to an image folder input, not to a table or shards")
+    if kind == "table":
+        root = Path(image_root) if image_root is not None else None
+        return Source(
+            text,
+            "table",
+            table=path,
+            image_root=root,
+            caption_column=caption_column,
+            image_column=image_column,
+            require_caption=require_caption,
+        )
+    if table_options:
+        raise ValueError("--caption-column/--image-column apply to a table input, not to shards")
+    urls = expand_urls(text)
+    if not any(Path(u).exists() or _is_remote(u) for u in urls):
+        raise FileNotFoundError(
+            f"{text}: no such shard" + (f" ({len(urls)} named, none exists)" if len(urls) > 1 else "")
+        )
+    return Source(text, "shards", urls=tuple(urls))
+
+
+def decode_records(
+    records: Iterable[Record], on_skip: ErrorHandler | None = None, *, max_pixels: int = 64_000_000, min_side: int = 2
+) -> Iterator[tuple[Record, Image.Image]]:
+    """(record, RGB image) for every record whose image reads and decodes; the others go to ``on_skip``."""
+    report = on_skip or _log_error
+    for record in records:
+        try:
+            yield record, record.decode(max_pixels=max_pixels, min_side=min_side)
+        except BadInput as err:
+            report(err.reason, f"{record.origin}: {record.key}: {err.detail}")
