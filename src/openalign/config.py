@@ -147,6 +147,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if len(value) != len(args):
             raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}")
         return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        return [_coerce(v, args[0], f"{where}[{i}]") if args else v for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from openalign.config import ConfigError
+from openalign.data.sources import TOKENIZER_JSON
 
 __all__ = [
     "ABLATIONS",
@@ -438,7 +439,7 @@ def _shared_vocabulary(settings: ExperimentSettings, log: Callable[[str], None])
     from openalign.train.loop import _synthetic_tokenizer
 
     path = Path(settings.out) / VOCAB_DIR
-    if (path / "tokenizer.json").is_file():
+    if (path / TOKENIZER_JSON).is_file():
         return
     overrides = {k: v for k, v in settings.overrides.items() if k != "data.tokenizer"}
     tokenizer = _synthetic_tokenizer(load_train_config(BASE_CONFIG, overrides))

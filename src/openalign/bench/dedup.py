@@ -26,15 +26,17 @@ from openalign.data.dedup import DedupConfig, find_near_duplicates
 
 @dataclass
 class DedupBenchSettings:
-    train: int = 1_000_000
-    test: int = 50_000
-    dim: int = 640
+    """What ``openalign bench dedup`` measures."""
+
+    train: int = 1_000_000  # train embeddings
+    test: int = 50_000  # test embeddings
+    dim: int = 640  # embedding width
     duplicate_fraction: float = 0.05  # of test images, copies of a train image with cosine 0.98–0.995
     near_miss_fraction: float = 0.05  # of test images, copies with cosine 0.93–0.97 (must not match)
     brute_train: int = 32_768  # train rows brute force runs on (then scaled)
-    seed: int = 0
-    json_path: str | None = None
-    dedup: DedupConfig | None = None
+    seed: int = 0  # data seed, and the k-means seed unless dedup.seed is given
+    json_path: str | None = None  # also write the results to this JSON file
+    dedup: DedupConfig | None = None  # the search's settings (default: DedupConfig's)
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

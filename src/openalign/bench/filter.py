@@ -18,6 +18,7 @@ import itertools
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,19 @@ def pandas_align_filter(path: str | Path, rules: FilterRules) -> Any:
         & (n_words <= rules.max_words)
     )
     return good.index[keep].to_numpy()
+
+
+@dataclass
+class FilterBenchSettings:
+    """What ``openalign bench filter`` measures (the arguments of ``run_filter_bench``)."""
+
+    rows: int = 10_000_000  # corpus rows
+    baseline_rows: int = 1_000_000  # rows of the pandas subsample
+    top_k: int | None = None  # vocabulary size K (default 40000)
+    threads: int | None = None  # duckdb threads (default: all cores)
+    seed: int = 0
+    work_dir: str | None = None  # where the temporary corpus goes (default: system temp)
+    json_path: str | None = None  # also write the results to this JSON file
 
 
 def run_filter_bench(

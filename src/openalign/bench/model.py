@@ -15,7 +15,7 @@ import multiprocessing as mp
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,19 +28,23 @@ TEXT_LENGTH = 64
 
 @dataclass
 class BenchSettings:
-    preset: str = "b0-tiny"
-    image_size: int | None = None
+    """What ``openalign bench model`` measures."""
+
+    preset: str = "b0-tiny"  # model preset
+    image_size: int | None = None  # square input size (default: the preset's)
     batch_size: int = 16
-    steps: int = 5
-    warmup: int = 2
-    rounds: int = 2
-    device: str = "cpu"
-    bf16: bool = False
-    compile: bool = False
-    memory_format: str = "default"  # default: each model's own; channels_last or contiguous: both
-    text_lengths: str = "alt-text"
-    baseline: bool = True
-    json_path: str | None = None
+    steps: int = 5  # timed steps per round
+    warmup: int = 2  # untimed steps per round
+    rounds: int = 2  # alternating rounds; the best round counts
+    device: str = "cpu"  # cpu or cuda
+    bf16: bool = False  # bf16 autocast (GPU)
+    compile: bool = False  # torch.compile both models
+    # image layout: each model's default (ours NHWC, transformers NCHW), or the same for both
+    memory_format: Literal["default", "channels_last", "contiguous"] = "default"
+    # alt-text: captions of 6-32 tokens padded to 64; full: every row uses all 64
+    text_lengths: Literal["alt-text", "full"] = "alt-text"
+    baseline: bool = True  # also measure transformers' AlignModel (--no-baseline: only ours)
+    json_path: str | None = None  # also write the results to this JSON file
 
 
 def bench_config(settings: BenchSettings) -> Any:

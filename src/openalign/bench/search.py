@@ -25,21 +25,23 @@ from typing import Any
 
 import numpy as np
 
-from openalign.search.index import AnnConfig, build_store, exact_search, normalize_rows, recall_at
+from openalign.search.index import AnnConfig, AnnKind, build_store, exact_search, normalize_rows, recall_at
 
 
 @dataclass
 class SearchBenchSettings:
-    n: int = 1_000_000
-    dim: int = 640
+    """What ``openalign bench search`` measures."""
+
+    n: int = 1_000_000  # vectors
+    dim: int = 640  # width
     queries: int = 500  # timed one at a time through the approximate index
     exact_queries: int = 30  # timed one at a time through exact NumPy search (each scans every vector)
     k: int = 10
-    kind: str = "auto"
+    kind: AnnKind = "auto"  # the index structure (see AnnConfig)
     memory_budget_mb: float = 8192.0
     target_recall: float = 0.95
     seed: int = 0
-    json_path: str | None = None
+    json_path: str | None = None  # also write the results to this JSON file
 
 
 def clustered_vectors(
@@ -154,13 +156,15 @@ def run_search_bench(s: SearchBenchSettings) -> dict[str, Any]:
 
 @dataclass
 class ServeBenchSettings:
+    """What ``openalign bench serve`` measures."""
+
     index: str | None = None  # an index directory; default: the demo index (built if missing)
     clients: int = 16
     requests: int = 1000  # per client
     k: int = 10
     port: int = 0  # 0 picks a free port
     startup_timeout_s: float = 300.0
-    json_path: str | None = None
+    json_path: str | None = None  # also write the results to this JSON file
 
 
 def free_port() -> int:

@@ -38,19 +38,21 @@ PARTS = ("data", "forward", "loss", "backward", "optimizer")
 
 @dataclass
 class TrainBenchSettings:
-    preset: str = "nano"
-    image_size: int | None = None  # None: the preset's
-    batch_size: int = 256  # the nano_cpu recipe's batch
+    """What ``openalign bench train`` measures."""
+
+    preset: str = "nano"  # model preset
+    image_size: int | None = None  # square crop size (default: the preset's)
+    batch_size: int = 256  # pairs per step (the nano_cpu recipe's batch)
     steps: int = 5  # timed steps per round
     warmup: int = 2  # untimed steps per round
-    rounds: int = 2
+    rounds: int = 2  # alternating rounds; the best round counts
     workers: int = 2  # DataLoader workers feeding each contender
-    device: str = "cpu"
-    bf16: bool = False
+    device: str = "cpu"  # cpu or cuda
+    bf16: bool = False  # bf16 autocast (GPU)
     shard_samples: int = 512  # synthetic pairs written once and cycled through
     pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
-    baseline: bool = True
-    json_path: str | None = None
+    baseline: bool = True  # also run the transformers loop and webdataset (--no-baseline: only ours)
+    json_path: str | None = None  # also write the results to this JSON file
 
     def validate(self) -> None:
         for name in ("batch_size", "steps", "rounds", "shard_samples", "pipeline_samples"):

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -226,6 +227,23 @@ def create_app(
     # base64 grows data by 4/3, and the JSON around it is small.
     app.add_middleware(BodyLimit, limit=max_upload_bytes * 4 // 3 + 64 * 1024)
     return app
+
+
+@dataclass
+class ServeConfig:
+    """Settings of ``openalign serve``: where it listens, and the demo index it builds without ``--index``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_upload_mb: float = 8.0  # largest accepted query image
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    demo_images: int = 500  # demo: number of synthetic images
+    demo_dir: str | None = None  # demo: where to build and cache the index (default: the user cache)
+    seed: int = 0  # demo: synthetic world seed
+
+    def validate(self) -> None:
+        if self.max_upload_mb <= 0:
+            raise ValueError(f"--max-upload-mb must be positive, got {self.max_upload_mb}")
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -31,6 +31,18 @@ class EngineConfig:
 
 
 @dataclass
+class FilterConfig:
+    """Everything ``openalign filter`` runs with: the rules, the engine, and how input and output are handled."""
+
+    rules: FilterRules = field(default_factory=FilterRules)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    input_format: Literal["parquet", "csv", "tsv", "jsonl", "webdataset"] | None = None  # default: from INPUT
+    report: str | None = None  # also write the funnel and statistics to this JSON file
+    person_names: str | None = None  # names -> <PERSON> after filtering: demo or module:function
+    overwrite: bool = False  # replace OUTPUT if it exists
+
+
+@dataclass
 class FunnelReport:
     """Rows in, rows removed by each step in order, rows out; ``rows_in == rows_out + Σ removed``."""
 

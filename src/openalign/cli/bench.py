@@ -1,0 +1,176 @@
+"""``openalign bench …``: each benchmark's settings dataclass lives beside it in ``openalign.bench``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from openalign.cli import schema
+from openalign.cli.options import Alias, Parser, add_config, data, print_config, str_value
+
+JSON = Alias(("--json",), "json_path", "also write the results to this JSON file", type=str_value, metavar="FILE")
+K = Alias(("-k",), "k", "results per query (default 10)")
+
+# name: (settings class, help, description, examples, aliases)
+BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
+    "model": (
+        "openalign.bench.model:BenchSettings",
+        "training throughput of a preset against transformers' AlignModel",
+        "Forward+backward pairs/s, step time, peak memory and model FLOP utilisation for our dual encoder and "
+        "for transformers' AlignModel built from the same config, in one run.",
+        ("openalign bench model --preset b0-tiny",
+         "openalign bench model --preset b3-mini --device cuda --bf16 --channels-last --compile --batch-size 64"),
+        (JSON,
+         Alias(("--channels-last",), "memory_format", "shorthand for --memory-format channels_last",
+               value="channels_last"),
+         Alias(("--memory-format",), "memory_format", "image layout: default (each model's own: ours NHWC, "
+               "transformers NCHW), channels-last or contiguous for both", type=lambda s: s.replace("-", "_"),
+               metavar="{default,channels-last,contiguous}")),
+    ),
+    "train": (
+        "openalign.bench.train:TrainBenchSettings",
+        "training steps from shards, split by phase, against a plain transformers AlignModel loop",
+        "Pairs/s, time per step split into data / forward / loss / backward / optimizer, peak memory and MFU of "
+        "our training step (dual encoder, contrastive loss, LAMB, our input stream) and of a plain loop over "
+        "transformers' AlignModel (its own loss, torch AdamW) on the same batches of the same synthetic shards, "
+        "in one run; then the input pipeline alone (samples/s in one process and per worker) against "
+        "webdataset's pipeline.",
+        ("openalign bench train", "openalign bench train --preset nano --batch-size 128 --steps 8",
+         "openalign bench train --preset b0-tiny --device cuda --bf16 --batch-size 256 --workers 8"),
+        (JSON,),
+    ),
+    "search": (
+        "openalign.bench.search:SearchBenchSettings",
+        "approximate index vs exact NumPy search: build time, memory, latency, recall@10",
+        "Index N clustered synthetic vectors and time single queries through it and through exact NumPy search "
+        "on the same data, in one run; recall@k is measured against exact search.",
+        ("openalign bench search                      # 1M × 640",
+         "openalign bench search --n 200000 --kind hnsw --json search.json"),
+        (JSON, K),
+    ),
+    "serve": (
+        "openalign.bench.search:ServeBenchSettings",
+        "load test: concurrent clients against the real search server on loopback",
+        "Start `openalign serve` in its own process and send CLIENTS × REQUESTS POST /search (text, "
+        "more-like-this and image+text queries) from concurrent clients; report p50/p99 and errors. Exits 1 if "
+        "any request got a 5xx or failed.",
+        ("openalign bench serve", "openalign bench serve --index photos.index --clients 32"),
+        (JSON, K),
+    ),
+    "filter": (
+        "openalign.bench.filter:FilterBenchSettings",
+        "the ALIGN rules on DuckDB against a straightforward pandas implementation",
+        "Writes a synthetic alt-text corpus (Zipf vocabulary, junk tokens, shared boilerplate, popular images, "
+        "sizes around the thresholds) to Parquet, filters all of it with DuckDB and its first BASELINE_ROWS rows "
+        "with pandas (time scaled to the full size), prints rows/s for both and the ratio, and checks that both "
+        "keep the same rows of the subsample.",
+        ("openalign bench filter                       # 10M rows, pandas on 1M",
+         "openalign bench filter --rows 2000000 --baseline-rows 200000"),
+        (JSON,),
+    ),
+    "dedup": (
+        "openalign.bench.dedup:DedupBenchSettings",
+        "bucketed near-duplicate search against exact brute force (time, speed-up, recall)",
+        "Synthetic embeddings with planted near-duplicates and near misses; our pipeline on all of them, brute "
+        "force (blocked exact matrix products) on a train subsample, scaled to the full size. Prints both times, "
+        "the ratio, and the recall against brute force.",
+        ("openalign bench dedup                                  # 1M × 50k, 640-d",
+         "openalign bench dedup --train 200000 --test 10000 --engine sparse"),
+        (JSON, *(Alias((f"--{n.replace('_', '-')}",), f"dedup.{n}", f"same as --dedup.{n}",
+                       type=str_value if n == "engine" else None)
+                 for n in ("clusters", "nearest", "combo", "threshold", "engine", "project_dim", "chunk_size"))),
+    ),
+    "retrieval": (
+        "openalign.bench.retrieval:RetrievalBenchSettings",
+        "recall_at_k on given embeddings against the bare matrix product it needs (time, ratio)",
+        "MSCOCO-sized by default (5K images × 25K captions × 640-d, each caption its image's unit vector plus "
+        "noise): the time of the one float32 image × caption matrix product every score needs, and of "
+        "recall_at_k with float32 scores and at its default precision (bfloat16 with an exact recount where the "
+        "CPU multiplies bfloat16 natively), in alternating rounds; checks both give the same recalls.",
+        ("openalign bench retrieval", "openalign bench retrieval --images 1000 --independent"),
+        (JSON, Alias(("--independent",), "noise", "captions independent of the images (noise: null)", value=None)),
+    ),
+}  # fmt: skip
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("bench", help="benchmarks that print our figure beside a baseline from the same run", build=_bench)
+
+
+def _bench(parser: Parser) -> None:
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=Parser)
+    for name, (_, help_, *_rest) in BENCHES.items():
+        benches.add_parser(name, help=help_, build=lambda p, n=name: _one(p, n))
+
+
+def _one(parser: Parser, name: str) -> None:
+    spec, _, description, examples, aliases = BENCHES[name]
+    parser.description = description
+    parser.epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    add_config(parser, schema.read(spec), aliases=aliases)
+    parser.set_defaults(func=run, bench_spec=spec)
+
+
+def settings(spec: str, values: dict[str, Any]) -> Any:
+    """The benchmark's settings object, checked like every other config."""
+    import importlib
+
+    from openalign.config import from_dict
+
+    module, _, cls = spec.partition(":")
+    if cls == "DedupBenchSettings":  # the k-means seed follows the data seed unless given
+        values = {**values, "dedup": {"seed": values.get("seed", 0), **(values.get("dedup") or {})}}
+    out = from_dict(getattr(importlib.import_module(module), cls), values)
+    if hasattr(out, "validate"):
+        out.validate()
+    if cls == "DedupBenchSettings":
+        out.dedup.validate()
+        if min(out.train, out.test, out.dim, out.brute_train) < 1:
+            raise ValueError("--train, --test, --dim and --brute-train must be positive")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from openalign.config import to_dict
+
+    s = settings(args.bench_spec, data(args))
+    if args.print_config:
+        print_config(to_dict(s))
+        return 0
+    if args.bench == "model":
+        from openalign.bench.model import run_model_bench
+
+        run_model_bench(s)
+    elif args.bench == "train":
+        from openalign.bench.train import run_train_bench
+
+        run_train_bench(s)
+    elif args.bench == "search":
+        from openalign.bench.search import run_search_bench
+
+        run_search_bench(s)
+    elif args.bench == "serve":
+        from openalign.bench.search import run_serve_bench
+
+        result = run_serve_bench(s)
+        return 0 if result["server_errors"] == 0 and result["server_alive_after"] else 1
+    elif args.bench == "filter":
+        from openalign.bench.filter import run_filter_bench
+
+        figures = run_filter_bench(
+            s.rows, s.baseline_rows, seed=s.seed, threads=s.threads, top_k=s.top_k, work_dir=s.work_dir
+        )
+        if s.json_path:
+            import json
+
+            with open(s.json_path, "w") as f:
+                json.dump(figures, f, indent=2)
+    elif args.bench == "dedup":
+        from openalign.bench.dedup import run_dedup_bench
+
+        run_dedup_bench(s)
+    elif args.bench == "retrieval":
+        from openalign.bench.retrieval import run_retrieval_bench
+
+        run_retrieval_bench(s)
+    return 0

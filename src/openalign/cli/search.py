@@ -1,0 +1,219 @@
+"""``openalign index build | info``, ``openalign search`` and ``openalign serve``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from openalign.cli import schema
+from openalign.cli.options import Alias, Parser, add_config, data, print_config, str_value
+
+BUILD = "openalign.search.build:BuildConfig"
+QUERY = "openalign.search.query:Query"
+SERVE = "openalign.search.api:ServeConfig"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("index", help="build and inspect search indexes over image and caption embeddings", build=_index)
+    sub.add_parser(
+        "search", help="query an index: text → image, image → image, image → text, image ± text", build=_search
+    )
+    sub.add_parser(
+        "serve", help="HTTP search API and web page; without --index, a demo over the synthetic world", build=_serve
+    )
+
+
+def _index(parser: Parser) -> None:
+    actions = parser.add_subparsers(dest="index_command", required=True, metavar="ACTION", parser_class=Parser)
+    actions.add_parser(
+        "build",
+        help="embed images (and captions) into an index; resumable; adds new items to an existing index",
+        build=_build,
+    )
+    actions.add_parser("info", help="print an index's size, structure and model", build=_info)
+
+
+def _build(parser: Parser) -> None:
+    parser.description = (
+        "Embed every image of a folder (foo.jpg + optional foo.txt caption) or of WebDataset shards into INDEX: "
+        "memory-mapped float32 vectors, Parquet metadata aligned with ids, thumbnails, and an approximate FAISS "
+        "index above --exact-threshold vectors. An interrupted build resumes after its last finished chunk; "
+        "running it again on a grown source adds only the new items."
+    )
+    parser.epilog = (
+        "examples:\n"
+        "  openalign index build --model runs/nano/final --images photos/ --out photos.index --captions\n"
+        "  openalign index build --model runs/b3/final --images 'shards/{00000..00099}.tar' --out web.index \\\n"
+        "      --captions --memory-budget-mb 4096\n"
+        "  openalign index build --model runs/b3/final --images new_photos/ --out photos.index --captions  # add"
+    )
+    parser.add_argument("--model", required=True, help="openalign checkpoint or transformers AlignModel dir")
+    parser.add_argument("--images", required=True, help="image folder, or shards (dir of tars, brace range, glob)")
+    parser.add_argument("--out", required=True, help="index directory (created, resumed or extended)")
+    parser.add_argument("--tokenizer", help="tokenizer file or dir (default: the model's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    aliases = [
+        Alias((f"--{name.replace('_', '-')}",), f"ann.{name}", f"same as --ann.{name}", type=convert)
+        for name, convert in [("kind", str_value), ("exact_threshold", None), ("memory_budget_mb", None),
+                              ("nprobe", None), ("target_recall", None)]
+    ]  # fmt: skip
+    add_config(parser, schema.read(BUILD), aliases=aliases, config_help="YAML with build settings (ann: nested)")
+    parser.set_defaults(func=run_build)
+
+
+def _search_model(model: str | None, tokenizer: str | None, need_tokenizer: bool) -> tuple[Any, Any, str | None]:
+    import openalign
+
+    loaded = openalign.load_model(model)
+    try:
+        tok = openalign.load_tokenizer(tokenizer or model, max_length=loaded.config.text.max_length)
+    except FileNotFoundError:
+        if need_tokenizer or tokenizer:
+            raise
+        return loaded, None, None
+    return loaded, tok, str(Path(tokenizer or model).resolve())
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from openalign.config import to_dict
+    from openalign.search.build import build_config, build_index
+
+    cfg = build_config(data(args))
+    if args.print_config:
+        print_config(to_dict(cfg))
+        return 0
+    model, tokenizer, tokenizer_path = _search_model(args.model, args.tokenizer, cfg.captions)
+    stats = build_index(
+        model,
+        tokenizer,
+        args.images,
+        args.out,
+        cfg,
+        model_path=str(Path(args.model).resolve()),
+        tokenizer_path=tokenizer_path,
+        progress=not args.quiet,
+    )
+    skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["skipped"].items()))
+    print(
+        f"{args.out}: +{stats['added_images']} images (+{stats['added_captions']} captions), now {stats['images']} "
+        f"images and {stats['captions']} captions; {stats['already_indexed']} already indexed; "
+        f"skipped {sum(stats['skipped'].values())}{f' ({skipped})' if skipped else ''}"
+    )
+    return 0
+
+
+def _info(parser: Parser) -> None:
+    parser.add_argument("index", metavar="INDEX")
+    parser.set_defaults(func=run_info)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import json
+
+    from openalign.search.catalog import SearchIndex
+
+    index = SearchIndex.open(args.index)
+    print(json.dumps({**index.summary(), "params": {m: s.params for m, s in index.stores.items()}}, indent=2))
+    return 0
+
+
+def query_schema() -> schema.Schema:
+    """Query's fields but its decoded image: ``--image`` takes a file."""
+    full = schema.read(QUERY)
+    return schema.Schema(tuple(k for k in full.knobs if k.path != "image"), full.sections)
+
+
+def _search(parser: Parser) -> None:
+    parser.description = (
+        "Search INDEX with text, an image, or both: parts are L2-normalised, text weighted 2 and the image 1 (the "
+        "paper's best), --minus texts subtracted, the sum renormalised."
+    )
+    parser.epilog = (
+        "examples:\n"
+        "  openalign search photos.index --text 'a red circle on water'\n"
+        "  openalign search photos.index --image shoes.jpg --plus beige -k 20\n"
+        "  openalign search photos.index --image street.jpg --minus cars --dedup 0.95\n"
+        "  openalign search photos.index --image cat.jpg --modality text   # captions of similar images"
+    )
+    parser.add_argument("index", metavar="INDEX")
+    parser.add_argument("--image", help="image file to query with")
+    parser.add_argument("--model", help="model checkpoint (default: the one the index was built with)")
+    parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    add_config(parser, query_schema(), aliases=[Alias(("-k",), "k", "number of results, 1-1000 (default 10)")])
+    parser.set_defaults(func=run_search)
+
+
+def run_search(args: argparse.Namespace) -> int:
+    import json
+
+    from openalign.config import from_dict, to_dict
+    from openalign.search.query import Query
+
+    query = from_dict(Query, data(args))
+    if args.print_config:
+        print_config({k: v for k, v in to_dict(query).items() if k != "image"})
+        return 0
+    from openalign.data.transforms import decode_image
+    from openalign.search.api import load_searcher
+
+    if args.image:
+        path = Path(args.image)
+        if not path.is_file():
+            raise FileNotFoundError(f"{args.image}: no such image file")
+        query.image = decode_image(path.read_bytes())
+    searcher = load_searcher(args.index, args.model, args.tokenizer)
+    hits = searcher.search(query)
+    if args.json:
+        print(json.dumps([{"id": h.id, "score": h.score, **h.row} for h in hits], indent=2))
+        return 0
+    for rank, hit in enumerate(hits, 1):
+        where = hit.row.get("url") or hit.row.get("path") or hit.row.get("key") or ""
+        print(f"{rank:4d}  {hit.score:7.4f}  id={hit.id:<8d} {hit.row.get('caption') or ''}  {where}".rstrip())
+    return 0
+
+
+def _serve(parser: Parser) -> None:
+    parser.description = (
+        "Serve POST /search, GET /image/{id}, GET /health (OpenAPI at /docs) and a search page at /. Without "
+        "--index a demo index of synthetic scenes is built on first use (cached) with --model, or with an "
+        "untrained nano model when none is given."
+    )
+    parser.epilog = (
+        "examples:\n"
+        "  openalign serve                                  # demo index, http://127.0.0.1:8000/\n"
+        "  openalign serve --model runs/nano/final          # demo index embedded with a trained model\n"
+        "  openalign serve --index photos.index --host 0.0.0.0 --port 8080"
+    )
+    parser.add_argument("--index", help="index directory (default: the demo index)")
+    parser.add_argument("--model", help="model checkpoint (default: the index's; for the demo, an untrained nano)")
+    parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
+    add_config(parser, schema.read(SERVE))
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from openalign.config import from_dict, to_dict
+    from openalign.search.api import ServeConfig, create_app, load_searcher, serve
+
+    cfg = from_dict(ServeConfig, data(args))
+    cfg.validate()
+    if args.print_config:
+        print_config(to_dict(cfg))
+        return 0
+    index = args.index
+    if index is None:
+        from openalign.search.demo import build_demo_index, default_demo_dir
+
+        out = Path(cfg.demo_dir) if cfg.demo_dir else default_demo_dir(cfg.demo_images, cfg.seed, args.model)
+        print(f"serving the demo index in {out} (built on first use)", file=sys.stderr)
+        index = build_demo_index(out, model_path=args.model, n_images=cfg.demo_images, seed=cfg.seed)
+        searcher = load_searcher(index)
+    else:
+        searcher = load_searcher(index, args.model, args.tokenizer)
+    app = create_app(searcher, max_upload_bytes=int(cfg.max_upload_mb * 2**20))
+    print(f"openalign search on http://{cfg.host}:{cfg.port}/  (API docs at /docs)", file=sys.stderr)
+    serve(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    return 0
