@@ -42,13 +42,17 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from openalign.eval.retrieval import recall_at_k_sets
 from openalign.eval.simlex import spearman
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 TASK_COLUMNS = {
     "sts": ("caption1", "caption2", "agg_score", "sampling_method"),
@@ -314,8 +318,8 @@ def evaluate_cxc(
 
 
 def run_cxc(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
     cxc_dir: str | Path,
     karpathy_json: str | Path,
     image_root: str | Path,
@@ -349,7 +353,7 @@ def run_cxc(
 # The `cxc` eval task
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     metrics = run_cxc(
         model,
         tokenizer,

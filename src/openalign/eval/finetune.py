@@ -18,7 +18,7 @@ import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,10 @@ from tqdm import tqdm
 from openalign.config import from_dict
 from openalign.eval.linear_probe import classification_metrics
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -390,7 +394,7 @@ def transfer_datasets(model: nn.Module, options: dict[str, Any]) -> tuple[Labell
     )
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     train, val, num_classes, name = transfer_datasets(model, options)
     steps = options["steps"]
     if options["recipe"] == "imagenet":

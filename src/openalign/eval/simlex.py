@@ -20,10 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 OFFICIAL_COLUMNS = (
     "word1",
@@ -199,7 +203,12 @@ def evaluate_simlex(pairs: Sequence[SimLexPair], embed: Callable[[list[str]], to
 
 @torch.no_grad()
 def word_embeddings(
-    model: Any, tokenizer: Any, words: Sequence[str], *, batch_size: int = 256, device: str | torch.device = "cpu"
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
+    words: Sequence[str],
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
     """The text tower's [CLS] vector before the projection for each word, as ``[CLS] pieces [SEP]``.
 
@@ -225,8 +234,8 @@ def word_embeddings(
 
 
 def run_simlex(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
     path: str | Path,
     *,
     batch_size: int = 256,
@@ -251,7 +260,7 @@ def _default_file() -> str:
     return datapath("simlex999.txt")
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     path = options["file"] or _default_file()
     metrics = run_simlex(model, tokenizer, path, batch_size=max(options["batch_size"], 256), device=options["device"])
     return {"dataset": "simlex-999", **metrics}

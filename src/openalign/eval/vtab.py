@@ -16,7 +16,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,10 @@ from torch import nn
 from openalign.config import from_dict
 from openalign.eval.linear_probe import LinearClassifier, check_features, classification_metrics
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 Model = TypeVar("Model")
 
@@ -229,7 +233,7 @@ def _numbers(values: list[str], kind: type, name: str) -> tuple[Any, ...]:
         raise ValueError(f"--{name} must be a list of {kind.__name__} values, got {values}") from None
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     cfg = VTABConfig(lrs=_numbers(options["lrs"], float, "lrs"), steps=_numbers(options["steps"], int, "steps"))
     if options["mode"] == "linear":
         from openalign.embed import embed_images

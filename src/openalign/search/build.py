@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,10 @@ from openalign.search.catalog import (
     SearchIndex,
 )
 from openalign.search.index import AnnConfig, VectorStore, ann_config, build_store, extend_store, save_vectors
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 PENDING = "pending"
 
@@ -164,7 +168,12 @@ def _chunk_schema(modality: str) -> pa.Schema:
 
 @torch.no_grad()
 def _embed_chunk(
-    items: list[Item], model: Any, tokenizer: Any, cfg: BuildConfig, transform: Callable, directory: Path
+    items: list[Item],
+    model: DualEncoder,
+    tokenizer: TextTokenizer | None,
+    cfg: BuildConfig,
+    transform: Callable,
+    directory: Path,
 ) -> Counter:
     from openalign.embed import embed_images, embed_texts
 
@@ -300,8 +309,8 @@ def _commit(out: Path) -> None:
 
 
 def build_index(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer | None,
     source: str | Path,
     out: str | Path,
     config: BuildConfig | None = None,

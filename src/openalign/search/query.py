@@ -12,13 +12,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from PIL import Image
 
 from openalign.search.catalog import SearchIndex
 from openalign.search.index import normalize_rows
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 MAX_K = 1000
 
@@ -120,8 +124,8 @@ class Searcher:
     def __init__(
         self,
         index: SearchIndex,
-        model: Any = None,
-        tokenizer: Any = None,
+        model: DualEncoder | None = None,
+        tokenizer: TextTokenizer | None = None,
         *,
         device: str = "cpu",
         cache_size: int = 4096,

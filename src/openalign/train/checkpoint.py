@@ -22,7 +22,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from safetensors.torch import load_file, save_file
 
 from openalign.config import ModelConfig, to_dict
 from openalign.model.io import FORMAT, FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from openalign.text.tokenizer import TextTokenizer
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -130,7 +133,7 @@ def write_checkpoint(
     model_config: ModelConfig,
     model_state: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
     keep: int = 3,
 ) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep``. Call on one rank only."""

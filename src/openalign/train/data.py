@@ -41,7 +41,7 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -56,6 +56,9 @@ from openalign.data.sources import (
     image_member,
     read_samples,
 )
+
+if TYPE_CHECKING:
+    from openalign.text.tokenizer import TextTokenizer
 
 __all__ = ["DataConfig", "SyntheticDataConfig", "TrainStream", "build_train_stream", "reduce_stats"]
 
@@ -313,7 +316,7 @@ class _Plan:
 
     source: Any
     cfg: DataConfig
-    tokenizer: Any
+    tokenizer: TextTokenizer
     image: dict[str, Any]  # image_size, resize, mean, std (the transform is built where it runs: closures don't pickle)
     rank: int
     world_size: int
@@ -620,7 +623,7 @@ def image_options(cfg: DataConfig, model_config: ModelConfig | None = None) -> d
 
 def build_train_stream(
     cfg: DataConfig,
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
     *,
     rank: int = 0,
     world_size: int = 1,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,10 @@ from openalign.train.distributed import (
 )
 from openalign.train.grad_cache import cached_step, plain_step
 
+if TYPE_CHECKING:
+    from openalign.eval.retrieval import RetrievalSet
+    from openalign.text.tokenizer import TextTokenizer, Tokenizer
+
 __all__ = ["NonFiniteError", "TrainResult", "train"]
 
 StreamFactory = Callable[..., Any]
@@ -70,7 +74,7 @@ def train(
     *,
     resume: str | None = None,
     stream_factory: StreamFactory | None = None,
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> TrainResult:
     """Train as ``cfg`` says; ``resume`` is "latest" or a checkpoint directory.
 
@@ -117,7 +121,9 @@ def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
 class _Run:
     """Everything one process needs for a run: model, optimizer, schedule, stream, logger."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, stream_factory: StreamFactory | None, tokenizer: Any):
+    def __init__(
+        self, cfg: TrainConfig, info: DistInfo, stream_factory: StreamFactory | None, tokenizer: TextTokenizer | None
+    ):
         t = cfg.train
         self.cfg, self.info = cfg, info
         self.run_dir = Path(t.run_dir)
@@ -461,7 +467,7 @@ def _has_tokenizer(path: str | Path) -> bool:
     return Path(path).is_dir() and find_tokenizer_file(path) is not None
 
 
-def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Any:
+def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> TextTokenizer | None:
     """The run's tokenizer: ``data.tokenizer``, the ``model.init`` checkpoint's, or (synthetic data) a vocabulary
     learnt from the world's captions. A learnt one is learnt once, by rank 0, and handed to every rank; a
     resumed run takes the one saved with its checkpoint. Learning it again is not safe: the WordPiece trainer
@@ -489,7 +495,7 @@ def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Any:
     return broadcast_object(tokenizer)
 
 
-def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Any:
+def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Tokenizer:
     """A WordPiece vocabulary learnt from the synthetic world's captions (noise included), as
     ``openalign vocab`` would."""
     from openalign.data.synthetic import SyntheticWorld
@@ -503,7 +509,7 @@ def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Any:
     return tokenizer
 
 
-def _check_vocab(config: ModelConfig, tokenizer: Any) -> None:
+def _check_vocab(config: ModelConfig, tokenizer: TextTokenizer | None) -> None:
     if tokenizer is not None and tokenizer.vocab_size > config.text.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's text.vocab_size is "
@@ -528,7 +534,7 @@ def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step:
     return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **cfg.log.logger_kwargs(start_step))
 
 
-def _load_eval_set(cfg: TrainConfig) -> Any:
+def _load_eval_set(cfg: TrainConfig) -> RetrievalSet:
     from openalign.eval.retrieval import RetrievalSet
 
     e = cfg.eval
