@@ -95,11 +95,11 @@ def run_build(args: argparse.Namespace) -> int:
         tokenizer_path=tokenizer_path,
         progress=not args.quiet,
     )
-    skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["skipped"].items()))
+    skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(stats.skipped.items()))
     print(
-        f"{args.out}: +{stats['added_images']} images (+{stats['added_captions']} captions), now {stats['images']} "
-        f"images and {stats['captions']} captions; {stats['already_indexed']} already indexed; "
-        f"skipped {sum(stats['skipped'].values())}{f' ({skipped})' if skipped else ''}"
+        f"{args.out}: +{stats.added_images} images (+{stats.added_captions} captions), now {stats.images} "
+        f"images and {stats.captions} captions; {stats.already_indexed} already indexed; "
+        f"skipped {sum(stats.skipped.values())}{f' ({skipped})' if skipped else ''}"
     )
     return 0
 

@@ -11,12 +11,13 @@ only the new images. Unreadable images are skipped and counted by reason.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, ItemsView, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,26 @@ if TYPE_CHECKING:
     from openalign.text.tokenizer import TextTokenizer
 
 PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class IndexBuildResult:
+    """What one ``build_index`` run did, and the index's size after it."""
+
+    added_images: int  # images this run added
+    added_captions: int  # captions this run added (0 without a caption store)
+    images: int  # images in the index now
+    captions: int  # captions in the index now
+    skipped: dict[str, int]  # items this run could not read, by reason
+    already_indexed: int  # items whose key the index already held
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def items(self) -> ItemsView[str, Any]:
+        """The fields as ``(name, value)`` pairs: the ``.items()`` of the dict this replaced, for callers not
+        yet moved to the attributes."""
+        return self.to_dict().items()
 
 
 @dataclass
@@ -318,11 +339,11 @@ def build_index(
     model_path: str | None = None,
     tokenizer_path: str | None = None,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> IndexBuildResult:
     """Embed every image of ``source`` (and its caption) into the index directory ``out``.
 
     Creates the index, resumes an interrupted build, or appends new items to an existing index.
-    Returns counts: ``added_images``, ``added_captions``, ``images``, ``captions``, ``skipped`` by reason.
+    Returns what was added, the index's new size and the items skipped by reason.
     """
     cfg = config or BuildConfig()
     errors: Counter = Counter()
@@ -386,14 +407,14 @@ def build_index(
     old_counts = info.get("counts", {})
     if info and not chunks:
         shutil.rmtree(pending)  # nothing new: leave the index as it is
-        return {
-            "added_images": 0,
-            "added_captions": 0,
-            "images": old_counts.get("image", 0),
-            "captions": old_counts.get("text", 0),
-            "skipped": dict(skipped),
-            "already_indexed": duplicates["already_indexed"],
-        }
+        return IndexBuildResult(
+            added_images=0,
+            added_captions=0,
+            images=old_counts.get("image", 0),
+            captions=old_counts.get("text", 0),
+            skipped=dict(skipped),
+            already_indexed=duplicates["already_indexed"],
+        )
     stage = pending / "final"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
@@ -419,14 +440,14 @@ def build_index(
     (stage / INFO).write_text(json.dumps(new_info, indent=2) + "\n")
     (stage / "ready").write_text("")
     _commit(out)
-    return {
-        "added_images": counts["image"] - old_counts.get("image", 0),
-        "added_captions": counts.get("text", 0) - old_counts.get("text", 0),
-        "images": counts["image"],
-        "captions": counts.get("text", 0),
-        "skipped": dict(skipped),
-        "already_indexed": duplicates["already_indexed"],
-    }
+    return IndexBuildResult(
+        added_images=counts["image"] - old_counts.get("image", 0),
+        added_captions=counts.get("text", 0) - old_counts.get("text", 0),
+        images=counts["image"],
+        captions=counts.get("text", 0),
+        skipped=dict(skipped),
+        already_indexed=duplicates["already_indexed"],
+    )
 
 
 def open_index(path: str | Path, mmap: bool = True) -> SearchIndex:
