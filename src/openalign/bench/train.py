@@ -118,7 +118,7 @@ def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module,
     config = transformers.AlignConfig(
         text_config=hf["text_config"], vision_config=hf["vision_config"], projection_dim=hf["projection_dim"]
     )
-    model = transformers.AlignModel(config).to(device).train()
+    model = transformers.AlignModel(config).to(device).train()  # type: ignore[arg-type]  # transformers' stub
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-5)
 
     def hf_forward(b: dict[str, torch.Tensor]) -> Any:

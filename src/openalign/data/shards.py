@@ -298,7 +298,8 @@ def write_shards(
     finally:
         if bar is not None:
             bar.close()
-        if shard.tf is not None and not shard.tf.closed:  # interrupted: drop the partial shard
+        if shard.tf is not None and not shard.tf.closed:  # type: ignore[attr-defined]  # typeshed lacks it
+            # interrupted: drop the partial shard
             shard.tf.close()
             shard.tmp.unlink(missing_ok=True)
     return written

@@ -91,7 +91,11 @@ def read_karpathy_split(path: str | Path, split: str) -> tuple[list[str], list[s
         images = data["images"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a Karpathy split JSON with an 'images' list ({err})") from None
-    files, paths, captions, sentids, owner = [], [], [], [], []
+    files: list[str] = []
+    paths: list[str] = []
+    captions: list[str] = []
+    sentids: list[int] = []
+    owner: list[int] = []
     for entry in images:
         if entry.get("split") != split:
             continue

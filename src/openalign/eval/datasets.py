@@ -91,9 +91,9 @@ class ImageSource(Sequence):
 
     @classmethod
     def from_files(cls, paths: Sequence[str | Path]) -> ImageSource:
-        paths = [Path(p) for p in paths]
-        source = cls([str(p) for p in paths], lambda: (open_image(p) for p in paths))
-        source._paths = paths
+        files = [Path(p) for p in paths]
+        source = cls([str(p) for p in files], lambda: (open_image(p) for p in files))
+        source._paths = files
         return source
 
     @classmethod
@@ -249,7 +249,9 @@ def load_retrieval_wds(spec: str) -> RetrievalSet:
     """CLIP_benchmark-style WebDataset retrieval shards: per sample an image and a ``txt`` member holding
     that image's captions, one per line."""
     urls = _expand(spec)
-    keys, captions, ids = [], [], []
+    keys: list[tuple[str, str]] = []
+    captions: list[str] = []
+    ids: list[int] = []
     for sample in _read_shards(urls):
         where = f"{sample['__url__']}:{sample['__key__']}"
         _image_ext(sample)

@@ -65,6 +65,9 @@ class LinearClassifier(nn.Module):
     """``logits = ((x - mean) / std) @ W.T + b``; the standardisation is part of the model so that
     predictions never depend on remembering to preprocess test features the same way."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, dim: int, num_classes: int):
         super().__init__()
         self.linear = nn.Linear(dim, num_classes)
@@ -72,11 +75,13 @@ class LinearClassifier(nn.Module):
         self.register_buffer("std", torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear((x - self.mean) / self.std)
+        logits: torch.Tensor = self.linear((x - self.mean) / self.std)
+        return logits
 
     @torch.no_grad()
     def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x.to(self.linear.weight.dtype)).softmax(-1)
+        logits: torch.Tensor = self(x.to(self.linear.weight.dtype))
+        return logits.softmax(-1)
 
 
 def check_features(x: torch.Tensor, y: torch.Tensor, what: str = "train") -> tuple[torch.Tensor, torch.Tensor]:

@@ -257,7 +257,7 @@ def _default_file() -> str:
         from gensim.test.utils import datapath
     except ImportError:
         raise ValueError("no --file given and gensim (which ships a SimLex-999 copy) is not installed") from None
-    return datapath("simlex999.txt")
+    return str(datapath("simlex999.txt"))
 
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:

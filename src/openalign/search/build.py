@@ -145,7 +145,7 @@ def iter_source(source: str | Path, on_error: Callable[[str, str], None]) -> Ite
 def make_thumbnail(image: Image.Image, size: int) -> bytes:
     """A JPEG no larger than ``size`` on its longest side."""
     thumb = image.copy()
-    thumb.thumbnail((size, size), Image.BICUBIC)
+    thumb.thumbnail((size, size), Image.Resampling.BICUBIC)
     buf = io.BytesIO()
     thumb.save(buf, format="JPEG", quality=85)
     return buf.getvalue()
@@ -227,7 +227,7 @@ def _embed_chunk(
     dim = model.embed_dim
     image_vecs = torch.cat(vecs).numpy() if vecs else np.zeros((0, dim), np.float32)
     text_vecs, text_rows = None, []
-    if cfg.captions:
+    if cfg.captions and tokenizer is not None:  # build_index checked that captions come with a tokenizer
         text_rows = [
             {"image_row": i, "key": r["key"], "caption": r["caption"]} for i, r in enumerate(rows) if r["caption"]
         ]
@@ -346,6 +346,8 @@ def build_index(
     Returns what was added, the index's new size and the items skipped by reason.
     """
     cfg = config or BuildConfig()
+    if cfg.captions and tokenizer is None:
+        raise ValueError("a caption store needs the model's tokenizer to embed captions")
     errors: Counter = Counter()
     source_items = iter_source(source, lambda reason, detail: errors.update([reason]))  # checks it exists
     out = Path(out)

@@ -85,6 +85,7 @@ def find_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
 def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     """This process's generator states (Python, NumPy, torch CPU and, on a GPU, CUDA) as tensors and ints."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy form, which get_state returns by default
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

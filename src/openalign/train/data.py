@@ -146,7 +146,8 @@ class _ShuffleBuffer:
     """Reservoir-style shuffling of a stream: each new item replaces a random one, which is emitted."""
 
     def __init__(self, size: int, rng: random.Random):
-        self.size, self.rng, self.items = size, rng, []
+        self.size, self.rng = size, rng
+        self.items: list[Any] = []
 
     def push(self, item: Any) -> Any | None:
         if self.size <= 1:

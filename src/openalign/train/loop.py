@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from openalign.train.grad_cache import cached_step, plain_step
 
 if TYPE_CHECKING:
     from openalign.eval.retrieval import RetrievalSet
+    from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer, Tokenizer
 
 __all__ = ["NonFiniteError", "TrainResult", "train"]
@@ -176,7 +177,7 @@ class _Run:
 
     # ------------------------------------------------------------------ state
 
-    def _state_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Full (unsharded) model and optimizer state; a collective under FSDP, valid on rank 0."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -232,6 +233,7 @@ class _Run:
                 print(f"no checkpoint in {self.run_dir / ckpt.CHECKPOINT_DIR}; starting at step 0", file=sys.stderr)
             return
         trainer, model_state = ckpt.load_trainer_state(path)
+        state: dict[str, Any] = model_state
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -239,7 +241,7 @@ class _Run:
             set_state_dict(
                 self.model,
                 self.optimizer,
-                model_state_dict=model_state,
+                model_state_dict=state,
                 optim_state_dict=trainer["optimizer"],
                 options=options,
             )
@@ -394,7 +396,9 @@ class _Run:
             self.eval_set = _load_eval_set(self.cfg)
         from openalign.eval.retrieval import evaluate_retrieval
 
-        model = unwrap(self.wrapped)
+        if self.tokenizer is None:
+            raise ValueError("evaluation needs a tokenizer; set data.tokenizer")
+        model = cast("DualEncoder", unwrap(self.wrapped))
         # Evaluation leaves the random stream alone, or a resumed run would diverge from a straight one.
         result = evaluate_retrieval(
             model,
@@ -492,7 +496,8 @@ def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Text
             tokenizer = load_tokenizer(found, max_length=length)
         else:
             tokenizer = _synthetic_tokenizer(cfg)
-    return broadcast_object(tokenizer)
+    shared: TextTokenizer | None = broadcast_object(tokenizer)
+    return shared
 
 
 def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Tokenizer:
