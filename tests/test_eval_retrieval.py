@@ -480,3 +480,60 @@ def test_retrieval_bench_reports_both_timings(tmp_path: Path) -> None:
     assert result["identical"] and 0 < result["metrics"]["t2i_r1"] < 100
     with pytest.raises(ValueError, match="must be positive"):
         run_retrieval_bench(RetrievalBenchSettings(images=0))
+
+
+def plain_recalls(image_emb: torch.Tensor, text_emb: torch.Tensor, ids: list[int]) -> dict[str, float]:
+    """Recall by sorting every query's scores (correct when no two scores tie)."""
+    sims = image_emb @ text_emb.T
+    out = {}
+    for k in (1, 5, 10):
+        i2t = [any(ids[j] == i for j in sims[i].argsort(descending=True)[:k].tolist()) for i in range(len(sims))]
+        t2i = [ids[j] in sims[:, j].argsort(descending=True)[:k].tolist() for j in range(sims.shape[1])]
+        out[f"i2t_r{k}"] = 100 * sum(i2t) / len(i2t)
+        out[f"t2i_r{k}"] = 100 * sum(t2i) / len(t2i)
+    return out
+
+
+def test_evaluate_retrieval_matches_a_plain_computation_and_leaves_state_alone(tiny_model) -> None:
+    from openalign.data.transforms import model_transform
+    from openalign.eval.retrieval import RetrievalSet, evaluate_retrieval
+    from openalign.text import train_wordpiece
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(12)]
+    words = ["red", "blue", "round", "square", "big", "small", "dog", "cat"]
+    captions = [f"{words[i % 8]} {words[i // 8]} {words[(i * 5 + 1) % 8]}" for i in range(24)]  # all distinct
+    ids = [i // 2 for i in range(24)]
+    tokenizer = train_wordpiece(captions * 3, vocab_size=tiny_model.config.text.vocab_size, min_frequency=1)
+    tiny_model.train()
+    state = torch.get_rng_state()
+    got = evaluate_retrieval(tiny_model, tokenizer, RetrievalSet(images, captions, ids), batch_size=5, progress=False)
+    assert tiny_model.training and torch.equal(torch.get_rng_state(), state)
+
+    tiny_model.eval()
+    with torch.no_grad():
+        transform = model_transform(tiny_model.config)
+        image_emb = tiny_model.encode_image(torch.stack([transform(im) for im in images]))
+        tokens = tokenizer(captions, max_length=16)
+        text_emb = tiny_model.encode_text(tokens["input_ids"], tokens["attention_mask"])
+    want = plain_recalls(image_emb, text_emb, ids)
+    assert len(set(captions)) == 24 and 0 < want["t2i_r5"] < 100  # no ties, not a trivial answer
+    assert got.keys() == {*want, "mean_recall", "num_images", "num_captions"}
+    for key in want:
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert got["mean_recall"] == pytest.approx(sum(want.values()) / len(want), abs=1e-6)
+    assert (got["num_images"], got["num_captions"]) == (12, 24)
+
+
+def test_retrieval_set_checks_its_captions() -> None:
+    from openalign.eval.retrieval import RetrievalSet
+
+    images = [Image.new("RGB", (4, 4))] * 3
+    with pytest.raises(ValueError, match="3 captions but 2 text_image_ids"):
+        RetrievalSet(images, ["a", "b", "c"], [0, 1])
+    with pytest.raises(ValueError, match="image 3, outside"):
+        RetrievalSet(images, ["a", "b", "c"], [0, 1, 3])
+    with pytest.raises(ValueError, match="image #2 has no caption"):
+        RetrievalSet(images, ["a", "b"], [0, 1])
+    with pytest.raises(ValueError, match="no images"):
+        RetrievalSet([], [], [])

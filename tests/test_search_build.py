@@ -64,8 +64,8 @@ def test_build_embeds_images_and_captions_in_id_order(tmp_path, model_and_tokeni
     stats = build_index(
         model, tokenizer, tmp_path / "imgs", tmp_path / "idx", BuildConfig(captions=True, chunk_size=5), progress=False
     )
-    assert stats["images"] == 12 and stats["captions"] == 12
-    assert stats["skipped"] == {"corrupt": 1, "empty": 1}
+    assert stats.images == 12 and stats.captions == 12
+    assert stats.skipped == {"corrupt": 1, "empty": 1}
     index = SearchIndex.open(tmp_path / "idx")
     rows = index.meta["image"].to_pylist()
     assert [r["id"] for r in rows] == list(range(12))
@@ -135,7 +135,7 @@ def test_interrupted_build_resumes_after_the_last_finished_chunk(tmp_path, model
     monkeypatch.setattr(build_mod, "_embed_chunk", lambda items, *a: calls.append(len(items)) or real(items, *a))
     stats = build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", cfg, progress=False)
     assert calls == [3, 1]  # chunks 2 and 3 only
-    assert stats["images"] == 10
+    assert stats.images == 10
     with pytest.raises(ValueError, match="chunk_size"):
         (tmp_path / "idx" / "pending").mkdir()
         (tmp_path / "idx" / "pending" / "manifest.json").write_text(json.dumps({"chunk_size": 99}))
@@ -150,14 +150,15 @@ def test_adding_items_keeps_ids_and_skips_known_keys(tmp_path, model_and_tokeniz
     before = np.asarray(SearchIndex.open(tmp_path / "idx").stores["image"].vectors).copy()
     write_folder(tmp_path / "imgs", range(6, 9))
     stats = build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", cfg, progress=False)
-    assert (stats["added_images"], stats["already_indexed"], stats["images"]) == (3, 6, 9)
+    assert (stats.added_images, stats.already_indexed, stats.images) == (3, 6, 9)
     index = SearchIndex.open(tmp_path / "idx")
     np.testing.assert_array_equal(np.asarray(index.stores["image"].vectors)[:6], before)
     assert index.meta["image"].column("key").to_pylist()[6:] == ["img006.png", "img007.png", "img008.png"]
     assert index.meta["text"].column("image_id").to_pylist() == list(range(9))
     assert len(index.thumbnails) == 9 and index.thumbnails.get(8) is not None
     again = build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", cfg, progress=False)
-    assert again["added_images"] == 0
+    assert again.added_images == 0 and again.images == 9
+    assert dict(again.items()) == again.to_dict() and again.to_dict()["already_indexed"] == 9
     with pytest.raises(ValueError, match="captions"):
         build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", BuildConfig(), progress=False)
 
@@ -174,7 +175,7 @@ def test_build_from_webdataset_shards(tmp_path, model_and_tokenizer):
     stats = build_index(
         model, tokenizer, str(tmp_path / "shards" / "{00000..00001}.tar"), tmp_path / "idx", progress=False
     )
-    assert stats["images"] == 7
+    assert stats.images == 7
     table = pq.read_table(tmp_path / "idx" / "image" / "metadata.parquet").to_pylist()
     assert table[5]["key"] == "00001.tar/00005" and table[5]["url"] == "http://x/5.jpg"
     assert table[5]["caption"] == "a green square number 5"

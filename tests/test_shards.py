@@ -113,7 +113,7 @@ def test_bad_samples_are_skipped_and_counted_in_stats(tmp_path: Path) -> None:
         "missing_image": 1,
     }
     assert stats["bytes"] == paths[0].stat().st_size
-    assert read_stats(tmp_path)["failed"] == 7
+    assert read_stats(tmp_path).failed == 7
 
 
 def test_stats_per_shard_and_totals(tmp_path: Path) -> None:
@@ -126,8 +126,17 @@ def test_stats_per_shard_and_totals(tmp_path: Path) -> None:
     assert [s["failed"] for s in per_shard] == [0, 1, 0]
     assert per_shard[1]["failures"] == {"corrupt": 1}
     total = read_stats(tmp_path, prefix="train-")
-    assert total["shards"] == 3 and total["successes"] == 7 and total["failed"] == 1
-    assert total["bytes"] == sum(p.stat().st_size for p in paths)
+    assert (total.shards, total.successes, total.failed, total.count) == (3, 7, 1, 8)
+    assert total.bytes == sum(p.stat().st_size for p in paths)
+    assert total.to_dict() == {
+        "shards": 3,
+        "count": 8,
+        "successes": 7,
+        "failed": 1,
+        "bytes": total.bytes,
+        "failures": {"corrupt": 1},
+    }
+    assert total["successes"] == 7  # the old dict's keys still read
 
 
 def test_writing_is_deterministic(tmp_path: Path) -> None:
@@ -317,7 +326,7 @@ def test_cli_shard_image_folder_with_sidecars(tmp_path: Path, capsys: pytest.Cap
     assert cat["txt"] == b"a cat on a mat" and json.loads(cat["json"])["license"] == "cc-by"
     assert Image.open(io.BytesIO(cat["jpg"])).size == (100, 67)
     stats = read_stats(tmp_path / "out")
-    assert stats["failures"] == {"corrupt": 1, "missing_caption": 1} and stats["count"] == 4
+    assert stats.failures == {"corrupt": 1, "missing_caption": 1} and stats.count == 4
 
 
 def test_cli_shard_image_folder_with_captions_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,10 +105,10 @@ def test_every_stage_reads_a_folder_the_same_way(tmp_path: Path) -> None:
 
     # shard writing
     totals = shard_input(root, tmp_path / "shards")
-    assert totals["successes"] == len(good) and totals["failures"] == expected_skips
+    assert totals.successes == len(good) and totals.failures == expected_skips
     written = [json.loads(s["json"]) for s in read_samples(str(tmp_path / "shards" / "00000.tar"))]
     assert sorted(m["filename"] for m in written) == good
-    assert read_stats(tmp_path / "shards")["count"] == len(good) + 2
+    assert read_stats(tmp_path / "shards").count == len(good) + 2
 
 
 def _member_tar(path: Path) -> list[tuple[str, str]]:

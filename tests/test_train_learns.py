@@ -15,7 +15,7 @@ import pytest
 import openalign
 from openalign.data.shards import write_shards
 from openalign.data.synthetic import SyntheticWorld, retrieval_set
-from openalign.eval.retrieval import HeldOutSet, evaluate_retrieval
+from openalign.eval.retrieval import RetrievalSet, evaluate_retrieval
 from openalign.text import load_tokenizer, train_wordpiece
 from openalign.train.config import load_train_config
 from openalign.train.loop import train
@@ -56,7 +56,7 @@ def test_nano_learns_the_synthetic_world_from_shards(tmp_path: Path) -> None:
     assert result.metrics["temperature"] < 0.5  # it falls from 1.0 only once the towers agree on something
 
     model = openalign.load_model(result.final_dir)
-    held_out = HeldOutSet(*retrieval_set(EVAL_IMAGES, 5, seed=0))
+    held_out = RetrievalSet(*retrieval_set(EVAL_IMAGES, 5, seed=0))
     metrics = evaluate_retrieval(model, load_tokenizer(result.final_dir), held_out, batch_size=100, progress=False)
     chance_r1, chance_r10 = 100 / EVAL_IMAGES, 1000 / EVAL_IMAGES
     assert metrics["num_images"] == EVAL_IMAGES and metrics["num_captions"] == 5 * EVAL_IMAGES

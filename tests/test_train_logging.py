@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from openalign.config import ConfigError, from_dict
-from openalign.train.logging import LogConfig, RunLogger, evaluate_retrieval, plot_metrics, read_metrics
+from openalign.train.logging import LogConfig, RunLogger, plot_metrics, read_metrics
 
 
 def lines(run_dir: Path) -> list[dict]:
@@ -124,44 +124,3 @@ def test_plot_cli(tmp_path: Path, capsys) -> None:
     assert main(["plot", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("openalign plot: error:") and "metrics.jsonl" in err[0]
-
-
-def reference_recalls(image_emb: torch.Tensor, text_emb: torch.Tensor, ids: list[int]) -> dict[str, float]:
-    sims = image_emb @ text_emb.T
-    out = {}
-    for k in (1, 5, 10):
-        i2t = [any(ids[j] == i for j in sims[i].argsort(descending=True)[:k].tolist()) for i in range(len(sims))]
-        t2i = [ids[j] in sims[:, j].argsort(descending=True)[:k].tolist() for j in range(sims.shape[1])]
-        out[f"i2t_r{k}"] = 100 * sum(i2t) / len(i2t)
-        out[f"t2i_r{k}"] = 100 * sum(t2i) / len(t2i)
-    return out
-
-
-def test_evaluate_retrieval_matches_a_plain_computation_and_leaves_state_alone(tiny_model) -> None:
-    from openalign.data.transforms import model_transform
-    from openalign.text import train_wordpiece
-
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(12)]
-    words = ["red", "blue", "round", "square", "big", "small", "dog", "cat"]
-    captions = [f"{words[i % 8]} {words[i // 8]} {words[(i * 5 + 1) % 8]}" for i in range(24)]  # all distinct
-    ids = [i // 2 for i in range(24)]
-    tokenizer = train_wordpiece(captions * 3, vocab_size=tiny_model.config.text.vocab_size, min_frequency=1)
-    tiny_model.train()
-    state = torch.get_rng_state()
-    got = evaluate_retrieval(tiny_model, tokenizer, images, captions, ids, batch_size=5)
-    assert tiny_model.training and torch.equal(torch.get_rng_state(), state)
-
-    tiny_model.eval()
-    with torch.no_grad():
-        transform = model_transform(tiny_model.config)
-        image_emb = tiny_model.encode_image(torch.stack([transform(im) for im in images]))
-        tokens = tokenizer(captions, max_length=16)
-        text_emb = tiny_model.encode_text(tokens["input_ids"], tokens["attention_mask"])
-    want = reference_recalls(image_emb, text_emb, ids)
-    assert len(set(captions)) == 24 and 0 < want["t2i_r5"] < 100  # no ties, not a trivial answer
-    assert got.keys() == want.keys()
-    for key in want:
-        assert got[key] == pytest.approx(want[key], abs=1e-6), key
-    with pytest.raises(ValueError, match="text_image_ids"):
-        evaluate_retrieval(tiny_model, tokenizer, images, captions, ids[:-1])

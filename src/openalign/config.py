@@ -13,11 +13,14 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -117,7 +120,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -207,7 +210,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    out: dict[str, Any] = plain(dataclasses.asdict(cfg))
+    return out
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +259,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _preset_data(name: str) -> dict[str, Any]:
     text = resources.files("openalign.presets").joinpath(f"{name}.yaml").read_text()
-    return parse_yaml(text)
+    data: dict[str, Any] = parse_yaml(text)
+    return data
 
 
 def _towers() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -4,7 +4,7 @@ deduplication share, so an embedding means the same thing everywhere."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -13,6 +13,9 @@ from tqdm import tqdm
 from openalign.data.sources import batched
 from openalign.data.transforms import model_transform
 from openalign.model.dual_encoder import DualEncoder
+
+if TYPE_CHECKING:
+    from openalign.text.tokenizer import TextTokenizer
 
 
 def _check_batch_size(batch_size: int) -> None:
@@ -57,7 +60,7 @@ def embed_images(
 @torch.no_grad()
 def embed_texts(
     model: DualEncoder,
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     texts: Iterable[str],
     *,
     batch_size: int = 256,

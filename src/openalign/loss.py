@@ -8,6 +8,7 @@ O(n * N) per rank rather than O(N^2).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ class _AllGatherRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, local: Tensor, sizes: list[int], rank: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: Tensor, sizes: list[int], rank: int) -> Tensor:
         # all_gather needs equal shapes, so ranks with fewer rows pad up to the largest and strip afterwards.
         padded = local.new_zeros((max(sizes), *local.shape[1:]))
         padded[: local.shape[0]] = local
@@ -43,7 +44,7 @@ class _AllGatherRows(torch.autograd.Function):
         return torch.cat([bucket[:size] for bucket, size in zip(buckets, sizes, strict=True)])
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         # Cloned because all_reduce works in place and autograd may still hold this buffer.
         grad = grad.contiguous().clone()
         dist.all_reduce(grad)
@@ -171,11 +172,11 @@ def contrastive_loss(
     """
     _validate(image_emb, text_emb, temperature, label_smoothing, negatives_fraction)
     logits_i2t, logits_t2i, positives, world = _local_logits(image_emb, text_emb, temperature, gather)
-    total = sum(
+    i2t, t2i = (
         _summed_cross_entropy(logits, positives, label_smoothing, negatives_fraction, generator)
         for logits in (logits_i2t, logits_t2i)
     )
-    return total * (world / logits_i2t.shape[1])
+    return (i2t + t2i) * (world / logits_i2t.shape[1])
 
 
 def global_loss_value(loss: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 from torch import nn
@@ -131,6 +131,13 @@ class Lamb(torch.optim.Optimizer):
             group.setdefault("trust_ratio", True)
             group.setdefault("max_trust_ratio", None)
             group.setdefault("bias_correction", True)
+
+    # The overloads of torch's Optimizer.step: a closure's loss comes back, no closure gives None.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -445,7 +452,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         # YAML/JSON deliver lists; the optimiser state dict expects a tuple.
-        self.betas = tuple(self.betas)
+        self.betas = cast("tuple[float, float]", tuple(self.betas))
         self.validate()
 
     def validate(self) -> None:

@@ -68,7 +68,8 @@ def _zipf(n: int, n_items: int, exponent: float, rng: np.random.Generator) -> np
     continuous power law, which is fast and close enough for a synthetic corpus)."""
     top = n_items ** (1.0 - exponent)
     ranks = ((top - 1.0) * rng.random(n) + 1.0) ** (1.0 / (1.0 - exponent))
-    return np.minimum(ranks.astype(np.int64) - 1, n_items - 1)
+    out: np.ndarray = np.minimum(ranks.astype(np.int64) - 1, n_items - 1)
+    return out
 
 
 def synthetic_corpus(

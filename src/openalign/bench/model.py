@@ -128,7 +128,7 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
     # transformers' model has no layout option: its default is contiguous (NCHW).
     channels_last = cfg.image.channels_last if which == "openalign" else settings.memory_format == "channels_last"
     if channels_last:
-        model.to(memory_format=torch.channels_last)
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
     pixels, ids, mask = (t.to(device) for t in make_batch(cfg, settings))
     if channels_last:
         pixels = pixels.contiguous(memory_format=torch.channels_last)
@@ -207,7 +207,8 @@ def _in_subprocess(which: str, settings: BenchSettings) -> dict[str, Any]:
     proc.join()
     if "error" in result:
         raise RuntimeError(f"{which} benchmark failed: {result['error']}")
-    return result
+    out: dict[str, Any] = result
+    return out
 
 
 def run_model_bench(settings: BenchSettings) -> dict[str, Any]:

@@ -264,6 +264,7 @@ def _drive(s: ServeBenchSettings, proc: subprocess.Popen, url: str, index: str, 
             with httpx.Client(base_url=url, timeout=60) as http:
                 for body in bodies:
                     start = time.perf_counter()
+                    status: int | str
                     try:
                         status = http.post("/search", json=body).status_code
                     except httpx.HTTPError as err:

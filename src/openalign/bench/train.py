@@ -26,12 +26,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
+
+if TYPE_CHECKING:
+    from openalign.config import ModelConfig
+    from openalign.text.tokenizer import TextTokenizer
+    from openalign.train.data import TrainStream
 
 PARTS = ("data", "forward", "loss", "backward", "optimizer")
 
@@ -85,7 +90,9 @@ def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
     return ",".join(str(p) for p in paths), root / "tokenizer"
 
 
-def _stream(s: TrainBenchSettings, shards: str, tokenizer: Any, cfg: Any, workers: int) -> Any:
+def _stream(
+    s: TrainBenchSettings, shards: str, tokenizer: TextTokenizer, cfg: ModelConfig, workers: int
+) -> TrainStream:
     from openalign.train.data import DataConfig, build_train_stream
 
     data = DataConfig(shards=shards, batch_size=s.batch_size, workers=workers, max_text_length=cfg.text.max_length)
@@ -118,7 +125,7 @@ def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module,
     config = transformers.AlignConfig(
         text_config=hf["text_config"], vision_config=hf["vision_config"], projection_dim=hf["projection_dim"]
     )
-    model = transformers.AlignModel(config).to(device).train()
+    model = transformers.AlignModel(config).to(device).train()  # type: ignore[arg-type]  # transformers' stub
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-5)
 
     def hf_forward(b: dict[str, torch.Tensor]) -> Any:
@@ -209,7 +216,9 @@ def measure_pipeline(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
     return n / (time.perf_counter() - start)
 
 
-def _webdataset_loader(s: TrainBenchSettings, shards: str, tokenizer: Any, cfg: Any, workers: int) -> Any:
+def _webdataset_loader(
+    s: TrainBenchSettings, shards: str, tokenizer: TextTokenizer, cfg: ModelConfig, workers: int
+) -> Any:
     import webdataset as wds
 
     from openalign.data.transforms import train_transform

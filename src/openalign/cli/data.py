@@ -289,9 +289,9 @@ def run_shard(args: argparse.Namespace) -> int:
     from openalign.data.shards import shard_input
 
     totals = shard_input(args.input, args.out, **asdict(cfg), progress=not args.quiet)
-    skipped = ", ".join(f"{reason} {n}" for reason, n in totals["failures"].items())
+    skipped = ", ".join(f"{reason} {n}" for reason, n in totals.failures.items())
     print(
-        f"wrote {totals['successes']} samples in {totals['shards']} shards ({totals['bytes'] / 1e6:.1f} MB) to "
-        f"{args.out}; skipped {totals['failed']}{f' ({skipped})' if skipped else ''}"
+        f"wrote {totals.successes} samples in {totals.shards} shards ({totals.bytes / 1e6:.1f} MB) to "
+        f"{args.out}; skipped {totals.failed}{f' ({skipped})' if skipped else ''}"
     )
     return 0

@@ -164,7 +164,7 @@ def _kind(module: str, node: ast.AST) -> tuple[str, tuple[Any, ...] | None]:
     return "any", None
 
 
-def _comment(node: ast.AST, comments: dict[int, str], lines: list[str]) -> str:
+def _comment(node: ast.stmt, comments: dict[int, str], lines: list[str]) -> str:
     """The comment lines right above a field plus the comment at the end of it, as one sentence."""
     above: list[str] = []
     line = node.lineno - 1
@@ -188,7 +188,7 @@ def read(spec: str, prefix: str = "") -> Schema:
     found = _resolve(module, name)
     if not found or not isinstance(found[1], ast.ClassDef):
         raise ValueError(f"{spec}: no such class")
-    return _read_class(*found, prefix)
+    return _read_class(found[0], found[1], prefix)
 
 
 def _read_class(module: str, cls: ast.ClassDef, prefix: str) -> Schema:
@@ -205,7 +205,8 @@ def _read_class(module: str, cls: ast.ClassDef, prefix: str) -> Schema:
         factory: ast.AST | None = None
         if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] == "field":
             kw = {k.arg: k.value for k in value.keywords}
-            if isinstance(kw.get("init"), ast.Constant) and kw["init"].value is False:
+            init = kw.get("init")
+            if isinstance(init, ast.Constant) and init.value is False:
                 continue
             factory, value = kw.get("default_factory"), kw.get("default")
         nested = _class(module, factory) or _class(module, stmt.annotation)
@@ -250,15 +251,15 @@ def _function(module: str, name: str) -> tuple[str, ast.FunctionDef] | None:
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return module, node
-    for node in ast.walk(tree):
+    for imp in ast.walk(tree):
         if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("openalign")
-            and node.module != module
-            and any((a.asname or a.name) == name for a in node.names)
+            isinstance(imp, ast.ImportFrom)
+            and imp.module
+            and imp.module.startswith("openalign")
+            and imp.module != module
+            and any((a.asname or a.name) == name for a in imp.names)
         ):
-            return _function(node.module, name)
+            return _function(imp.module, name)
     return None
 
 
@@ -329,10 +330,14 @@ def eval_tasks() -> dict[str, TaskInfo]:
     appended. Raises ValueError when a declaration is more than literals, constants and option helpers."""
     tasks: dict[str, TaskInfo] = {}
     common: tuple[Knob, ...] = ()
-    for node in _parsed("openalign.eval.tasks")[0].body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(target, ast.Name) and target.id == "COMMON_OPTIONS" and node.value is not None:
-            common = _options("openalign.eval.tasks", node.value)
+    for stmt in _parsed("openalign.eval.tasks")[0].body:
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and stmt.target.id == "COMMON_OPTIONS"
+            and stmt.value is not None
+        ):
+            common = _options("openalign.eval.tasks", stmt.value)
     for path in sorted((PACKAGE_DIR / "eval").glob("*.py")):
         if path.stem.startswith("_") or path.stem == "tasks":
             continue

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from openalign.cli import schema
 from openalign.cli.options import Alias, Parser, add_config, data, print_config, str_value
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import Tokenizer
 
 BUILD = "openalign.search.build:BuildConfig"
 QUERY = "openalign.search.query:Query"
@@ -63,7 +67,9 @@ def _build(parser: Parser) -> None:
     parser.set_defaults(func=run_build)
 
 
-def _search_model(model: str | None, tokenizer: str | None, need_tokenizer: bool) -> tuple[Any, Any, str | None]:
+def _search_model(
+    model: str, tokenizer: str | None, need_tokenizer: bool
+) -> tuple[DualEncoder, Tokenizer | None, str | None]:
     import openalign
 
     loaded = openalign.load_model(model)
@@ -95,11 +101,11 @@ def run_build(args: argparse.Namespace) -> int:
         tokenizer_path=tokenizer_path,
         progress=not args.quiet,
     )
-    skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["skipped"].items()))
+    skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(stats.skipped.items()))
     print(
-        f"{args.out}: +{stats['added_images']} images (+{stats['added_captions']} captions), now {stats['images']} "
-        f"images and {stats['captions']} captions; {stats['already_indexed']} already indexed; "
-        f"skipped {sum(stats['skipped'].values())}{f' ({skipped})' if skipped else ''}"
+        f"{args.out}: +{stats.added_images} images (+{stats.added_captions} captions), now {stats.images} "
+        f"images and {stats.captions} captions; {stats.already_indexed} already indexed; "
+        f"skipped {sum(stats.skipped.values())}{f' ({skipped})' if skipped else ''}"
     )
     return 0
 

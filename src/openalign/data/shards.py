@@ -10,6 +10,7 @@ shard behind.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import json
@@ -21,6 +22,7 @@ import tarfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ErrorHandler",
+    "ShardResult",
     "SkipSample",
     "expand_urls",
     "iter_samples",
@@ -295,27 +298,48 @@ def write_shards(
     finally:
         if bar is not None:
             bar.close()
-        if shard.tf is not None and not shard.tf.closed:  # interrupted: drop the partial shard
+        if shard.tf is not None and not shard.tf.closed:  # type: ignore[attr-defined]  # typeshed lacks it
+            # interrupted: drop the partial shard
             shard.tf.close()
             shard.tmp.unlink(missing_ok=True)
     return written
 
 
-def read_stats(out_dir: str | os.PathLike, prefix: str = "") -> dict:
-    """Totals over every ``{prefix}NNNNN_stats.json`` in ``out_dir``: count, successes, failed, failures, bytes."""
-    total: dict[str, Any] = {"shards": 0, "count": 0, "successes": 0, "failed": 0, "bytes": 0, "failures": {}}
+@dataclass(frozen=True)
+class ShardResult:
+    """Totals over a folder's ``{prefix}NNNNN_stats.json`` files: what ``shard_input`` and ``read_stats`` return."""
+
+    shards: int  # tar files written
+    count: int  # samples offered to the writer: successes + failed
+    successes: int  # samples written
+    failed: int  # samples skipped
+    bytes: int  # size of the tar files
+    failures: dict[str, int]  # skipped samples by reason, sorted by reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, key: str) -> Any:
+        """``result["successes"]``: the key access of the dict this replaced, for callers not yet moved to the
+        attributes."""
+        return self.to_dict()[key]
+
+
+def read_stats(out_dir: str | os.PathLike, prefix: str = "") -> ShardResult:
+    """Totals over every ``{prefix}NNNNN_stats.json`` in ``out_dir``: shards, count, successes, failed, bytes,
+    failures."""
+    totals = dict.fromkeys(("shards", "count", "successes", "failed", "bytes"), 0)
     failures: Counter[str] = Counter()
     pattern = re.compile(rf"^{re.escape(prefix)}\d+_stats\.json$")
     for path in sorted(Path(out_dir).iterdir()):
         if not pattern.match(path.name):
             continue
         stats = json.loads(path.read_text())
-        total["shards"] += 1 if stats.get("shard") else 0
+        totals["shards"] += 1 if stats.get("shard") else 0
         for field in ("count", "successes", "failed", "bytes"):
-            total[field] += int(stats.get(field, 0))
+            totals[field] += int(stats.get(field, 0))
         failures.update(stats.get("failures", {}))
-    total["failures"] = dict(sorted(failures.items()))
-    return total
+    return ShardResult(**totals, failures=dict(sorted(failures.items())))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,10 +414,10 @@ def shard_input(
     caption_column: str | None = None,
     image_column: str | None = None,
     progress: bool = False,
-) -> dict:
+) -> ShardResult:
     """Write ``source`` (an image folder, a Parquet/CSV/JSONL table with image bytes or ``image_path``, or
     WebDataset shards to re-shard; see ``openalign.data.sources.open_source``) as WebDataset shards in
-    ``out_dir``; returns the totals of the shards' stats files (see ``read_stats``)."""
+    ``out_dir``; returns the totals of the shards' stats files."""
     samples = samples_from_source(
         open_source(
             source,

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -343,7 +343,13 @@ def _log_error(reason: str, detail: str) -> None:
     log.warning("skipped (%s): %s", reason, detail)
 
 
-def _scan(fileobj: BinaryIO, start: int, end: int | None) -> tuple[bool, int]:
+class _Readable(Protocol):
+    def read(self, size: int, /) -> bytes: ...
+
+    def seek(self, pos: int, /) -> object: ...
+
+
+def _scan(fileobj: _Readable, start: int, end: int | None) -> tuple[bool, int]:
     """Whether the bytes in [start, end) (to EOF when end is None) are all zero, and how many there are."""
     fileobj.seek(start)
     seen, zero = 0, True

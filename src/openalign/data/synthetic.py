@@ -23,7 +23,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -388,7 +388,8 @@ def _smooth(rng: np.random.Generator, side: int, cells: int) -> np.ndarray:
 
 def _lerp(t: np.ndarray, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
     t = np.clip(t, 0.0, 1.0)[..., None]
-    return (np.asarray(lo, np.float32) * (1 - t) + np.asarray(hi, np.float32) * t).astype(np.uint8)
+    out: np.ndarray = (np.asarray(lo, np.float32) * (1 - t) + np.asarray(hi, np.float32) * t).astype(np.uint8)
+    return out
 
 
 def _make_texture(background: str, rng: np.random.Generator, side: int, image_size: int) -> np.ndarray:
@@ -442,6 +443,7 @@ def texture_bank(image_size: int) -> dict[str, tuple[np.ndarray, ...]]:
 
 def _polygon(obj: Shape, side: int) -> list[tuple[float, float]]:
     cx, cy, r = obj.x * side, obj.y * side, obj.radius * side
+    pts: list[tuple[float, float]]
     if obj.kind == "square":
         pts = [(-1, -1), (1, -1), (1, 1), (-1, 1)]
         r *= 0.85
@@ -795,7 +797,7 @@ def write_corpus(
         )
     }
     hub_files: dict[str, tuple[str, str]] = {}
-    rows = world.iter_rows(n, noise)
+    rows: Iterable[Row] = world.iter_rows(n, noise)
     if progress:
         from tqdm import tqdm
 

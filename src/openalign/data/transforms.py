@@ -94,7 +94,7 @@ def _resize(image: Image.Image, size: int) -> Image.Image:
     if image.size == (size, size):
         return image
     # Square resize, as the paper does (346×346), so the crop sees the whole image whatever its aspect.
-    return image.resize((size, size), Image.BICUBIC, reducing_gap=3.0)
+    return image.resize((size, size), Image.Resampling.BICUBIC, reducing_gap=3.0)
 
 
 def train_transform(
@@ -116,7 +116,7 @@ def train_transform(
         left = int(torch.randint(0, resize - image_size + 1, ()).item())
         image = image.crop((left, top, left + image_size, top + image_size))
         if flip and bool(torch.rand(()) < 0.5):
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_tensor(image, mean, std)
 
     return apply
@@ -148,5 +148,7 @@ def model_resize(image_size: int) -> int:
 def model_transform(config: ModelConfig, train: bool = False) -> Transform:
     """The train or eval transform at the model's input size and pixel normalisation."""
     size = config.image_size
-    kwargs = {"image_size": size, "resize": model_resize(size), "mean": config.pixel_mean, "std": config.pixel_std}
-    return train_transform(**kwargs) if train else eval_transform(**kwargs)
+    resize, mean, std = model_resize(size), config.pixel_mean, config.pixel_std
+    if train:
+        return train_transform(image_size=size, resize=resize, mean=mean, std=std)
+    return eval_transform(image_size=size, resize=resize, mean=mean, std=std)

@@ -42,13 +42,17 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from openalign.eval.retrieval import recall_at_k_sets
 from openalign.eval.simlex import spearman
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 TASK_COLUMNS = {
     "sts": ("caption1", "caption2", "agg_score", "sampling_method"),
@@ -87,7 +91,11 @@ def read_karpathy_split(path: str | Path, split: str) -> tuple[list[str], list[s
         images = data["images"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a Karpathy split JSON with an 'images' list ({err})") from None
-    files, paths, captions, sentids, owner = [], [], [], [], []
+    files: list[str] = []
+    paths: list[str] = []
+    captions: list[str] = []
+    sentids: list[int] = []
+    owner: list[int] = []
     for entry in images:
         if entry.get("split") != split:
             continue
@@ -314,8 +322,8 @@ def evaluate_cxc(
 
 
 def run_cxc(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
     cxc_dir: str | Path,
     karpathy_json: str | Path,
     image_root: str | Path,
@@ -349,7 +357,7 @@ def run_cxc(
 # The `cxc` eval task
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     metrics = run_cxc(
         model,
         tokenizer,

@@ -31,6 +31,7 @@ from openalign.data.sources import (
     read_samples,
     scan_folder,
 )
+from openalign.eval.retrieval import RetrievalSet
 from openalign.eval.templates import SUBSETS, imagenet_classes, subset_indices
 
 LAYOUTS = ("auto", "names", "wnids", "indices", *SUBSETS)
@@ -90,9 +91,9 @@ class ImageSource(Sequence):
 
     @classmethod
     def from_files(cls, paths: Sequence[str | Path]) -> ImageSource:
-        paths = [Path(p) for p in paths]
-        source = cls([str(p) for p in paths], lambda: (open_image(p) for p in paths))
-        source._paths = paths
+        files = [Path(p) for p in paths]
+        source = cls([str(p) for p in files], lambda: (open_image(p) for p in files))
+        source._paths = files
         return source
 
     @classmethod
@@ -149,26 +150,6 @@ def _expand(spec: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------------
 # Retrieval
-
-
-@dataclass
-class RetrievalSet:
-    """Images, captions and which image each caption describes (``text_image_ids[j]``)."""
-
-    name: str
-    images: ImageSource
-    captions: list[str]
-    text_image_ids: list[int]
-
-    def __post_init__(self) -> None:
-        if not len(self.images):
-            raise ValueError(f"{self.name}: the retrieval set has no images")
-        counts = [0] * len(self.images)
-        for i in self.text_image_ids:
-            counts[i] += 1
-        lonely = [self.images.names[i] for i, c in enumerate(counts) if c == 0]
-        if lonely:
-            raise ValueError(f"{self.name}: image {lonely[0]} has no caption ({len(lonely)} such images)")
 
 
 def _resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
@@ -229,7 +210,7 @@ def load_karpathy(path: str | Path, image_root: str | Path, split: str = "test")
             ids.append(i)
     files = _resolve_images(candidates, str(path))
     name = str(data.get("dataset") or path.stem.removeprefix("dataset_"))
-    return RetrievalSet(name, ImageSource.from_files(files), captions, ids)
+    return RetrievalSet(ImageSource.from_files(files), captions, ids, name=name)
 
 
 def load_coco_captions(path: str | Path, image_root: str | Path) -> RetrievalSet:
@@ -261,14 +242,16 @@ def load_coco_captions(path: str | Path, image_root: str | Path) -> RetrievalSet
         captions.append(str(ann.get("caption", "")).strip())
         ids.append(position[ann["image_id"]])
     files = _resolve_images([[root / im["file_name"]] for im in images], str(path))
-    return RetrievalSet(path.stem, ImageSource.from_files(files), captions, ids)
+    return RetrievalSet(ImageSource.from_files(files), captions, ids, name=path.stem)
 
 
 def load_retrieval_wds(spec: str) -> RetrievalSet:
     """CLIP_benchmark-style WebDataset retrieval shards: per sample an image and a ``txt`` member holding
     that image's captions, one per line."""
     urls = _expand(spec)
-    keys, captions, ids = [], [], []
+    keys: list[tuple[str, str]] = []
+    captions: list[str] = []
+    ids: list[int] = []
     for sample in _read_shards(urls):
         where = f"{sample['__url__']}:{sample['__key__']}"
         _image_ext(sample)
@@ -283,7 +266,7 @@ def load_retrieval_wds(spec: str) -> RetrievalSet:
             ids.append(len(keys))
         keys.append((sample["__url__"], sample["__key__"]))
     name = Path(urls[0]).parent.name or "wds"
-    return RetrievalSet(name, ImageSource.from_shards(urls, keys), captions, ids)
+    return RetrievalSet(ImageSource.from_shards(urls, keys), captions, ids, name=name)
 
 
 _IMAGE_COLUMNS = ("image", "filepath", "image_path", "filename", "file", "path", "url")
@@ -324,7 +307,7 @@ def load_retrieval_csv(path: str | Path, image_root: str | Path | None = None) -
     if not order:
         raise ValueError(f"{path}: no rows")
     files = _resolve_images([[root / p] for p in order], str(path))
-    return RetrievalSet(path.stem, ImageSource.from_files(files), captions, ids)
+    return RetrievalSet(ImageSource.from_files(files), captions, ids, name=path.stem)
 
 
 def load_retrieval(spec: str, images: str | Path | None = None, split: str = "test") -> RetrievalSet:

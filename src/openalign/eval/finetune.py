@@ -18,7 +18,7 @@ import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,10 @@ from tqdm import tqdm
 from openalign.config import from_dict
 from openalign.eval.linear_probe import classification_metrics
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -144,7 +148,8 @@ class ImageClassifier(nn.Module):
         return cls(image, image.num_features, num_classes, dropout)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.head(self.dropout(self.backbone(pixel_values)))
+        logits: torch.Tensor = self.head(self.dropout(self.backbone(pixel_values)))
+        return logits
 
 
 def _set_train_mode(clf: ImageClassifier, stage: StageConfig) -> None:
@@ -185,9 +190,23 @@ def _check_dataset(data: Any, what: str) -> None:
         raise ValueError(f"the {what} set is empty")
 
 
+class LabelledData(Protocol):
+    """(pixels, label) pairs by index: a list of them, or a sized Dataset such as :class:`LabelledImages`
+    (whose training sets give None for an unreadable file)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+def _as_dataset(data: LabelledData) -> Dataset:
+    # A DataLoader reads any sized, indexable collection; torch's annotation asks for a Dataset.
+    return cast(Dataset, data)
+
+
 def train_stage(
     clf: ImageClassifier,
-    data: Dataset | Sequence[tuple[torch.Tensor, int]],
+    data: LabelledData,
     stage: StageConfig,
     *,
     batch_size: int,
@@ -208,7 +227,12 @@ def train_stage(
     scheduler = build_scheduler(optimizer, optim_cfg)
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(
-        data, batch_size=batch_size, shuffle=True, generator=gen, num_workers=num_workers, collate_fn=_collate_readable
+        _as_dataset(data),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=gen,
+        num_workers=num_workers,
+        collate_fn=_collate_readable,
     )
     batches = _infinite(loader)
     _set_train_mode(clf, stage)
@@ -235,7 +259,7 @@ def train_stage(
 @torch.no_grad()
 def evaluate_classifier(
     clf: nn.Module,
-    data: Dataset | Sequence[tuple[torch.Tensor, int]],
+    data: LabelledData,
     *,
     batch_size: int = 256,
     device: str | torch.device = "cpu",
@@ -246,7 +270,7 @@ def evaluate_classifier(
     clf.eval()
     logits, labels = [], []
     try:
-        for pixels, y in DataLoader(data, batch_size=batch_size, shuffle=False):
+        for pixels, y in DataLoader(_as_dataset(data), batch_size=batch_size, shuffle=False):
             logits.append(clf(pixels.to(device)).float().cpu())
             labels.append(torch.as_tensor(y).long())
     finally:
@@ -258,11 +282,11 @@ def evaluate_classifier(
 
 def finetune(
     model: nn.Module,
-    train_data: Dataset | Sequence[tuple[torch.Tensor, int]],
+    train_data: LabelledData,
     num_classes: int,
     config: FinetuneConfig | None = None,
     *,
-    test_data: Dataset | Sequence[tuple[torch.Tensor, int]] | None = None,
+    test_data: LabelledData | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> tuple[ImageClassifier, dict[str, Any]]:
@@ -370,7 +394,7 @@ class LabelledImages(Dataset):
         return self.transform(image), self.labels[i]
 
 
-def transfer_datasets(model: nn.Module, options: dict[str, Any]) -> tuple[LabelledImages, LabelledImages, int, str]:
+def transfer_datasets(model: DualEncoder, options: dict[str, Any]) -> tuple[LabelledImages, LabelledImages, int, str]:
     """Train (augmented) and val (centre crop) sets for fine-tuning, sized by ``image_size`` options."""
     from openalign.data.transforms import eval_transform, model_resize, train_transform
     from openalign.eval.linear_probe import load_labelled_pair
@@ -379,9 +403,9 @@ def transfer_datasets(model: nn.Module, options: dict[str, Any]) -> tuple[Labell
     cfg = model.config
     size = options.get("image_size") or cfg.image_size
     eval_size = options.get("eval_image_size") or size
-    norm = {"mean": cfg.pixel_mean, "std": cfg.pixel_std}
-    train_t = train_transform(size, model_resize(size), **norm)
-    val_t = eval_transform(eval_size, model_resize(eval_size), **norm)
+    mean, std = cfg.pixel_mean, cfg.pixel_std
+    train_t = train_transform(size, model_resize(size), mean=mean, std=std)
+    val_t = eval_transform(eval_size, model_resize(eval_size), mean=mean, std=std)
     return (
         LabelledImages(train.images, train.labels, train_t, skip_unreadable=True),
         LabelledImages(val.images, val_labels, val_t),
@@ -390,7 +414,7 @@ def transfer_datasets(model: nn.Module, options: dict[str, Any]) -> tuple[Labell
     )
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     train, val, num_classes, name = transfer_datasets(model, options)
     steps = options["steps"]
     if options["recipe"] == "imagenet":

@@ -10,12 +10,16 @@ to return ties in (duplicate images are common in web-scale train sets).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from openalign.eval.tasks import Option, Task, register
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 _BLOCK_ELEMENTS = 16 * 1024 * 1024
 
@@ -82,7 +86,7 @@ def knn_accuracy(
     return 100.0 * float((predicted == query_labels).double().mean())
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.embed import embed_images
     from openalign.eval.datasets import load_classification
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,10 @@ from tqdm import tqdm
 
 from openalign.config import from_dict
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -61,6 +65,9 @@ class LinearClassifier(nn.Module):
     """``logits = ((x - mean) / std) @ W.T + b``; the standardisation is part of the model so that
     predictions never depend on remembering to preprocess test features the same way."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, dim: int, num_classes: int):
         super().__init__()
         self.linear = nn.Linear(dim, num_classes)
@@ -68,11 +75,13 @@ class LinearClassifier(nn.Module):
         self.register_buffer("std", torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear((x - self.mean) / self.std)
+        logits: torch.Tensor = self.linear((x - self.mean) / self.std)
+        return logits
 
     @torch.no_grad()
     def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x.to(self.linear.weight.dtype)).softmax(-1)
+        logits: torch.Tensor = self(x.to(self.linear.weight.dtype))
+        return logits.softmax(-1)
 
 
 def check_features(x: torch.Tensor, y: torch.Tensor, what: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,7 +316,7 @@ def classification_options() -> tuple[Any, ...]:
     )
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.embed import embed_images
 
     train, val, val_labels = load_labelled_pair(options)

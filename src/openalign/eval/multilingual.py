@@ -12,9 +12,13 @@ import gzip
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 LANGUAGES = ("en", "de", "fr", "cs")
 
@@ -110,8 +114,8 @@ def evaluate_multilingual(
 
 
 def run_multilingual(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
     captions_dir: str | Path,
     image_list: str | Path,
     image_root: str | Path,
@@ -145,7 +149,7 @@ def run_multilingual(
 # The `multilingual` eval task
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     metrics = run_multilingual(
         model,
         tokenizer,

@@ -33,12 +33,16 @@ import functools
 import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from openalign.eval.tasks import Option, Task, register
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 DEFAULT_KS = (1, 5, 10)
 TIE_TOLERANCE = 1e-6
@@ -501,32 +505,63 @@ def recall_at_k_sets(
 
 
 @dataclass
-class HeldOutSet:
-    """A retrieval set already in memory (e.g. the synthetic world's held-out scenes), in the shape
-    :func:`evaluate_retrieval` reads: images, captions, and the image each caption describes."""
+class RetrievalSet:
+    """Images, captions and which image each caption describes (``text_image_ids[j]``): what
+    :func:`evaluate_retrieval` reads. ``images`` are PIL images or transformed tensors, in a list or a lazily
+    opened :class:`~openalign.eval.datasets.ImageSource`; every image needs at least one caption."""
 
-    images: list[Any]
+    images: Sequence[Any]
     captions: list[str]
     text_image_ids: list[int]
+    name: str = "retrieval"
+
+    def __post_init__(self) -> None:
+        n = len(self.images)
+        if not n:
+            raise ValueError(f"{self.name}: the retrieval set has no images")
+        if len(self.captions) != len(self.text_image_ids):
+            raise ValueError(
+                f"{self.name}: {len(self.captions)} captions but {len(self.text_image_ids)} text_image_ids"
+            )
+        counts = [0] * n
+        for j, i in enumerate(self.text_image_ids):
+            if not 0 <= i < n:
+                raise ValueError(f"{self.name}: caption {j} describes image {i}, outside [0, {n})")
+            counts[i] += 1
+        lonely = [i for i, c in enumerate(counts) if c == 0]
+        if lonely:
+            names = getattr(self.images, "names", None)
+            first = names[lonely[0]] if names is not None else f"#{lonely[0]}"
+            raise ValueError(f"{self.name}: image {first} has no caption ({len(lonely)} such images)")
+
+
+# The name callers used before the two retrieval-set types became one.
+HeldOutSet = RetrievalSet
 
 
 def evaluate_retrieval(
-    model: Any,
-    tokenizer: Any,
-    dataset: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
+    dataset: RetrievalSet,
     *,
     batch_size: int = 64,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Embed a :class:`~openalign.eval.datasets.RetrievalSet` and return its recalls, their mean (the
-    "mean recall" of multilingual retrieval papers) and the set's size."""
+    """Embed a :class:`RetrievalSet` and return its recalls (``"i2t_r1"``, …, ``"t2i_r10"``, in percent),
+    their mean (the "mean recall" of multilingual retrieval papers) and the set's size.
+
+    The model's training mode and the global random state are left as they were, so evaluating between
+    training steps does not change what training does next.
+    """
     from openalign.embed import embed_images, embed_texts
 
-    images = embed_images(model, dataset.images, batch_size=batch_size, device=device, progress=progress)
-    texts = embed_texts(
-        model, tokenizer, dataset.captions, batch_size=max(batch_size, 256), device=device, progress=progress
-    )
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        images = embed_images(model, dataset.images, batch_size=batch_size, device=device, progress=progress)
+        texts = embed_texts(
+            model, tokenizer, dataset.captions, batch_size=max(batch_size, 256), device=device, progress=progress
+        )
     metrics: dict[str, Any] = recall_at_k(images, texts, dataset.text_image_ids)
     metrics["mean_recall"] = sum(metrics.values()) / len(metrics)
     metrics["num_images"] = len(dataset.images)
@@ -534,7 +569,7 @@ def evaluate_retrieval(
     return metrics
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.eval.datasets import load_retrieval
 
     dataset = load_retrieval(options["dataset"], options["images"], options["split"])

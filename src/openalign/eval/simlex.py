@@ -20,10 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 OFFICIAL_COLUMNS = (
     "word1",
@@ -199,7 +203,12 @@ def evaluate_simlex(pairs: Sequence[SimLexPair], embed: Callable[[list[str]], to
 
 @torch.no_grad()
 def word_embeddings(
-    model: Any, tokenizer: Any, words: Sequence[str], *, batch_size: int = 256, device: str | torch.device = "cpu"
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
+    words: Sequence[str],
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
     """The text tower's [CLS] vector before the projection for each word, as ``[CLS] pieces [SEP]``.
 
@@ -225,8 +234,8 @@ def word_embeddings(
 
 
 def run_simlex(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
     path: str | Path,
     *,
     batch_size: int = 256,
@@ -248,10 +257,10 @@ def _default_file() -> str:
         from gensim.test.utils import datapath
     except ImportError:
         raise ValueError("no --file given and gensim (which ships a SimLex-999 copy) is not installed") from None
-    return datapath("simlex999.txt")
+    return str(datapath("simlex999.txt"))
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     path = options["file"] or _default_file()
     metrics = run_simlex(model, tokenizer, path, batch_size=max(options["batch_size"], 256), device=options["device"])
     return {"dataset": "simlex-999", **metrics}

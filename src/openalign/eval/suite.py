@@ -22,11 +22,15 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openalign.config import ConfigError, from_dict, load_yaml
 from openalign.eval.report import markdown, result_filename, write_report, write_result
 from openalign.eval.tasks import EvalResult, get_task, resolve_options, run_task
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -49,7 +53,7 @@ class SuiteSummary:
     markdown: str = ""
 
 
-def load_checkpoint(model: str | Path, tokenizer: str | Path | None = None) -> tuple[Any, Any]:
+def load_checkpoint(model: str | Path, tokenizer: str | Path | None = None) -> tuple[DualEncoder, Tokenizer]:
     """The model in eval mode and its tokenizer (saved beside the checkpoint unless ``tokenizer`` is given)."""
     import openalign
 

@@ -24,9 +24,9 @@ from openalign.config import ConfigError, coerce
 
 if TYPE_CHECKING:
     from openalign.model import DualEncoder
-    from openalign.text.tokenizer import Tokenizer
+    from openalign.text.tokenizer import TextTokenizer
 
-Runner = Callable[["DualEncoder", "Tokenizer", dict[str, Any]], dict[str, Any]]
+Runner = Callable[["DualEncoder", "TextTokenizer", dict[str, Any]], dict[str, Any]]
 
 _OPTION_TYPES = (str, int, float, bool, list)
 
@@ -189,7 +189,7 @@ class EvalResult:
 
 
 def run_task(
-    name: str, model: DualEncoder, tokenizer: Tokenizer, options: Mapping[str, Any], *, model_name: str = ""
+    name: str, model: DualEncoder, tokenizer: TextTokenizer, options: Mapping[str, Any], *, model_name: str = ""
 ) -> EvalResult:
     """Validate ``options`` and run task ``name``; the result's dataset is the runner's, the ``name``
     option's, or the task's name, in that order."""

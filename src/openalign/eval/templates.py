@@ -22,7 +22,7 @@ SUBSETS = ("imagenet", "imagenet-r", "imagenet-a", "imagenet-v2")
 
 
 def _data(name: str) -> str:
-    return resources.files("openalign.eval").joinpath("data", name).read_text(encoding="utf-8")
+    return resources.files("openalign.eval").joinpath("data").joinpath(name).read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,11 @@ from torch import nn
 from openalign.config import from_dict
 from openalign.eval.linear_probe import LinearClassifier, check_features, classification_metrics
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from openalign.eval.finetune import LabelledData
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 Model = TypeVar("Model")
 
@@ -80,7 +85,7 @@ def vtab_transfer(
     """
     cfg = config or VTABConfig()
     train_idx, val_idx = split_800_200(n_train, cfg)
-    sweep = []
+    sweep: list[dict[str, Any]] = []
     for lr in cfg.lrs:
         for steps in cfg.steps:
             acc = float(score(fit(train_idx, lr, steps), val_idx))
@@ -155,18 +160,18 @@ def vtab_linear(
     def score(clf: LinearClassifier, idx: torch.Tensor | None) -> float:
         x, y = (test_x, test_y) if idx is None else (train_x[idx], train_y[idx])
         with torch.no_grad():
-            return classification_metrics(clf(x), y, (1,))["top1"]
+            return float(classification_metrics(clf(x), y, (1,))["top1"])
 
     return vtab_transfer(len(train_x), fit, score, cfg)
 
 
 def vtab_finetune(
     classifier: nn.Module,
-    train_data: Sequence[tuple[torch.Tensor, int]],
-    test_data: Sequence[tuple[torch.Tensor, int]],
+    train_data: LabelledData,
+    test_data: LabelledData,
     config: VTABConfig | None = None,
     *,
-    val_data: Sequence[tuple[torch.Tensor, int]] | None = None,
+    val_data: LabelledData | None = None,
     backbone_lr_scale: float = 1.0,
     device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
@@ -213,7 +218,7 @@ def vtab_finetune(
 
     def score(clf: nn.Module, idx: torch.Tensor | None) -> float:
         data = test_data if idx is None else [val_source[int(i)] for i in idx]
-        return evaluate_classifier(clf, data, batch_size=cfg.batch_size, device=device)["top1"]
+        return float(evaluate_classifier(clf, data, batch_size=cfg.batch_size, device=device)["top1"])
 
     return vtab_transfer(len(train_data), fit, score, cfg)
 
@@ -229,7 +234,7 @@ def _numbers(values: list[str], kind: type, name: str) -> tuple[Any, ...]:
         raise ValueError(f"--{name} must be a list of {kind.__name__} values, got {values}") from None
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     cfg = VTABConfig(lrs=_numbers(options["lrs"], float, "lrs"), steps=_numbers(options["steps"], int, "steps"))
     if options["mode"] == "linear":
         from openalign.embed import embed_images

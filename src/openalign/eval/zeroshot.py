@@ -17,20 +17,25 @@ as restricting the 1000-way logits to them, since each class's weights do not de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from openalign.eval.tasks import Option, Task, register
 
+if TYPE_CHECKING:
+    from openalign.eval.datasets import ClassificationSet
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
+
 DEFAULT_KS = (1, 5)
 
 
 @torch.no_grad()
 def zeroshot_classifier(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
     classnames: Sequence[str],
     templates: Sequence[str],
     *,
@@ -88,9 +93,9 @@ def classification_metrics(
 
 
 def evaluate_zeroshot(
-    model: Any,
-    tokenizer: Any,
-    dataset: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer,
+    dataset: ClassificationSet,
     templates: Sequence[str],
     *,
     batch_size: int = 64,
@@ -120,7 +125,7 @@ def evaluate_zeroshot(
     return metrics
 
 
-def _run(model: Any, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.eval.datasets import load_classification
     from openalign.eval.templates import SINGLE_TEMPLATE, load_templates
 

@@ -28,7 +28,8 @@ class BertEmbeddings(nn.Module):
         length = input_ids.shape[1]
         # Captions are a single segment, so every token has token type 0.
         x = self.word(input_ids) + self.position.weight[:length] + self.token_type.weight[0]
-        return self.dropout(self.norm(x))
+        out: torch.Tensor = self.dropout(self.norm(x))
+        return out
 
 
 class BertLayer(nn.Module):
@@ -57,7 +58,8 @@ class BertLayer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         a = a.transpose(1, 2).reshape(b, q.shape[2], h)
         x = self.attn_norm(x + self.dropout(self.attn_out(a)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+        out: torch.Tensor = self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+        return out
 
 
 class Bert(nn.Module):
@@ -89,7 +91,7 @@ class Bert(nn.Module):
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = attention_mask.bool()[:, None, None, :]
-        x = self.embeddings(input_ids)
+        x: torch.Tensor = self.embeddings(input_ids)
         checkpoint = self.gradient_checkpointing and self.training
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

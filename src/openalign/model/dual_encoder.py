@@ -39,7 +39,7 @@ class DualEncoder(nn.Module):
         value = torch.tensor(math.log(init) if config.temperature_param == "log" else init)
         self.temperature_param = nn.Parameter(value, requires_grad=config.learn_temperature)
         if config.image.channels_last:
-            self.image.to(memory_format=torch.channels_last)
+            self.image.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
         if config.image.batch_norm == "sync":
             self.image = nn.SyncBatchNorm.convert_sync_batchnorm(self.image)
 
@@ -106,14 +106,15 @@ class DualEncoder(nn.Module):
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Unnormalised image embeddings [B, embed_dim]."""
-        x = self.image(pixel_values)
+        x: torch.Tensor = self.image(pixel_values)
         return self.image_proj(x) if self.image_proj is not None else x
 
     def text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Unnormalised text embeddings [B, embed_dim]."""
         if attention_mask is not None:
             input_ids, attention_mask = trim_padding(input_ids, attention_mask)
-        return self.text_proj(self.text(input_ids, attention_mask))
+        out: torch.Tensor = self.text_proj(self.text(input_ids, attention_mask))
+        return out
 
     def encode_image(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """L2-normalised image embeddings [B, embed_dim] from normalised pixels [B, 3, H, W]."""

@@ -156,7 +156,7 @@ class EfficientNet(nn.Module):
             )
         )
         total = sum(round_repeats(r, cfg.depth_coefficient) for _, r, *_ in stages)
-        blocks = []
+        blocks: list[nn.Module] = []
         for kernel, repeats, cin, cout, expand, stride in stages:
             cin, cout = round_filters(cin, width, div), round_filters(cout, width, div)
             for j in range(round_repeats(repeats, cfg.depth_coefficient)):
@@ -192,7 +192,7 @@ class EfficientNet(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if self.cfg.channels_last:
             pixel_values = pixel_values.contiguous(memory_format=torch.channels_last)
-        x = self.stem(pixel_values)
+        x: torch.Tensor = self.stem(pixel_values)
         for block in self.blocks:
             x = maybe_checkpointed(self.gradient_checkpointing and self.training, block)(x)
         return x.mean((2, 3))

@@ -202,7 +202,8 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
         return state
     binary = path / "pytorch_model.bin"
     if binary.is_file():
-        return torch.load(binary, map_location="cpu", weights_only=True)
+        loaded: dict[str, torch.Tensor] = torch.load(binary, map_location="cpu", weights_only=True)
+        return loaded
     raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 

@@ -37,7 +37,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path}: no config.json (expected an openalign or transformers AlignModel dir)")
-    return json.loads(cfg_path.read_text())
+    config: dict[str, Any] = json.loads(cfg_path.read_text())
+    return config
 
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:

@@ -32,12 +32,15 @@ class BatchNorm2d(nn.BatchNorm2d):
         groups = x.split(vb)
         out = torch.cat([F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups])
         if self.track_running_stats:
+            running_mean, running_var, tracked = running_stats(self)
+            momentum = self.momentum
+            assert momentum is not None  # __init__ takes a float
             with torch.no_grad():
                 mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)
                 var = torch.stack([g.var((0, 2, 3), correction=1 if g.numel() > g.shape[1] else 0) for g in groups])
-                self.running_mean.lerp_(mean, self.momentum)
-                self.running_var.lerp_(var.mean(0), self.momentum)
-                self.num_batches_tracked.add_(1)
+                running_mean.lerp_(mean, momentum)
+                running_var.lerp_(var.mean(0), momentum)
+                tracked.add_(1)
         return out
 
 
@@ -54,20 +57,27 @@ def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
     return x * mask.div_(keep)
 
 
+def running_stats(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``running_mean``, ``running_var`` and ``num_batches_tracked`` of a batch norm that tracks them."""
+    if bn.running_mean is None or bn.running_var is None or bn.num_batches_tracked is None:
+        raise ValueError(f"{type(bn).__name__} keeps no running statistics")
+    return bn.running_mean, bn.running_var, bn.num_batches_tracked
+
+
 @contextmanager
 def frozen_bn_stats(module: nn.Module) -> Iterator[None]:
     """Batch norm inside ``module`` normalises with batch statistics but leaves running statistics alone."""
     saved = []
     for m in module.modules():
         if isinstance(m, _BatchNorm) and m.track_running_stats:
-            saved.append((m, m.momentum, m.num_batches_tracked.clone()))
+            saved.append((m, m.momentum, running_stats(m)[2].clone()))
             m.momentum = 0.0
     try:
         yield
     finally:
         for m, momentum, tracked in saved:
             m.momentum = momentum
-            m.num_batches_tracked.copy_(tracked)
+            running_stats(m)[2].copy_(tracked)
 
 
 def checkpointed(module: nn.Module, *args: Any) -> Any:

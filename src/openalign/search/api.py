@@ -112,7 +112,8 @@ class BodyLimit:
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            message: dict = await receive()
+            return message
 
         await self.app(scope, replay, send)
 
@@ -151,7 +152,7 @@ def create_app(
         version="1",
         description="Text → image, image → image, image → text and image ± text search over ALIGN embeddings.",
     )
-    errors = {400: {"model": Error}, 413: {"model": Error}, 422: {"model": Error}}
+    errors: dict[int | str, dict[str, Any]] = {400: {"model": Error}, 413: {"model": Error}, 422: {"model": Error}}
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Any, err: Exception) -> JSONResponse:

@@ -11,15 +11,16 @@ only the new images. Unreadable images are skipped and counted by reason.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, ItemsView, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +45,31 @@ from openalign.search.catalog import (
 )
 from openalign.search.index import AnnConfig, VectorStore, ann_config, build_store, extend_store, save_vectors
 
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
+
 PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class IndexBuildResult:
+    """What one ``build_index`` run did, and the index's size after it."""
+
+    added_images: int  # images this run added
+    added_captions: int  # captions this run added (0 without a caption store)
+    images: int  # images in the index now
+    captions: int  # captions in the index now
+    skipped: dict[str, int]  # items this run could not read, by reason
+    already_indexed: int  # items whose key the index already held
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def items(self) -> ItemsView[str, Any]:
+        """The fields as ``(name, value)`` pairs: the ``.items()`` of the dict this replaced, for callers not
+        yet moved to the attributes."""
+        return self.to_dict().items()
 
 
 @dataclass
@@ -120,7 +145,7 @@ def iter_source(source: str | Path, on_error: Callable[[str, str], None]) -> Ite
 def make_thumbnail(image: Image.Image, size: int) -> bytes:
     """A JPEG no larger than ``size`` on its longest side."""
     thumb = image.copy()
-    thumb.thumbnail((size, size), Image.BICUBIC)
+    thumb.thumbnail((size, size), Image.Resampling.BICUBIC)
     buf = io.BytesIO()
     thumb.save(buf, format="JPEG", quality=85)
     return buf.getvalue()
@@ -164,7 +189,12 @@ def _chunk_schema(modality: str) -> pa.Schema:
 
 @torch.no_grad()
 def _embed_chunk(
-    items: list[Item], model: Any, tokenizer: Any, cfg: BuildConfig, transform: Callable, directory: Path
+    items: list[Item],
+    model: DualEncoder,
+    tokenizer: TextTokenizer | None,
+    cfg: BuildConfig,
+    transform: Callable,
+    directory: Path,
 ) -> Counter:
     from openalign.embed import embed_images, embed_texts
 
@@ -197,7 +227,7 @@ def _embed_chunk(
     dim = model.embed_dim
     image_vecs = torch.cat(vecs).numpy() if vecs else np.zeros((0, dim), np.float32)
     text_vecs, text_rows = None, []
-    if cfg.captions:
+    if cfg.captions and tokenizer is not None:  # build_index checked that captions come with a tokenizer
         text_rows = [
             {"image_row": i, "key": r["key"], "caption": r["caption"]} for i, r in enumerate(rows) if r["caption"]
         ]
@@ -300,8 +330,8 @@ def _commit(out: Path) -> None:
 
 
 def build_index(
-    model: Any,
-    tokenizer: Any,
+    model: DualEncoder,
+    tokenizer: TextTokenizer | None,
     source: str | Path,
     out: str | Path,
     config: BuildConfig | None = None,
@@ -309,13 +339,15 @@ def build_index(
     model_path: str | None = None,
     tokenizer_path: str | None = None,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> IndexBuildResult:
     """Embed every image of ``source`` (and its caption) into the index directory ``out``.
 
     Creates the index, resumes an interrupted build, or appends new items to an existing index.
-    Returns counts: ``added_images``, ``added_captions``, ``images``, ``captions``, ``skipped`` by reason.
+    Returns what was added, the index's new size and the items skipped by reason.
     """
     cfg = config or BuildConfig()
+    if cfg.captions and tokenizer is None:
+        raise ValueError("a caption store needs the model's tokenizer to embed captions")
     errors: Counter = Counter()
     source_items = iter_source(source, lambda reason, detail: errors.update([reason]))  # checks it exists
     out = Path(out)
@@ -377,14 +409,14 @@ def build_index(
     old_counts = info.get("counts", {})
     if info and not chunks:
         shutil.rmtree(pending)  # nothing new: leave the index as it is
-        return {
-            "added_images": 0,
-            "added_captions": 0,
-            "images": old_counts.get("image", 0),
-            "captions": old_counts.get("text", 0),
-            "skipped": dict(skipped),
-            "already_indexed": duplicates["already_indexed"],
-        }
+        return IndexBuildResult(
+            added_images=0,
+            added_captions=0,
+            images=old_counts.get("image", 0),
+            captions=old_counts.get("text", 0),
+            skipped=dict(skipped),
+            already_indexed=duplicates["already_indexed"],
+        )
     stage = pending / "final"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
@@ -410,14 +442,14 @@ def build_index(
     (stage / INFO).write_text(json.dumps(new_info, indent=2) + "\n")
     (stage / "ready").write_text("")
     _commit(out)
-    return {
-        "added_images": counts["image"] - old_counts.get("image", 0),
-        "added_captions": counts.get("text", 0) - old_counts.get("text", 0),
-        "images": counts["image"],
-        "captions": counts.get("text", 0),
-        "skipped": dict(skipped),
-        "already_indexed": duplicates["already_indexed"],
-    }
+    return IndexBuildResult(
+        added_images=counts["image"] - old_counts.get("image", 0),
+        added_captions=counts.get("text", 0) - old_counts.get("text", 0),
+        images=counts["image"],
+        captions=counts.get("text", 0),
+        skipped=dict(skipped),
+        already_indexed=duplicates["already_indexed"],
+    )
 
 
 def open_index(path: str | Path, mmap: bool = True) -> SearchIndex:

@@ -67,7 +67,7 @@ class Thumbnails:
         return 0 if self.offsets is None else len(self.offsets) - 1
 
     def get(self, image_id: int) -> bytes | None:
-        if self.offsets is None or not 0 <= image_id < len(self):
+        if self.offsets is None or self.blob is None or not 0 <= image_id < len(self):
             return None
         start, end = int(self.offsets[image_id]), int(self.offsets[image_id + 1])
         return bytes(self.blob[start:end]) if end > start else None
@@ -129,7 +129,8 @@ class SearchIndex:
         table = self.meta[modality]
         if len(ids) == 0:
             return []
-        return table.take(pa.array(np.asarray(ids, dtype=np.int64))).to_pylist()
+        rows: list[dict[str, Any]] = table.take(pa.array(np.asarray(ids, dtype=np.int64))).to_pylist()
+        return rows
 
     def vector(self, modality: str, item_id: int) -> np.ndarray:
         """The stored (normalised) embedding of one item."""

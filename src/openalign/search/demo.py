@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from openalign.search.build import BuildConfig, build_index
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import Tokenizer
 
 
 def default_demo_dir(n_images: int, seed: int, model: str | None) -> Path:
@@ -23,7 +27,7 @@ def default_demo_dir(n_images: int, seed: int, model: str | None) -> Path:
     return cache / f"demo-index-{tag}-{n_images}-{seed}"
 
 
-def demo_model(out: Path, seed: int = 0) -> tuple[Any, Any, Path]:
+def demo_model(out: Path, seed: int = 0) -> tuple[DualEncoder, Tokenizer, Path]:
     """A ``nano`` model with a tokenizer trained on synthetic captions, saved under ``out``."""
     import openalign
     from openalign.data.synthetic import SyntheticWorld

@@ -92,7 +92,8 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
     """Float32 rows scaled to unit length (zero rows stay zero)."""
     x = np.asarray(x, dtype=np.float32)
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.maximum(norms, 1e-12)
+    out: np.ndarray = x / np.maximum(norms, 1e-12)
+    return out
 
 
 def exact_search(
@@ -166,7 +167,8 @@ class VectorStore:
             links = faiss.vector_to_array(self.ann.hnsw.neighbors).nbytes
             return int(self.size * self.dim * 4 + links + self.size * 16)
         ivf = faiss.extract_index_ivf(self.ann)
-        codebooks = faiss.downcast_index(ivf).pq.centroids.size() * 4 if self.kind == "ivf_pq" else 0
+        pq = faiss.downcast_index(ivf).pq if self.kind == "ivf_pq" else None  # type: ignore[attr-defined]  # faiss stub
+        codebooks = pq.centroids.size() * 4 if pq is not None else 0
         return int(ivf.ntotal * (ivf.code_size + 8) + ivf.nlist * self.dim * 4 + codebooks)
 
     # ------------------------------------------------------------------ search
@@ -241,7 +243,7 @@ class VectorStore:
         if not (d / VECTORS).is_file():
             raise FileNotFoundError(f"{d}: no {VECTORS}")
         vectors = np.load(d / VECTORS, mmap_mode="r" if mmap else None)
-        meta = json.loads((d / ANN_FILE).read_text()) if (d / ANN_FILE).is_file() else {"kind": "exact"}
+        meta: dict[str, Any] = json.loads((d / ANN_FILE).read_text()) if (d / ANN_FILE).is_file() else {"kind": "exact"}
         ann = None
         if meta["kind"] != "exact":
             if not (d / FAISS_FILE).is_file():
@@ -351,23 +353,24 @@ def build_store(
     nlist = min(cfg.nlist or max(1, int(2 * math.sqrt(n))), n)
     train = _sample_rows(vectors, min(n, cfg.train_size or 40 * nlist), rng)
     quantizer = faiss.IndexFlatIP(dim)
+    ivf: faiss.IndexIVF
     if kind == "ivf_flat":
-        index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        ivf = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
     elif kind == "ivf_pq":
         m = cfg.pq_m or pick_pq_m(n, dim, cfg.memory_budget_mb)
         if dim % m:
             raise ConfigError(f"pq_m={m} must divide the embedding width {dim}")
         # 4-bit codes are what the SIMD fast-scan kernels read; re-ranking restores exact scores.
-        index = faiss.IndexIVFPQFastScan(quantizer, dim, nlist, m, 4, faiss.METRIC_INNER_PRODUCT)
+        ivf = faiss.IndexIVFPQFastScan(quantizer, dim, nlist, m, 4, faiss.METRIC_INNER_PRODUCT)
         params.update(pq_m=m, pq_nbits=4, rerank=cfg.rerank)
     else:
         raise ConfigError(f"unknown index kind {kind!r}")
-    index.cp.seed = cfg.seed
-    index.cp.niter = cfg.kmeans_iterations
-    index.train(train)
-    _add_in_blocks(index, vectors)
+    ivf.cp.seed = cfg.seed
+    ivf.cp.niter = cfg.kmeans_iterations
+    ivf.train(train)
+    _add_in_blocks(ivf, vectors)
     params["nlist"] = nlist
-    store = VectorStore(vectors, index, kind, params)
+    store = VectorStore(vectors, ivf, kind, params)
     if cfg.nprobe:
         store.params["nprobe"] = min(cfg.nprobe, nlist)
         store._apply_params()
@@ -411,4 +414,5 @@ def save_vectors(path: str | Path, parts: list[np.ndarray], total: int, dim: int
     out.flush()
     del out
     os.replace(tmp, path)
-    return np.load(path, mmap_mode="r")
+    saved: np.ndarray = np.load(path, mmap_mode="r")
+    return saved

@@ -12,13 +12,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from PIL import Image
 
 from openalign.search.catalog import SearchIndex
 from openalign.search.index import normalize_rows
+
+if TYPE_CHECKING:
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
 
 MAX_K = 1000
 
@@ -71,7 +75,8 @@ def compose_query(
     norm = float(np.linalg.norm(total))
     if norm < 1e-6:
         raise ValueError("the query's parts cancel out; change the weights or the minus texts")
-    return (total / norm).astype(np.float32)
+    out: np.ndarray = (total / norm).astype(np.float32)
+    return out
 
 
 def remove_near_duplicates(ids: np.ndarray, vectors: np.ndarray, threshold: float) -> list[int]:
@@ -120,8 +125,8 @@ class Searcher:
     def __init__(
         self,
         index: SearchIndex,
-        model: Any = None,
-        tokenizer: Any = None,
+        model: DualEncoder | None = None,
+        tokenizer: TextTokenizer | None = None,
         *,
         device: str = "cpu",
         cache_size: int = 4096,
@@ -139,19 +144,25 @@ class Searcher:
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _need_model(self, what: str) -> None:
-        if self.model is None or (what == "text" and self.tokenizer is None):
-            raise ValueError(f"{what} queries need the index's model{' and tokenizer' if what == 'text' else ''}")
+    def _text_model(self) -> tuple[DualEncoder, TextTokenizer]:
+        if self.model is None or self.tokenizer is None:
+            raise ValueError("text queries need the index's model and tokenizer")
+        return self.model, self.tokenizer
+
+    def _image_model(self) -> DualEncoder:
+        if self.model is None:
+            raise ValueError("image queries need the index's model")
+        return self.model
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Normalised embeddings [len(texts), D] of the texts, cached."""
-        self._need_model("text")
+        model, tokenizer = self._text_model()
         from openalign.embed import embed_texts
 
         with self._lock:
             missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
             if missing:
-                emb = embed_texts(self.model, self.tokenizer, missing, device=self.device).numpy()
+                emb = embed_texts(model, tokenizer, missing, device=self.device).numpy()
                 for t, e in zip(missing, emb, strict=True):
                     self._cache[t] = e
             out = np.stack([self._cache[t] for t in texts]) if texts else np.zeros((0, self.index.embed_dim))
@@ -163,11 +174,12 @@ class Searcher:
 
     def embed_image(self, image: Image.Image) -> np.ndarray:
         """Normalised embedding [D] of one image."""
-        self._need_model("image")
+        model = self._image_model()
         from openalign.embed import embed_images
 
         with self._lock:
-            return embed_images(self.model, [image.convert("RGB")], device=self.device).numpy()[0]
+            emb: np.ndarray = embed_images(model, [image.convert("RGB")], device=self.device).numpy()[0]
+        return emb
 
     def query_vector(self, query: Query) -> np.ndarray:
         """The normalised vector that ``query`` searches with."""

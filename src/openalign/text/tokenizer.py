@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tokenizers import Tokenizer as Backend
@@ -40,16 +41,40 @@ def _bert_pipeline(backend: Backend, lowercase: bool) -> Backend:
     return backend
 
 
+class TextTokenizer(Protocol):
+    """What the library calls on a tokenizer, so embedding, evaluation, search and training accept any that
+    has it (:class:`Tokenizer` is the one openalign ships): captions in, padded ``input_ids`` and
+    ``attention_mask`` tensors out; the vocabulary size a model's token embeddings must cover; the length
+    captions are cut to; and saving the files that load it again beside a checkpoint."""
+
+    max_length: int  # wordpieces per caption, [CLS] and [SEP] included
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def __call__(
+        self, texts: str | list[str], max_length: int | None = None, pad_to_max: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """``{"input_ids", "attention_mask"}``, each [len(texts), L] long: L is ``max_length`` (default
+        ``self.max_length``), or the longest caption's length when ``pad_to_max`` is false."""
+        ...
+
+    def save(self, path: str | Path) -> Path:
+        """Write the tokenizer's files into directory ``path``; returns it."""
+        ...
+
+
 class Tokenizer:
-    """Turns captions into ``input_ids`` and ``attention_mask`` tensors of a fixed length."""
+    """Turns captions into ``input_ids`` and ``attention_mask`` tensors of a fixed length (a :class:`TextTokenizer`)."""
 
     def __init__(self, backend: Backend, max_length: int = 64):
         self.backend = backend
         self.max_length = max_length
-        for token in ("[PAD]", "[CLS]", "[SEP]"):
-            if backend.token_to_id(token) is None:
+        ids = {token: backend.token_to_id(token) for token in ("[PAD]", "[CLS]", "[SEP]")}
+        for token, id_ in ids.items():
+            if id_ is None:
                 raise ValueError(f"the vocabulary has no {token} token; it is not a BERT WordPiece vocabulary")
-        self.pad_id: int = backend.token_to_id("[PAD]")
+        self.pad_id: int = ids["[PAD]"] or 0
 
     @property
     def vocab_size(self) -> int:

@@ -22,7 +22,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from safetensors.torch import load_file, save_file
 
 from openalign.config import ModelConfig, to_dict
 from openalign.model.io import FORMAT, FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from openalign.text.tokenizer import TextTokenizer
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -82,6 +85,7 @@ def find_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
 def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     """This process's generator states (Python, NumPy, torch CPU and, on a GPU, CUDA) as tensors and ints."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy form, which get_state returns by default
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {
@@ -130,7 +134,7 @@ def write_checkpoint(
     model_config: ModelConfig,
     model_state: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
     keep: int = 3,
 ) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep``. Call on one rank only."""

@@ -66,7 +66,9 @@ class ModelSection:
         else:
             base = self.preset
         extra = dict(self.overrides)
-        text = extra.get("text") if isinstance(extra.get("text"), dict) else {}
+        text = extra.get("text")
+        if not isinstance(text, dict):
+            text = {}
         if vocab_size is not None and self.init is None and "vocab_size" not in text:
             extra = merge(extra, {"text.vocab_size": vocab_size})
         return model_config(base, **extra)

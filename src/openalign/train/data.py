@@ -41,7 +41,7 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -57,7 +57,10 @@ from openalign.data.sources import (
     read_samples,
 )
 
-__all__ = ["DataConfig", "SyntheticDataConfig", "TrainStream", "build_train_stream", "reduce_stats"]
+if TYPE_CHECKING:
+    from openalign.text.tokenizer import TextTokenizer
+
+__all__ = ["DataConfig", "SyntheticDataConfig", "TrainSource", "TrainStream", "build_train_stream", "reduce_stats"]
 
 # Distinct streams of randomness derived from one seed.
 _TAG_SHARD_ORDER, _TAG_BUFFER, _TAG_AUGMENT, _TAG_REFILL, _TAG_RESAMPLE = 1, 2, 3, 4, 5
@@ -143,7 +146,8 @@ class _ShuffleBuffer:
     """Reservoir-style shuffling of a stream: each new item replaces a random one, which is emitted."""
 
     def __init__(self, size: int, rng: random.Random):
-        self.size, self.rng, self.items = size, rng, []
+        self.size, self.rng = size, rng
+        self.items: list[Any] = []
 
     def push(self, item: Any) -> Any | None:
         if self.size <= 1:
@@ -217,19 +221,66 @@ class _Skip(Exception):
         self.reason = reason
 
 
-# A source yields, per epoch or per resampled draw, either a usable record (caption, image) — the image as
+# A shard source reads, per epoch or per resampled draw, either a usable record (caption, image) — the image as
 # encoded bytes or a PIL image — or a string: the reason one sample (or a whole shard) was dropped.
 Record = tuple[str, Any]
 Event = Record | str
+# An entry of the global sample sequence, (is_item, position, payload): a usable sample at its global position,
+# its payload what the source's ``materialize`` makes a Record of; or (is_item false) the reason a sample was
+# dropped, placed at the position of the usable sample read just before it.
+Entry = tuple[bool, int, Any]
+# A resampled draw: (the sample's augmentation seed, its payload), or the reason a sample was dropped.
+Draw = tuple[int, Any] | str
+
+
+class TrainSource(Protocol):
+    """Where training samples come from, as a reader sees it: the source decides the order of the samples and
+    what stands for one until it is needed; the reader decodes, augments, batches and counts skips.
+
+    A payload is cheap to pass around (a shard sample's bytes, a synthetic row's index) and becomes a
+    (caption, image) record only in the reader that owns its position, so readers never render or decode
+    samples that belong to another rank or worker.
+    """
+
+    def fingerprint(self) -> str:
+        """What decides the sample sequence: a resumed run reuses a stored epoch length only when this matches."""
+        ...
+
+    def describe(self) -> str:
+        """The source in a few words, for error messages."""
+        ...
+
+    def sequence(
+        self, seed: int, start: int, epoch_length: int | None, on_epoch: Callable[[int], None]
+    ) -> Iterator[Entry]:
+        """The global sequence (``resampled: false``) from position ``start`` on. ``epoch_length``, when known,
+        lets the source pass over whole epochs before ``start`` without reading them; ``on_epoch`` is told the
+        usable samples of every epoch read to its end."""
+        ...
+
+    def draws(self, run_seed: int, seed: int) -> Iterator[Draw]:
+        """Endless draws with replacement (``resampled: true``) from the generator seeded by ``seed``."""
+        ...
+
+    def materialize(self, payload: Any) -> Record:
+        """The (caption, image) record of a payload from ``sequence`` or ``draws``."""
+        ...
 
 
 class _ShardSource:
+    """WebDataset shards (read by ``openalign.data.sources``), in a seeded shard order per epoch through a
+    seeded shuffle buffer. Every reader reads every sample, so a drop is known to all of them alike."""
+
     def __init__(self, urls: list[str], cfg: DataConfig):
         self.urls, self.cfg = urls, cfg
 
     def fingerprint(self) -> str:
         c = self.cfg
         return json.dumps(["shards", self.urls, c.caption_key, list(c.image_keys), c.max_pixels, c.min_side])
+
+    def describe(self) -> str:
+        urls = self.urls
+        return f"{len(urls)} shard(s) ({urls[0]}{', …' if len(urls) > 1 else ''})"
 
     def read(self, url: str) -> Iterator[Event]:
         errors: list[str] = []
@@ -259,10 +310,61 @@ class _ShardSource:
         for url in urls:
             yield from self.read(url)
 
-    def resampled(self, seed: int) -> Iterator[Event]:
-        rng = random.Random(seed)
+    def sequence(
+        self, seed: int, start: int, epoch_length: int | None, on_epoch: Callable[[int], None]
+    ) -> Iterator[Entry]:
+        base, epoch = 0, 0
         while True:
-            yield from self.read(rng.choice(self.urls))
+            if epoch_length and base + epoch_length <= start:
+                base, epoch = base + epoch_length, epoch + 1
+                continue
+            buffer = _ShuffleBuffer(self.cfg.shuffle_buffer, random.Random(_mix(seed, _TAG_BUFFER, epoch)))
+            usable = emitted = 0
+            for event in self.epoch(seed, epoch):
+                if isinstance(event, str):
+                    # Placed at the last usable record read before it, so a drop belongs to the epoch it is in.
+                    where = base + max(usable - 1, 0)
+                    if where >= start:
+                        yield False, where, event
+                    continue
+                usable += 1
+                out = buffer.push(event)
+                if out is not None:
+                    if base + emitted >= start:
+                        yield True, base + emitted, out
+                    emitted += 1
+            for out in buffer.drain():
+                if base + emitted >= start:
+                    yield True, base + emitted, out
+                emitted += 1
+            if usable == 0:
+                raise ValueError(f"no usable training samples in a whole epoch of {self.describe()}")
+            epoch_length = usable
+            on_epoch(usable)
+            base, epoch = base + usable, epoch + 1
+
+    def draws(self, run_seed: int, seed: int) -> Iterator[Draw]:
+        rng = random.Random(seed)
+        buffer = _ShuffleBuffer(self.cfg.shuffle_buffer, random.Random(_mix(seed, _TAG_BUFFER)))
+        seen = usable = 0
+        while True:
+            for event in self.read(rng.choice(self.urls)):
+                seen += 1
+                if isinstance(event, str):
+                    if usable == 0 and seen > 100_000:
+                        raise ValueError(
+                            f"no usable training samples among the first {seen} read from {self.describe()}"
+                        )
+                    yield event
+                    continue
+                record = buffer.push(event)
+                if record is None:
+                    continue
+                usable += 1
+                yield _mix(seed, _TAG_AUGMENT, usable), record
+
+    def materialize(self, payload: Record) -> Record:
+        return payload
 
 
 class _SyntheticSource:
@@ -272,8 +374,6 @@ class _SyntheticSource:
     An endless stream (``size: null``) takes row ``i`` at position ``i`` (rows are independent draws, so no
     shuffle is needed); a finite one repeats rows ``0 … size-1`` in a new seeded permutation every epoch.
     """
-
-    endless = True
 
     def __init__(self, cfg: DataConfig, seed: int):
         from openalign.data.synthetic import SyntheticWorld
@@ -285,6 +385,9 @@ class _SyntheticSource:
     def fingerprint(self) -> str:
         s = self.cfg.synthetic
         return json.dumps(["synthetic", self.world.seed, s.noise, s.image_size, s.size])
+
+    def describe(self) -> str:
+        return "the synthetic world"
 
     def row_index(self, seed: int, pos: int) -> int:
         if self.size is None:
@@ -298,8 +401,22 @@ class _SyntheticSource:
     def random_index(self, rng: random.Random) -> int:
         return rng.randrange(self.size if self.size is not None else 1 << 40)
 
-    def materialize(self, index: int) -> Record:
-        row = self.world.row(index, self.cfg.synthetic.noise, n_rows=self.size)
+    def sequence(
+        self, seed: int, start: int, epoch_length: int | None, on_epoch: Callable[[int], None]
+    ) -> Iterator[Entry]:
+        # Addressable: a payload is the row index, and no row is ever dropped.
+        for pos in itertools.count(start):
+            yield True, pos, self.row_index(seed, pos)
+
+    def draws(self, run_seed: int, seed: int) -> Iterator[Draw]:
+        rng = random.Random(seed)
+        batch = self.cfg.batch_size
+        for n in itertools.count():
+            for i in range(batch):
+                yield _mix(run_seed, _TAG_AUGMENT, _mix(seed, n, i)), self.random_index(rng)
+
+    def materialize(self, payload: int) -> Record:
+        row = self.world.row(payload, self.cfg.synthetic.noise, n_rows=self.size)
         return row.caption, self.world.render(row.scene)
 
 
@@ -311,9 +428,9 @@ class _SyntheticSource:
 class _Plan:
     """Everything a reader needs, picklable so DataLoader workers can receive it."""
 
-    source: Any
+    source: TrainSource
     cfg: DataConfig
-    tokenizer: Any
+    tokenizer: TextTokenizer
     image: dict[str, Any]  # image_size, resize, mean, std (the transform is built where it runs: closures don't pickle)
     rank: int
     world_size: int
@@ -337,42 +454,13 @@ class _Reader:
 
     # ------------------------------------------------------------------ the global sequence
 
-    def _global(self, start: int) -> Iterator[tuple[bool, int, Any]]:
-        """(is_item, position, payload) from position ``start`` on: usable records with their global index,
-        and drop reasons with the index of the usable record read just before (their place in read order)."""
-        p = self.p
-        if isinstance(p.source, _SyntheticSource):
-            # Addressable: a record is the row index; only its owner renders it.
-            for pos in itertools.count(start):
-                yield True, pos, p.source.row_index(p.seed, pos)
-        base, epoch = 0, 0
-        while True:
-            if self.epoch_length and base + self.epoch_length <= start:
-                base, epoch = base + self.epoch_length, epoch + 1
-                continue
-            buffer = _ShuffleBuffer(p.cfg.shuffle_buffer, random.Random(_mix(p.seed, _TAG_BUFFER, epoch)))
-            usable = emitted = 0
-            for event in p.source.epoch(p.seed, epoch):
-                if isinstance(event, str):
-                    # Placed at the last usable record read before it, so a drop belongs to the epoch it is in.
-                    where = base + max(usable - 1, 0)
-                    if where >= start:
-                        yield False, where, event
-                    continue
-                usable += 1
-                out = buffer.push(event)
-                if out is not None:
-                    if base + emitted >= start:
-                        yield True, base + emitted, out
-                    emitted += 1
-            for out in buffer.drain():
-                if base + emitted >= start:
-                    yield True, base + emitted, out
-                emitted += 1
-            if usable == 0:
-                raise ValueError(f"no usable training samples in a whole epoch of {_describe(p)}")
-            self.epoch_length = usable
-            base, epoch = base + usable, epoch + 1
+    def _global(self, start: int) -> Iterator[Entry]:
+        """The source's global sequence from position ``start`` on; learns the epoch length as it goes."""
+
+        def learned(length: int) -> None:
+            self.epoch_length = length
+
+        return self.p.source.sequence(self.p.seed, start, self.epoch_length, learned)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
         return self._resampled() if self.p.cfg.resampled else self._exact()
@@ -381,10 +469,10 @@ class _Reader:
         p = self.p
         W, K, k = p.world_size, self.workers, self.worker
         window = W * p.cfg.batch_size
-        own: list[tuple[int, Record]] = []
+        own: list[tuple[int, Any]] = []  # (position, payload) of this reader's samples of the step
         pending: Counter[tuple[int, str]] = Counter()  # (step, reason) of drops this reader counts
-        recent: deque[tuple[int, Record]] = deque(maxlen=_REFILL_POOL)
-        pool: list[tuple[int, Record]] = []
+        recent: deque[tuple[int, Any]] = deque(maxlen=_REFILL_POOL)
+        pool: list[tuple[int, Any]] = []
         # Start a little early so that a resumed run has the same refill candidates as a straight one.
         for is_item, pos, payload in self._global(max(0, p.start - _REFILL_POOL)):
             if pos < p.start:
@@ -415,31 +503,19 @@ class _Reader:
 
         p = self.p
         seed = _mix(p.seed, _TAG_RESAMPLE, p.rank, self.worker, p.start)
-        if isinstance(p.source, _SyntheticSource):
-            rng = random.Random(seed)
-            for n in itertools.count():
-                picks = [(_mix(seed, n, i), p.source.random_index(rng)) for i in range(p.cfg.batch_size)]
-                yield self._batch(picks, [], Counter())
-        buffer = _ShuffleBuffer(p.cfg.shuffle_buffer, random.Random(_mix(seed, _TAG_BUFFER)))
         pixels: list[torch.Tensor] = []
         captions: list[str] = []
         skipped: Counter[str] = Counter()
-        seen = usable = 0
         in_main = self.in_main
-        for event in p.source.resampled(seed):
-            seen += 1
-            if isinstance(event, str):
-                skipped[event] += 1
-                if usable == 0 and seen > 100_000:
-                    raise ValueError(f"no usable training samples among the first {seen} read from {_describe(p)}")
+        for draw in p.source.draws(p.seed, seed):
+            if isinstance(draw, str):
+                skipped[draw] += 1
                 continue
-            record = buffer.push(event)
-            if record is None:
-                continue
-            usable += 1
+            sample_seed, payload = draw
             try:
                 with torch.random.fork_rng(devices=[]) if in_main else contextlib.nullcontext():
-                    pixels.append(self._pixels(record, _mix(seed, _TAG_AUGMENT, usable)))
+                    record = p.source.materialize(payload)
+                    pixels.append(self._pixels(record, sample_seed))
                 captions.append(record[0])
             except BadImage as err:
                 # Nothing to keep exact here: the next sample simply takes the place.
@@ -449,9 +525,6 @@ class _Reader:
                 pixels, captions, skipped = [], [], Counter()
 
     # ------------------------------------------------------------------ decoding
-
-    def _materialize(self, record: Any) -> Record:
-        return self.p.source.materialize(record) if isinstance(self.p.source, _SyntheticSource) else record
 
     def _pixels(self, record: Record, sample_seed: int) -> torch.Tensor:
         from openalign.data.transforms import decode_image
@@ -465,7 +538,7 @@ class _Reader:
         return self.transform(image)
 
     def _batch(
-        self, own: list[tuple[int, Record]], pool: list[tuple[int, Record]], skipped: Counter[str]
+        self, own: list[tuple[int, Any]], pool: list[tuple[int, Any]], skipped: Counter[str]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         from openalign.data.transforms import BadImage
 
@@ -476,8 +549,8 @@ class _Reader:
         # Seeding torch's generator per sample must not disturb the training process's own draws.
         guard = torch.random.fork_rng(devices=[]) if self.in_main else contextlib.nullcontext()
         with guard:
-            for pos, record in own:
-                record = self._materialize(record)
+            for pos, payload in own:
+                record = p.source.materialize(payload)
                 try:
                     pixels.append(self._pixels(record, _mix(p.seed, _TAG_AUGMENT, pos)))
                     captions.append(record[0])
@@ -488,8 +561,8 @@ class _Reader:
             holes = [i for i, x in enumerate(pixels) if x is None]
             refills = reversed(pool)
             for i in holes:
-                for pos, record in refills:
-                    record = self._materialize(record)
+                for pos, payload in refills:
+                    record = p.source.materialize(payload)
                     try:
                         pixels[i] = self._pixels(record, _mix(p.seed, _TAG_REFILL, pos))
                         captions[i] = record[0]
@@ -498,7 +571,7 @@ class _Reader:
                         continue  # its owner counted it already
         good = [i for i, x in enumerate(pixels) if x is not None]
         if not good:
-            raise ValueError(f"no decodable image in a whole batch of {_describe(p)} ({dict(skipped)})")
+            raise ValueError(f"no decodable image in a whole batch of {p.source.describe()} ({dict(skipped)})")
         for n, i in enumerate(i for i, x in enumerate(pixels) if x is None):
             # Only at the very start of a stream (no earlier sample to refill from): repeat one of this batch.
             pixels[i], captions[i] = pixels[good[n % len(good)]], captions[good[n % len(good)]]
@@ -510,13 +583,6 @@ class _Reader:
         tokens = self.p.tokenizer(captions, max_length=self.p.cfg.max_text_length)
         meta = {"skipped": dict(skipped), "epoch_length": self.epoch_length}
         return torch.stack(pixels), tokens["input_ids"], tokens["attention_mask"], meta
-
-
-def _describe(p: _Plan) -> str:
-    if p.cfg.source == "synthetic":
-        return "the synthetic world"
-    urls = p.source.urls
-    return f"{len(urls)} shard(s) ({urls[0]}{', …' if len(urls) > 1 else ''})"
 
 
 class _Dataset(torch.utils.data.IterableDataset):
@@ -620,7 +686,7 @@ def image_options(cfg: DataConfig, model_config: ModelConfig | None = None) -> d
 
 def build_train_stream(
     cfg: DataConfig,
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
     *,
     rank: int = 0,
     world_size: int = 1,
@@ -652,7 +718,7 @@ def build_train_stream(
         urls = expand_urls(cfg.shards if isinstance(cfg.shards, str) else list(cfg.shards))
         if not urls:
             raise ValueError(f"data.shards {cfg.shards!r} names no shard")
-        source: Any = _ShardSource(urls, cfg)
+        source: TrainSource = _ShardSource(urls, cfg)
     else:
         source = _SyntheticSource(cfg, cfg.seed if cfg.seed is not None else seed)
     run_seed = cfg.seed if cfg.seed is not None else seed

@@ -77,11 +77,11 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
             backend = "nccl" if dev.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend,
-                timeout=timedelta(minutes=timeout_minutes),
-                **({"device_id": dev} if dev.type == "cuda" else {}),
-            )
+            timeout = timedelta(minutes=timeout_minutes)
+            if dev.type == "cuda":
+                dist.init_process_group(backend, timeout=timeout, device_id=dev)
+            else:
+                dist.init_process_group(backend, timeout=timeout)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from openalign.model.layers import frozen_bn_stats
+from openalign.model.layers import frozen_bn_stats, running_stats
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -68,7 +68,8 @@ def chunk_batch(batch: Batch, chunk_size: int) -> list[Batch]:
 
 
 def _embed(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    return model(batch["pixel_values"], batch["input_ids"], batch.get("attention_mask"))
+    image, text = model(batch["pixel_values"], batch["input_ids"], batch.get("attention_mask"))
+    return image, text
 
 
 def _batch_norms(model: nn.Module) -> list[_BatchNorm]:
@@ -81,9 +82,10 @@ def _recording_bn_stats(model: nn.Module) -> Iterator[Callable[[], None]]:
     through the returned ``record()``, then restores the buffers and applies one update with the mean of the
     recorded statistics at the layer's own momentum."""
     layers = _batch_norms(model)
-    saved = [
-        (m, m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in layers
-    ]
+    saved = []
+    for m in layers:
+        mean, var, tracked = running_stats(m)
+        saved.append((m, m.momentum, mean.clone(), var.clone(), tracked.clone()))
     means: list[list[torch.Tensor]] = [[] for _ in layers]
     variances: list[list[torch.Tensor]] = [[] for _ in layers]
     for m in layers:
@@ -91,8 +93,9 @@ def _recording_bn_stats(model: nn.Module) -> Iterator[Callable[[], None]]:
 
     def record() -> None:
         for i, m in enumerate(layers):
-            means[i].append(m.running_mean.clone())
-            variances[i].append(m.running_var.clone())
+            mean, var, _ = running_stats(m)
+            means[i].append(mean.clone())
+            variances[i].append(var.clone())
 
     ok = False
     try:
@@ -101,15 +104,16 @@ def _recording_bn_stats(model: nn.Module) -> Iterator[Callable[[], None]]:
     finally:
         for i, (m, momentum, mean, var, tracked) in enumerate(saved):
             m.momentum = momentum
-            m.running_mean.copy_(mean)
-            m.running_var.copy_(var)
-            m.num_batches_tracked.copy_(tracked)
+            running_mean, running_var, running_tracked = running_stats(m)
+            running_mean.copy_(mean)
+            running_var.copy_(var)
+            running_tracked.copy_(tracked)
             if ok and means[i]:
                 # momentum=None is PyTorch's cumulative average: the factor is 1 / batches seen so far.
                 factor = momentum if momentum is not None else 1.0 / float(tracked + 1)
-                m.running_mean.lerp_(torch.stack(means[i]).mean(0), factor)
-                m.running_var.lerp_(torch.stack(variances[i]).mean(0), factor)
-                m.num_batches_tracked.add_(1)
+                running_mean.lerp_(torch.stack(means[i]).mean(0), factor)
+                running_var.lerp_(torch.stack(variances[i]).mean(0), factor)
+                running_tracked.add_(1)
 
 
 def plain_step(
@@ -166,8 +170,8 @@ def cached_step(
     for i, (chunk, state) in enumerate(zip(chunks, states, strict=True)):
         state.restore(device)
         n = chunk["pixel_values"].shape[0]
-        sync = no_sync is None or i == last
-        with contextlib.nullcontext() if sync else no_sync(), frozen_bn_stats(inner):
+        # Gradients are all-reduced on the last chunk only.
+        with no_sync() if no_sync is not None and i != last else contextlib.nullcontext(), frozen_bn_stats(inner):
             image, text = _embed(model, chunk)
             # d(surrogate)/d(params) = sum over rows of (dL/d emb) · (d emb/d params): the chain rule with the
             # loss's part already done.

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import torch
 
 from openalign.config import ConfigError
 
-__all__ = ["LogConfig", "RunLogger", "evaluate_retrieval", "plot_metrics", "read_metrics"]
+__all__ = ["LogConfig", "RunLogger", "plot_metrics", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -177,38 +177,6 @@ def _truncate_after(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate_retrieval(
-    model: Any,
-    tokenizer: Any,
-    images: Sequence[Any],
-    captions: Sequence[str],
-    text_image_ids: Sequence[int],
-    *,
-    batch_size: int = 64,
-    device: str | torch.device = "cpu",
-) -> dict[str, float]:
-    """Zero-shot retrieval on a held-out set: ``{"i2t_r1", …, "t2i_r10"}`` in percent.
-
-    ``images`` are PIL images (the model's eval transform is applied) or transformed tensors;
-    ``text_image_ids[j]`` is the image caption ``j`` describes. The model's training mode and the global
-    random state are left as they were, so evaluating does not change what training does next.
-    """
-    from openalign.embed import embed_images, embed_texts
-    from openalign.eval.retrieval import recall_at_k
-
-    if len(captions) != len(text_image_ids):
-        raise ValueError(f"{len(captions)} captions but {len(text_image_ids)} text_image_ids")
-    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        image_emb = embed_images(model, images, batch_size=batch_size, device=device)
-        text_emb = embed_texts(model, tokenizer, list(captions), batch_size=max(batch_size, 256), device=device)
-    return recall_at_k(image_emb, text_emb, list(text_image_ids))
 
 
 # ---------------------------------------------------------------------------------------------- plots

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,11 @@ from openalign.train.distributed import (
 )
 from openalign.train.grad_cache import cached_step, plain_step
 
+if TYPE_CHECKING:
+    from openalign.eval.retrieval import RetrievalSet
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer, Tokenizer
+
 __all__ = ["NonFiniteError", "TrainResult", "train"]
 
 StreamFactory = Callable[..., Any]
@@ -70,7 +75,7 @@ def train(
     *,
     resume: str | None = None,
     stream_factory: StreamFactory | None = None,
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> TrainResult:
     """Train as ``cfg`` says; ``resume`` is "latest" or a checkpoint directory.
 
@@ -117,7 +122,9 @@ def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
 class _Run:
     """Everything one process needs for a run: model, optimizer, schedule, stream, logger."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, stream_factory: StreamFactory | None, tokenizer: Any):
+    def __init__(
+        self, cfg: TrainConfig, info: DistInfo, stream_factory: StreamFactory | None, tokenizer: TextTokenizer | None
+    ):
         t = cfg.train
         self.cfg, self.info = cfg, info
         self.run_dir = Path(t.run_dir)
@@ -170,7 +177,7 @@ class _Run:
 
     # ------------------------------------------------------------------ state
 
-    def _state_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Full (unsharded) model and optimizer state; a collective under FSDP, valid on rank 0."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -226,6 +233,7 @@ class _Run:
                 print(f"no checkpoint in {self.run_dir / ckpt.CHECKPOINT_DIR}; starting at step 0", file=sys.stderr)
             return
         trainer, model_state = ckpt.load_trainer_state(path)
+        state: dict[str, Any] = model_state
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -233,7 +241,7 @@ class _Run:
             set_state_dict(
                 self.model,
                 self.optimizer,
-                model_state_dict=model_state,
+                model_state_dict=state,
                 optim_state_dict=trainer["optimizer"],
                 options=options,
             )
@@ -388,17 +396,18 @@ class _Run:
             self.eval_set = _load_eval_set(self.cfg)
         from openalign.eval.retrieval import evaluate_retrieval
 
-        model = unwrap(self.wrapped)
-        # Evaluation must not move the random stream, or a resumed run would diverge from a straight one.
-        with torch.random.fork_rng(devices=[self.info.device] if self.info.device.type == "cuda" else []):
-            result = evaluate_retrieval(
-                model,
-                self.tokenizer,
-                self.eval_set,
-                batch_size=self.cfg.eval.batch_size,
-                device=str(self.info.device),
-                progress=False,
-            )
+        if self.tokenizer is None:
+            raise ValueError("evaluation needs a tokenizer; set data.tokenizer")
+        model = cast("DualEncoder", unwrap(self.wrapped))
+        # Evaluation leaves the random stream alone, or a resumed run would diverge from a straight one.
+        result = evaluate_retrieval(
+            model,
+            self.tokenizer,
+            self.eval_set,
+            batch_size=self.cfg.eval.batch_size,
+            device=str(self.info.device),
+            progress=False,
+        )
         model.train()
         if self.info.is_main:
             self.logger.log(self.step, {f"eval/{k}": float(v) for k, v in result.items()})
@@ -462,7 +471,7 @@ def _has_tokenizer(path: str | Path) -> bool:
     return Path(path).is_dir() and find_tokenizer_file(path) is not None
 
 
-def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Any:
+def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> TextTokenizer | None:
     """The run's tokenizer: ``data.tokenizer``, the ``model.init`` checkpoint's, or (synthetic data) a vocabulary
     learnt from the world's captions. A learnt one is learnt once, by rank 0, and handed to every rank; a
     resumed run takes the one saved with its checkpoint. Learning it again is not safe: the WordPiece trainer
@@ -487,10 +496,11 @@ def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Any:
             tokenizer = load_tokenizer(found, max_length=length)
         else:
             tokenizer = _synthetic_tokenizer(cfg)
-    return broadcast_object(tokenizer)
+    shared: TextTokenizer | None = broadcast_object(tokenizer)
+    return shared
 
 
-def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Any:
+def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Tokenizer:
     """A WordPiece vocabulary learnt from the synthetic world's captions (noise included), as
     ``openalign vocab`` would."""
     from openalign.data.synthetic import SyntheticWorld
@@ -504,7 +514,7 @@ def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Any:
     return tokenizer
 
 
-def _check_vocab(config: ModelConfig, tokenizer: Any) -> None:
+def _check_vocab(config: ModelConfig, tokenizer: TextTokenizer | None) -> None:
     if tokenizer is not None and tokenizer.vocab_size > config.text.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's text.vocab_size is "
@@ -529,8 +539,8 @@ def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step:
     return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **cfg.log.logger_kwargs(start_step))
 
 
-def _load_eval_set(cfg: TrainConfig) -> Any:
-    from openalign.eval.retrieval import HeldOutSet
+def _load_eval_set(cfg: TrainConfig) -> RetrievalSet:
+    from openalign.eval.retrieval import RetrievalSet
 
     e = cfg.eval
     if e.source == "karpathy":
@@ -542,8 +552,9 @@ def _load_eval_set(cfg: TrainConfig) -> Any:
         # The first eval.images images and their captions: a cheap, fixed check between steps.
         keep = [j for j, i in enumerate(data.text_image_ids) if i < e.images]
         images = [image for _, image in zip(range(e.images), data.images, strict=False)]
-        return HeldOutSet(images, [data.captions[j] for j in keep], [data.text_image_ids[j] for j in keep])
+        captions = [data.captions[j] for j in keep]
+        return RetrievalSet(images, captions, [data.text_image_ids[j] for j in keep], name=data.name)
     from openalign.data.synthetic import retrieval_set
 
     images, captions, ids = retrieval_set(e.images, e.captions_per_image)
-    return HeldOutSet(images, captions, ids)
+    return RetrievalSet(images, captions, ids)

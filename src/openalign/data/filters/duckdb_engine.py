@@ -246,7 +246,7 @@ def _run(
     inner.append(f"CAST({quote(plan.text)} AS VARCHAR) AS txt")
     if plan.has_text_error_column:
         inner.append(f"{TEXT_ERROR_COLUMN} AS text_error")
-    if plan.width is not None:
+    if plan.width is not None and plan.height is not None:
         inner += [f"try_cast({quote(plan.width)} AS DOUBLE) AS w", f"try_cast({quote(plan.height)} AS DOUBLE) AS h"]
     if plan.unsafe is not None:
         inner += [f"try_cast({quote(plan.unsafe)} AS DOUBLE) AS u", f"{quote(plan.unsafe)} IS NOT NULL AS u_given"]

@@ -192,7 +192,8 @@ def _decode_binary(arr: pa.ChunkedArray | pa.Array, strict: bool) -> tuple[pa.Ar
         return pc.cast(arr, pa.string()), None
     except pa.ArrowInvalid:
         pass
-    values, bad = [], []
+    values: list[str | None] = []
+    bad: list[bool] = []
     for v in arr.to_pylist():
         if v is None:
             values.append(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
+from typing import cast
 
 PERSON_TOKEN = "<PERSON>"
 PersonHook = Callable[[str], str]
@@ -53,4 +54,4 @@ def resolve_person_hook(spec: str | PersonHook | None) -> PersonHook | None:
     hook = getattr(module, attr, None)
     if not callable(hook):
         raise ValueError(f"person_substitution: '{spec}' is not a callable")
-    return hook
+    return cast("Callable[[str], str]", hook)
