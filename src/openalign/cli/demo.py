@@ -15,7 +15,7 @@ EXPERIMENTS = "openalign.experiments:ExperimentSettings"
 def register(sub: argparse._SubParsersAction) -> None:
     sub.add_parser(
         "demo",
-        help="the whole pipeline on the built-in synthetic corpus (about ten minutes on two CPU cores)",
+        help="the whole pipeline on the built-in synthetic corpus (about twenty minutes on two CPU cores)",
         build=_demo,
     )
     sub.add_parser(
@@ -33,7 +33,7 @@ def _demo(parser: Parser) -> None:
         "folder reuses the finished stages."
     )
     parser.epilog = (
-        "examples:\n  openalign demo\n  openalign demo --out runs/demo2 --steps 1200\n"
+        "examples:\n  openalign demo\n  openalign demo --out runs/demo2 --steps 600\n"
         "  openalign demo --quick --seed 1\n  openalign demo --seeds 3 --out runs/demo3"
     )
     parser.add_argument("--quick", action="store_true", help="start from small sizes: about a minute, for a first look")
