@@ -10,16 +10,11 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance
 
 from openalign.config import ConfigError
-from openalign.data.copy_detection import (
-    AugmentConfig,
-    CopyDetector,
-    CopyDetectorConfig,
-    augment_views,
-    colour_jitter,
-    crop_resize,
-    train_copy_detector,
-)
+from openalign.data.augment import AugmentConfig, augment_views, colour_jitter, crop_resize
 from openalign.data.synthetic import SyntheticWorld, augment_near_duplicate
+from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
+from openalign.model.io import load_copy_detector, load_model, save_model
+from openalign.pipeline.copy_detector import CopyDetectorTrainConfig, train_copy_detector
 
 SIZE = 32
 
@@ -32,7 +27,11 @@ def scenes() -> list[Image.Image]:
 
 @pytest.fixture(scope="module")
 def trained(scenes: list[Image.Image]) -> CopyDetector:
-    return train_copy_detector(scenes, image_size=SIZE, steps=40, batch_size=24, warmup_steps=4, seed=0)
+    return train_copy_detector(scenes, _cfg(steps=40, batch_size=24, warmup_steps=4, seed=0))
+
+
+def _cfg(**fields: object) -> CopyDetectorTrainConfig:
+    return CopyDetectorTrainConfig(image_size=SIZE, **fields)
 
 
 def _random_images(n: int, seed: int) -> list[Image.Image]:
@@ -125,16 +124,16 @@ def test_embeddings_are_normalised_and_deterministic(scenes: list[Image.Image], 
     assert emb.dtype == np.float32 and emb.shape == (10, trained.embed_dim)
     assert np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
     assert np.allclose(trained.embed(iter(scenes[:10]), batch_size=7), emb, atol=1e-6)  # batching, iterators
-    again = train_copy_detector(scenes, image_size=SIZE, steps=40, batch_size=24, warmup_steps=4, seed=0)
+    again = train_copy_detector(scenes, _cfg(steps=40, batch_size=24, warmup_steps=4, seed=0))
     assert np.allclose(again.embed(scenes[:10]), emb, atol=1e-5)
-    other = train_copy_detector(scenes, image_size=SIZE, steps=3, batch_size=24, seed=1)
+    other = train_copy_detector(scenes, _cfg(steps=3, batch_size=24, seed=1))
     assert not np.allclose(other.embed(scenes[:10]), emb, atol=1e-3)
     assert trained.embed([]).shape == (0, trained.embed_dim)
 
 
 def test_exact_duplicates_and_unreadable_images_are_skipped_and_counted() -> None:
     images = _random_images(6, seed=0)
-    detector = train_copy_detector([*images, images[0].copy(), "not an image", *images[:2]], image_size=SIZE, steps=1)
+    detector = train_copy_detector([*images, images[0].copy(), "not an image", *images[:2]], _cfg(steps=1))
     stats = detector.train_stats
     assert stats["images_in"] == 10 and stats["images_used"] == 6
     assert stats["exact_duplicates"] == 3 and stats["unreadable"] == 1
@@ -142,20 +141,20 @@ def test_exact_duplicates_and_unreadable_images_are_skipped_and_counted() -> Non
 
 
 def test_seconds_budget_stops_training() -> None:
-    detector = train_copy_detector(_random_images(8, seed=1), image_size=SIZE, steps=10_000, seconds=0.5)
+    detector = train_copy_detector(_random_images(8, seed=1), _cfg(steps=10_000, seconds=0.5))
     assert 1 <= detector.train_stats["steps"] < 10_000
 
 
 def test_bad_arguments_are_one_line_errors() -> None:
     images = _random_images(4, seed=2)
     with pytest.raises(ValueError, match="at least 2 distinct"):
-        train_copy_detector([images[0], images[0]], image_size=SIZE, steps=1)
-    with pytest.raises(ValueError, match="steps"):
-        train_copy_detector(images, image_size=SIZE, steps=0)
-    with pytest.raises(ValueError, match="seconds"):
-        train_copy_detector(images, image_size=SIZE, seconds=0)
+        train_copy_detector([images[0], images[0]], _cfg(steps=1))
+    with pytest.raises(ConfigError, match="steps"):
+        train_copy_detector(images, _cfg(steps=0))
+    with pytest.raises(ConfigError, match="seconds"):
+        train_copy_detector(images, _cfg(seconds=0))
     with pytest.raises(ConfigError, match=r"augment\.crop"):
-        train_copy_detector(images, image_size=SIZE, augment=AugmentConfig(crop=0.7))
+        train_copy_detector(images, _cfg(augment=AugmentConfig(crop=0.7)))
     with pytest.raises(ConfigError, match="jpeg_quality"):
         AugmentConfig(jpeg_quality=(90, 40)).validate()
     with pytest.raises(ConfigError, match="image_size"):
@@ -170,22 +169,39 @@ def test_bad_arguments_are_one_line_errors() -> None:
 
 
 def test_save_load_round_trip(tmp_path, scenes: list[Image.Image], trained: CopyDetector) -> None:
-    path = trained.save(tmp_path / "detector")
+    # The detector saves like every openalign model: config.json (architecture + config) and safetensors.
+    path = save_model(trained, tmp_path / "detector")
     assert (path / "model.safetensors").is_file()
     meta = json.loads((path / "config.json").read_text())
-    assert meta["format"] == "openalign-copy-detector" and meta["train"]["steps"] == 40
-    loaded = CopyDetector.load(path)
-    assert not loaded.training and loaded.config == trained.config
+    assert meta["format"] == "openalign" and meta["architecture"] == "copy_detector"
+    assert meta["model"]["grid"] == trained.config.grid and meta["train"]["steps"] == 40
+    assert "losses" not in meta["train"]
+    loaded = load_copy_detector(path)
+    assert not loaded.training and loaded.config == trained.config and loaded.train_stats["steps"] == 40
     assert np.array_equal(loaded.embed(scenes[:8]), trained.embed(scenes[:8]))
 
 
-def test_load_rejects_missing_and_foreign_directories(tmp_path) -> None:
+def test_detectors_saved_in_the_first_layout_still_load(tmp_path, scenes: list[Image.Image], trained) -> None:
+    path = save_model(trained, tmp_path / "detector")
+    meta = json.loads((path / "config.json").read_text())
+    old = {"format": "openalign-copy-detector", "format_version": 1, "detector": meta["model"], "train": meta["train"]}
+    (path / "config.json").write_text(json.dumps(old))
+    assert np.array_equal(load_copy_detector(path).embed(scenes[:4]), trained.embed(scenes[:4]))
+
+
+def test_load_rejects_missing_foreign_and_mismatched_directories(tmp_path, tiny_model, trained) -> None:
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
-        CopyDetector.load(tmp_path / "nowhere")
-    (tmp_path / "config.json").write_text(json.dumps({"format": "openalign", "model": {}}))
-    with pytest.raises(ConfigError, match="not a copy detector"):
-        CopyDetector.load(tmp_path)
-    bad = {"format": "openalign-copy-detector", "format_version": 1, "detector": {"image_sise": 64}}
+        load_copy_detector(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text(json.dumps({"format": "something-else", "model": {}}))
+    with pytest.raises(ConfigError, match="neither an openalign checkpoint"):
+        load_copy_detector(tmp_path)
+    bad = {"format": "openalign", "format_version": 1, "architecture": "copy_detector", "model": {"image_sise": 64}}
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ConfigError, match="image_sise"):
-        CopyDetector.load(tmp_path)
+        load_copy_detector(tmp_path)
+    save_model(tiny_model, tmp_path / "align")
+    with pytest.raises(ConfigError, match="holds an ALIGN dual encoder, not a copy detector"):
+        load_copy_detector(tmp_path / "align")
+    save_model(trained, tmp_path / "detector")
+    with pytest.raises(ConfigError, match="holds a copy detector, not an ALIGN dual encoder"):
+        load_model(tmp_path / "detector")

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from openalign.config import ConfigError
-from openalign.demo import DemoConfig, run_demo
+from openalign.pipeline.demo import DemoConfig, run_demo
 
 _DATA_STAGES = """
 import sys
-from openalign.demo import DemoConfig, run_demo
+from openalign.pipeline.demo import DemoConfig, run_demo
 cfg = DemoConfig(out=sys.argv[1], corpus_size=1200, retrieval_images=40, classification_per_class=1,
                  vocab_size=400, copy_detector_steps=4, workers=0)
 run_demo(cfg, until="shards")
@@ -78,7 +78,7 @@ def _summaries(t2i: float, temperature: float, planted: int = 100, found: int = 
 
 
 def test_the_report_says_where_to_look_when_the_mark_is_missed() -> None:
-    from openalign.demo import diagnose
+    from openalign.pipeline.demo import diagnose
 
     cfg = DemoConfig(target_r1=65.0)
     missed = diagnose(cfg, _summaries(40.0, 0.5), [(100, 2.0), (400, 20.0), (500, 40.0)])

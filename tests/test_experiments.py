@@ -12,7 +12,7 @@ import torch
 import openalign.train.loop as loop
 from openalign.cli import main
 from openalign.config import ConfigError
-from openalign.experiments import (
+from openalign.pipeline.experiments import (
     ExperimentSettings,
     Stat,
     ablations,

@@ -8,8 +8,8 @@ from typing import Any
 from openalign.cli import schema
 from openalign.cli.options import Alias, Parser, add_config, data, print_config
 
-DEMO = "openalign.demo:DemoConfig"
-EXPERIMENTS = "openalign.experiments:ExperimentSettings"
+DEMO = "openalign.pipeline.demo:DemoConfig"
+EXPERIMENTS = "openalign.pipeline.experiments:ExperimentSettings"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,14 +57,14 @@ def _with_base(args: argparse.Namespace, quick: Any) -> dict[str, Any]:
 
 def run_demo(args: argparse.Namespace) -> int:
     from openalign.config import from_dict, to_dict
-    from openalign.demo import DemoConfig, quick_config
+    from openalign.pipeline.demo import DemoConfig, quick_config
 
     cfg = from_dict(DemoConfig, _with_base(args, lambda out="runs/demo": quick_config(out)))
     cfg.validate()
     if args.print_config:
         print_config(to_dict(cfg))
         return 0
-    from openalign.demo import run_demo, run_demo_seeds
+    from openalign.pipeline.demo import run_demo, run_demo_seeds
 
     if args.seeds > 1:
         run_demo_seeds(cfg, args.seeds)
@@ -98,7 +98,7 @@ def _experiments(parser: Parser) -> None:
 
 def run_experiments(args: argparse.Namespace) -> int:
     from openalign.config import from_dict, to_dict
-    from openalign.experiments import ExperimentSettings, quick_settings
+    from openalign.pipeline.experiments import ExperimentSettings, quick_settings
 
     settings = from_dict(ExperimentSettings, _with_base(args, quick_settings))
     settings.validate()
@@ -106,7 +106,7 @@ def run_experiments(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(to_dict(settings))
         return 0
-    from openalign.experiments import run_experiments
+    from openalign.pipeline.experiments import run_experiments
 
     run_experiments(settings)
     return 0

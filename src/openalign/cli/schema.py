@@ -195,6 +195,12 @@ def _read_class(module: str, cls: ast.ClassDef, prefix: str) -> Schema:
     _, comments, lines = _parsed(module)
     knobs: list[Knob] = []
     sections: list[Section] = []
+    for base in cls.bases:  # a dataclass subclass: the base's fields come first, as in dataclasses.fields
+        found = _class(module, base)
+        if found is not None:
+            inherited = _read_class(found[0], found[1], prefix)
+            knobs += inherited.knobs
+            sections += inherited.sections
     for stmt in cls.body:
         if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name):
             continue
@@ -224,7 +230,8 @@ def _read_class(module: str, cls: ast.ClassDef, prefix: str) -> Schema:
         if isinstance(default, tuple):
             default = list(default)
         knobs.append(Knob(path, kind, default, _comment(stmt, comments, lines), choices, required=stmt.value is None))
-    return Schema(tuple(knobs), tuple(sections))
+    by_path = {k.path: k for k in knobs}  # a field redefined in a subclass keeps its place and takes the new one
+    return Schema(tuple(by_path.values()), tuple(sections))
 
 
 # --------------------------------------------------------------------------------------------------

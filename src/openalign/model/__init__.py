@@ -1,10 +1,11 @@
-"""Model towers, the dual encoder, and checkpoint I/O (openalign and transformers formats)."""
+"""Model towers, the dual encoder, the copy detector, and checkpoint I/O (openalign and transformers formats)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from openalign.config import ModelConfig, model_config
+from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
 from openalign.model.dual_encoder import DualEncoder
 
 
@@ -13,4 +14,4 @@ def create_model(preset_or_config: str | dict[str, Any] | ModelConfig, **overrid
     return DualEncoder(model_config(preset_or_config, **overrides))
 
 
-__all__ = ["DualEncoder", "create_model"]
+__all__ = ["CopyDetector", "CopyDetectorConfig", "DualEncoder", "create_model"]

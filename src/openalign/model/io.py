@@ -1,34 +1,59 @@
-"""Saving and loading dual encoders: openalign directories and transformers AlignModel directories.
+"""Saving and loading models: openalign directories and transformers AlignModel directories.
 
-An openalign checkpoint is a directory with ``config.json`` (the ModelConfig plus a format marker)
-and ``model.safetensors``; a tokenizer saved beside it travels with the model.
+An openalign checkpoint is a directory with ``config.json`` (a format marker, the architecture and the model's
+config) and ``model.safetensors``; a tokenizer saved beside a dual encoder travels with it. Every openalign
+model saves and loads through the same two helpers here, whatever its architecture:
+
+- ``dual_encoder``: the ALIGN image–text model (``load_model``); checkpoints without an ``architecture`` key
+  are dual encoders;
+- ``copy_detector``: the image embedding model that finds near-duplicates of test images
+  (``load_copy_detector``), with the statistics of its training run under ``train``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from openalign.config import ConfigError, ModelConfig, model_config, to_dict
+from openalign.config import ConfigError, ModelConfig, from_dict, model_config, to_dict
+from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
 from openalign.model.dual_encoder import DualEncoder
 
 FORMAT = "openalign"
 FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+Architecture = Literal["dual_encoder", "copy_detector"]
+ARCHITECTURES: tuple[Architecture, ...] = ("dual_encoder", "copy_detector")
+# The layout copy detectors were first saved in: {"format": LEGACY_DETECTOR_FORMAT, "detector": {...}}.
+LEGACY_DETECTOR_FORMAT = "openalign-copy-detector"
 
 
-def save_model(model: DualEncoder, path: str | Path) -> Path:
+def save_model(model: DualEncoder | CopyDetector, path: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` to directory ``path`` (created if missing)."""
+    kind: Architecture = "copy_detector" if isinstance(model, CopyDetector) else "dual_encoder"
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "architecture": kind,
+        "model": to_dict(model.config),
+    }
+    if isinstance(model, CopyDetector):
+        meta["train"] = {k: v for k, v in model.train_stats.items() if k != "losses"}
+    return write_checkpoint(path, model.state_dict(), meta)
+
+
+def write_checkpoint(path: str | Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """The weights (written to a temporary file, then renamed) and ``config.json`` in directory ``path``."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": to_dict(model.config)}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = out / "model.safetensors.tmp"
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tmp = out / f"{WEIGHTS}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    tmp.replace(out / WEIGHTS)
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
@@ -41,20 +66,68 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
-    """Load an openalign checkpoint directory or a transformers AlignModel directory, in eval mode."""
+def architecture(meta: dict[str, Any], path: str | Path) -> tuple[Architecture, dict[str, Any]]:
+    """(architecture, model config mapping) of an openalign checkpoint's ``config.json``."""
+    if meta.get("format") == LEGACY_DETECTOR_FORMAT:
+        return "copy_detector", dict(meta.get("detector") or {})
+    if meta.get("format") != FORMAT:
+        raise ConfigError(
+            f"{path}/config.json is neither an openalign checkpoint nor a transformers AlignModel "
+            f"(format={meta.get('format')!r}, model_type={meta.get('model_type')!r})"
+        )
+    if meta.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise ConfigError(f"{path}/config.json: unsupported format_version {meta.get('format_version')!r}")
+    kind = meta.get("architecture", "dual_encoder")
+    if kind not in ARCHITECTURES:
+        raise ConfigError(f"{path}/config.json: unknown architecture {kind!r} (known: {', '.join(ARCHITECTURES)})")
+    return kind, dict(meta.get("model") or {})
+
+
+def read_weights(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    weights = Path(path) / WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS}")
+    return load_file(str(weights), device=str(map_location))
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, expect: Architecture | None = None
+) -> DualEncoder | CopyDetector:
+    """Any openalign model directory (or a transformers AlignModel directory), in eval mode; with ``expect``, a
+    checkpoint of another architecture is a one-line ConfigError before any weight is read."""
     meta = read_config(path)
+    if meta.get("model_type") == "align":
+        kind: Architecture = "dual_encoder"
+        config: dict[str, Any] = {}
+    else:
+        kind, config = architecture(meta, path)
+    if expect is not None and kind != expect:
+        names = {"dual_encoder": "an ALIGN dual encoder", "copy_detector": "a copy detector"}
+        raise ConfigError(f"{path} holds {names[kind]}, not {names[expect]}")
     if meta.get("model_type") == "align":
         from openalign.model.hf import load_hf_align
 
         return load_hf_align(path, map_location=map_location)
-    if meta.get("format") != FORMAT:
-        raise ConfigError(
-            f"{path}/config.json is neither an openalign checkpoint nor a transformers AlignModel "
-            f"(model_type={meta.get('model_type')!r})"
-        )
-    cfg: ModelConfig = model_config(meta["model"])
-    model = DualEncoder(cfg)
-    state = load_file(str(Path(path) / "model.safetensors"), device=str(map_location))
-    model.load_state_dict(state, strict=True)
+    model: DualEncoder | CopyDetector
+    if kind == "copy_detector":
+        model = CopyDetector(from_dict(CopyDetectorConfig, config, "copy_detector"))
+        model.train_stats = dict(meta.get("train") or {})
+    else:
+        cfg: ModelConfig = model_config(config)
+        model = DualEncoder(cfg)
+    model.load_state_dict(read_weights(path, map_location), strict=True)
     return model.eval()
+
+
+def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
+    """Load an openalign checkpoint directory or a transformers AlignModel directory, in eval mode."""
+    model = load_checkpoint(path, map_location, expect="dual_encoder")
+    assert isinstance(model, DualEncoder)
+    return model
+
+
+def load_copy_detector(path: str | Path, map_location: str | torch.device = "cpu") -> CopyDetector:
+    """A copy detector directory (``openalign copy-detector train``), in eval mode."""
+    model = load_checkpoint(path, map_location, expect="copy_detector")
+    assert isinstance(model, CopyDetector)
+    return model

@@ -234,8 +234,9 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from openalign.data.copy_detection import CopyDetector, train_copy_detector
     from openalign.data.dedup import find_near_duplicates, remove_from_table
+    from openalign.model.io import load_copy_detector, save_model
+    from openalign.pipeline.copy_detector import CopyDetectorTrainConfig, train_copy_detector
 
     table = pq.read_table(root / "filtered.parquet", columns=["key", "image_path", "planted_duplicate_of"])
     keys = table.column("key").to_pylist()
@@ -251,12 +252,11 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     test_names = [str(p.relative_to(root / "test")) for p in test_paths]
     detector_dir = root / "copy_detector"
     if (detector_dir / "config.json").is_file():
-        detector = CopyDetector.load(detector_dir)
+        detector = load_copy_detector(detector_dir)
     else:
-        detector = train_copy_detector(
-            list(train_images()), steps=cfg.copy_detector_steps, seed=cfg.seed, progress=True
-        )
-        detector.save(detector_dir)
+        detector_cfg = CopyDetectorTrainConfig(steps=cfg.copy_detector_steps, seed=cfg.seed)
+        detector = train_copy_detector(list(train_images()), detector_cfg, progress=True)
+        save_model(detector, detector_dir)
     train_emb = detector.embed(train_images(), progress=True)
     test_emb = detector.embed((Image.open(p).convert("RGB") for p in test_paths), progress=True)
     result = find_near_duplicates(train_emb, test_emb, threshold=cfg.dedup_threshold, seed=cfg.seed)
