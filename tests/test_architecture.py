@@ -21,9 +21,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
 )
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
-# Climbs still being moved out (the checkpoint embedder of dedup belongs in pipeline/); each must still
-# exist, so the list shrinks as they go.
-PENDING = {("data/dedup.py", "embed"), ("data/dedup.py", "model")}
 
 
 def _top(module: str) -> str | None:
@@ -59,16 +56,13 @@ def test_every_package_is_in_a_layer() -> None:
 
 
 def test_no_import_climbs_a_layer() -> None:
-    climbs, pending = [], set()
+    climbs = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC)
         owner = rel.parts[0].removesuffix(".py")
         if owner == "__init__" or owner == "__main__":
             continue
         for line, target in _imports(path):
-            if (str(rel), target) in PENDING:
-                pending.add((str(rel), target))
-            elif target in LEVEL and LEVEL[target] > LEVEL[owner]:
+            if target in LEVEL and LEVEL[target] > LEVEL[owner]:
                 climbs.append(f"{rel}:{line} ({owner}, layer {LEVEL[owner]}) imports {target} (layer {LEVEL[target]})")
     assert not climbs, "\n".join(climbs)
-    assert pending == PENDING, f"no longer imported, drop from PENDING: {sorted(PENDING - pending)}"

@@ -37,9 +37,10 @@ COMMANDS = _commands(build_parser())
 
 def test_every_documented_command_is_there() -> None:
     names = {c[0] for c in COMMANDS}
-    expected = "filter dedup vocab shard train eval index search serve convert bench demo experiments plot"
-    assert set(expected.split()) <= names
+    expected = "filter dedup copy-detector vocab shard train eval index search serve convert bench demo experiments"
+    assert set(expected.split()) | {"plot"} <= names
     assert ("index", "build") in COMMANDS and ("bench", "retrieval") in COMMANDS
+    assert ("copy-detector", "train") in COMMANDS
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c not in (("index",), ("bench",))], ids=" ".join)
@@ -127,12 +128,16 @@ def test_bad_settings_are_one_line_errors(argv: list[str], expected: str, capsys
 def test_unknown_key_in_yaml_lists_valid_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "d.yaml").write_text("clusterz: 8\n")
     assert main(["dedup", "a.npy", "b.npy", "out", "--config", str(tmp_path / "d.yaml"), "--print-config"]) == 2
-    assert "unknown config key 'dedup.clusterz'; valid keys in dedup: chunk_size, clusters" in capsys.readouterr().err
+    assert "unknown config key 'dedup.clusterz'; valid keys in dedup: batch_size, chunk_size, clusters" in (
+        capsys.readouterr().err
+    )
 
 
 CONFIGS = [
     "openalign.data.filters.pipeline:FilterConfig",
     "openalign.data.dedup:DedupConfig",
+    "openalign.pipeline.dedup:DedupRunConfig",
+    "openalign.pipeline.copy_detector:CopyDetectorTrainConfig",
     "openalign.text.vocab:VocabConfig",
     "openalign.data.shard_config:ShardConfig",
     "openalign.train.config:TrainConfig",
@@ -197,6 +202,16 @@ def test_cli_import_loads_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.parametrize("argv", [["copy-detector", "train", "--help"], ["dedup", "--help"]], ids=" ".join)
+def test_pipeline_command_help_loads_no_torch(argv: list[str]) -> None:
+    code = (
+        "import contextlib, io, sys\nfrom openalign.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n    main({argv!r})\n"
+        "assert 'usage' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_public_names_load_lazily() -> None:
     import openalign
     from openalign import create_model, load_model  # noqa: F401
@@ -207,7 +222,9 @@ def test_public_names_load_lazily() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["train", "--help"], ["eval", "--help"], ["filter", "--help"]], ids=" ".join
+    "argv",
+    [["--help"], ["train", "--help"], ["eval", "--help"], ["filter", "--help"], ["copy-detector", "train", "--help"]],
+    ids=" ".join,
 )
 def test_help_is_fast(argv: list[str]) -> None:
     best = float("inf")

@@ -1,4 +1,5 @@
-"""Near-duplicate test-image removal: bucket keys, the bucket join, recall against brute force, the CLI."""
+"""Near-duplicate test-image removal: bucket keys, the bucket join, recall against brute force, the CLI on .npy
+embeddings (embedding images: test_dedup_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from openalign.config import ConfigError
 from openalign.data.dedup import ENGINES, DedupConfig, _TestBuckets, bucket_keys, find_near_duplicates
@@ -249,7 +249,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     cases = [
         ([str(tmp_path / "missing.npy"), str(tmp_path / "a.npy")], "missing.npy"),
         ([str(tmp_path / "a.npy"), str(tmp_path / "b.npy")], "4-d"),
-        ([str(tmp_path), str(tmp_path / "a.npy")], "--model"),
+        ([str(tmp_path), str(tmp_path / "a.npy")], "--embedder"),
         ([str(tmp_path / "a.npy"), str(tmp_path / "a.npy"), "--train-keys", str(tmp_path / "nope.txt")], "nope"),
         ([str(tmp_path / "a.npy"), str(tmp_path / "a.npy"), "--combo", "12"], "combo"),
     ]
@@ -257,55 +257,6 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
         assert main(["dedup", *args, str(tmp_path / "out"), "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("openalign dedup: error:") and needle in err and "\n" not in err
-
-
-def test_cli_embeds_images_with_a_model(tmp_path, tiny_model) -> None:
-    from openalign.cli import main
-    from openalign.model.io import save_model
-
-    save_model(tiny_model, tmp_path / "ckpt")
-    rng = np.random.default_rng(0)
-    train_dir, test_dir = tmp_path / "train", tmp_path / "test"
-    (train_dir / "sub").mkdir(parents=True)
-    test_dir.mkdir()
-    for i in range(12):
-        pixels = (rng.random((40, 40, 3)) * 255).astype(np.uint8)
-        Image.fromarray(pixels).save(train_dir / ("sub" if i % 2 else ".") / f"im{i}.png")
-    (train_dir / "broken.jpg").write_bytes(b"not an image")
-    Image.open(train_dir / "sub" / "im3.png").save(test_dir / "copy.png")  # an exact duplicate
-    Image.fromarray((rng.random((40, 40, 3)) * 255).astype(np.uint8)).save(test_dir / "other.png")
-    out = tmp_path / "out"
-    assert main(["dedup", str(train_dir), str(test_dir), str(out), "--model", str(tmp_path / "ckpt"), "--quiet"]) == 0
-    stats = json.loads((out / "stats.json").read_text())
-    assert stats["train_n"] == 12 and stats["images_skipped"]["train"] == {"corrupt": 1}
-    assert "sub/im3" in json.loads((out / "drop.json").read_text())
-    pairs = pq.read_table(out / "duplicates.parquet").to_pylist()
-    assert {("sub/im3", "copy")} <= {(p["train_key"], p["test_key"]) for p in pairs}
-    assert np.load(out / "train_emb.npy").shape == (12, tiny_model.embed_dim)
-    assert len(json.loads((out / "train_keys.json").read_text())) == 12
-
-
-def test_cli_embeds_webdataset_shards(tmp_path, tiny_model) -> None:
-    from openalign.cli import main
-    from openalign.data.shards import iter_samples, write_shards
-    from openalign.model.io import save_model
-
-    save_model(tiny_model, tmp_path / "ckpt")
-    rng = np.random.default_rng(1)
-    images = [Image.fromarray((rng.random((36, 36, 3)) * 255).astype(np.uint8)) for _ in range(6)]
-    samples = [{"key": f"{i:04d}", "jpg": im, "txt": f"image {i}", "json": {}} for i, im in enumerate(images)]
-    write_shards(samples, tmp_path / "shards", samples_per_shard=4)
-    (tmp_path / "test").mkdir()
-    spec = str(tmp_path / "shards" / "{00000..00001}.tar")
-    stored = {s["__key__"]: s["jpg"] for s in iter_samples(spec)}
-    for key in ("0002", "0005"):  # the very images the shards hold, as test images
-        (tmp_path / "test" / f"t{key}.jpg").write_bytes(stored[key])
-    out = tmp_path / "out"
-    argv = ["dedup", spec, str(tmp_path / "test"), str(out), "--model", str(tmp_path / "ckpt"), "--quiet"]
-    assert main(argv) == 0
-    pairs = pq.read_table(out / "duplicates.parquet").to_pylist()
-    assert {("0002", "t0002"), ("0005", "t0005")} <= {(p["train_key"], p["test_key"]) for p in pairs}
-    assert json.loads((out / "stats.json").read_text())["train_n"] == 6
 
 
 def test_bench_smoke(capsys, monkeypatch) -> None:

@@ -10,7 +10,7 @@ from openalign.cli import schema
 from openalign.cli.options import Alias, Parser, add_config, data, print_config, str_value, yaml_value
 
 FILTER = "openalign.data.filters.pipeline:FilterConfig"
-DEDUP = "openalign.data.dedup:DedupConfig"
+DEDUP = "openalign.pipeline.dedup:DedupRunConfig"
 VOCAB = "openalign.text.vocab:VocabConfig"
 SHARD = "openalign.data.shard_config:ShardConfig"
 
@@ -138,74 +138,63 @@ def _dedup(parser: Parser) -> None:
     parser.description = (
         "k-means clusters on the train embeddings; each image's nearest clusters; every combination of COMBO of "
         "them is a bucket; train/test pairs sharing a bucket are compared, and a pair with cosine > THRESHOLD is "
-        "a near-duplicate. Writes duplicates.parquet (every pair), drop.parquet + drop.json (train images to "
-        "remove), stats.json and, with --metadata, the table without those images. TRAIN/TEST are .npy "
-        "embeddings, or with --model image folders or shards."
+        "a near-duplicate. Writes duplicates.parquet and duplicates.csv (every pair), drop.parquet + drop.json "
+        "(train images to remove), stats.json and, with --metadata, the table without those images. With "
+        "--embedder npy (the default) TRAIN/TEST are .npy embeddings; with --embedder copy-detector:DIR (a "
+        "detector from `openalign copy-detector train`) or align:DIR (an ALIGN checkpoint's image tower) they "
+        "are image folders, tables or shards, embedded first (embeddings and keys are kept in OUT_DIR)."
     )
     parser.epilog = (
         "examples:\n"
         "  openalign dedup train.npy test.npy dedup/ --train-keys train_keys.txt --metadata filtered.parquet\n"
-        "  openalign dedup 'shards/{00000..00099}.tar' eval_images/ dedup/ --model runs/b3/final\n"
+        "  openalign dedup crawl/ eval_images/ dedup/ --embedder copy-detector:copy_detector/\n"
+        "  openalign dedup 'shards/{00000..00099}.tar' eval_images/ dedup/ --embedder align:runs/b3/final\n"
         "  openalign dedup train.npy test.npy dedup/ --clusters 1024 --engine sparse"
     )
-    parser.add_argument("train", metavar="TRAIN", help="train embeddings .npy, or (--model) image folder / shards")
-    parser.add_argument("test", metavar="TEST", help="test embeddings .npy, or (--model) image folder / shards")
+    parser.add_argument("train", metavar="TRAIN", help="train embeddings .npy, or an image folder / table / shards")
+    parser.add_argument("test", metavar="TEST", help="test embeddings .npy, or an image folder / table / shards")
     parser.add_argument("out", metavar="OUT_DIR")
-    parser.add_argument("--model", help="openalign checkpoint (or transformers AlignModel dir) to embed images")
-    parser.add_argument("--train-keys", help="keys of the train rows: .txt (one per line), .json list, or table")
-    parser.add_argument("--test-keys", help="keys of the test rows, same formats")
-    parser.add_argument("--metadata", help="train metadata table (.parquet/.csv/.jsonl) to write without duplicates")
-    parser.add_argument("--key-column", default="key", help="metadata column matching the train keys (default key)")
-    parser.add_argument("--batch-size", type=int, default=64, help="with --model: images per batch (default 64)")
-    parser.add_argument("--device", default="cpu", help="with --model: cpu or cuda (default cpu)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_config(parser, schema.read(DEDUP), config_help="YAML file of dedup settings (flags override it)")
+    model = Alias(("--model",), lambda ckpt: [("embedder", f"align:{ckpt}")], "same as --embedder align:CKPT",
+                  type=str, metavar="CKPT")  # fmt: skip
+    add_config(parser, schema.read(DEDUP), aliases=[model], config_help="YAML file of dedup settings (flags override)")
     parser.set_defaults(func=run_dedup)
 
 
 def dedup_config(settings: dict[str, Any]) -> Any:
     from openalign.config import from_dict
-    from openalign.data.dedup import DedupConfig
+    from openalign.pipeline.dedup import DedupRunConfig
 
-    cfg = from_dict(DedupConfig, settings, "dedup")
+    cfg = from_dict(DedupRunConfig, settings, "dedup")
     cfg.validate()
     return cfg
 
 
 def run_dedup(args: argparse.Namespace) -> int:
     from openalign.config import to_dict
-    from openalign.data.dedup import run_dedup
 
     cfg = dedup_config(data(args))
     if args.print_config:
         print_config(to_dict(cfg))
         return 0
-    result, paths = run_dedup(
-        args.train,
-        args.test,
-        args.out,
-        cfg,
-        model_path=args.model,
-        train_keys=args.train_keys,
-        test_keys=args.test_keys,
-        metadata=args.metadata,
-        key_column=args.key_column,
-        batch_size=args.batch_size,
-        device=args.device,
-        progress=not args.quiet,
-    )
-    st = result.stats
-    for note in result.notes:
+    from openalign.pipeline.dedup import run_dedup
+
+    run = run_dedup(args.train, args.test, args.out, cfg, progress=not args.quiet)
+    st = run.result.stats
+    for note in run.result.notes:
         print(f"note: {note}", file=sys.stderr)
     print(
-        f"{st['train_n']:,} train × {st['test_n']:,} test images, {st.get('clusters', 0)} clusters: "
-        f"{st['candidate_pairs']:,} candidate pairs, {st['duplicate_pairs']:,} near-duplicate pairs, "
-        f"{st['train_rows_removed']:,} train images to drop"
+        f"{run.train_images:,} train × {run.test_images:,} test images, {st.get('clusters', 0)} clusters: "
+        f"{run.candidate_pairs:,} candidate pairs, {run.duplicate_pairs:,} near-duplicate pairs, "
+        f"{run.train_rows_removed:,} train images to drop"
     )
-    if "metadata" in st:
-        m = st["metadata"]
+    for side, reasons in run.skipped.items():
+        if reasons:
+            print(f"skipped {side} images: {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")
+    if run.table is not None:
+        m = run.table
         print(f"metadata: {m['rows_in']:,} rows in, {m['rows_removed']:,} removed, {m['rows_out']:,} out")
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    print(f"wrote {', '.join(str(p) for p in run.paths.values())}")
     return 0
 
 

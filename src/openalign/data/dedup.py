@@ -27,6 +27,9 @@ Engineering choices beyond the paper, each switchable:
 - Train rows are processed in chunks, so memory holds one chunk of train vectors, the test set and its
   bucket keys; train embeddings may be a memory-mapped ``.npy`` larger than RAM.
 - Rows with NaN/inf values or zero norm cannot be compared; they are skipped and counted.
+
+This module is model-free: arrays in, pairs out, plus the files around them (keys, ``.npy`` embeddings,
+metadata tables, result files). Embedding images and the whole run live in ``openalign.pipeline.dedup``.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +49,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from openalign.config import ConfigError
-from openalign.data.sources import decode_records, open_source, table_format
+from openalign.data.sources import Source, decode_records, open_source, table_format
 
 ENGINES = ("duckdb", "sparse", "numpy")
 TABLE_READERS = {"parquet": "read_parquet", "csv": "read_csv_auto", "jsonl": "read_json_auto"}  # by table_format
@@ -500,7 +503,7 @@ def find_near_duplicates(
 
 
 # --------------------------------------------------------------------------------------------------
-# Inputs and outputs for the command line: .npy embeddings, or images embedded with a model
+# Inputs and outputs: keys, .npy embeddings, images of a source, metadata tables, result files
 
 
 def load_keys(path: str | Path, expected: int | None = None) -> list[str]:
@@ -543,34 +546,18 @@ def load_embeddings(path: str | Path) -> np.ndarray:
     return arr
 
 
-def iter_source_images(source: str, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, Any]]:
-    """(key, RGB image) from any input ``openalign.data.sources.open_source`` reads: an image folder (key =
-    relative path without suffix), a table, or WebDataset shards (key = the sample key).
+def iter_source_images(
+    source: str | os.PathLike[str] | Source, on_skip: Callable[[str, str], None]
+) -> Iterator[tuple[str, Any]]:
+    """(key, RGB image) from any input ``openalign.data.sources.open_source`` reads (or a source it opened): an
+    image folder (key = relative path without suffix), a table, or WebDataset shards (key = the sample key).
 
     Undecodable images, non-image files and unreadable shards are passed to ``on_skip(reason, detail)`` and
     skipped.
     """
-    opened = open_source(source)
+    opened = source if isinstance(source, Source) else open_source(source)
     for record, image in decode_records(opened.records(on_skip), on_skip):
         yield (Path(record.key).with_suffix("").as_posix() if record.kind == "folder" else record.key), image
-
-
-def embed_source(
-    model: Any, source: str, *, batch_size: int = 64, device: str = "cpu", progress: bool = False
-) -> tuple[np.ndarray, list[str], dict[str, int]]:
-    """Embed every readable image of a folder or shard set; returns (embeddings, keys, skipped by reason)."""
-    from openalign.embed import embed_images
-
-    keys: list[str] = []
-    skipped: Counter[str] = Counter()
-
-    def images() -> Iterator[Any]:
-        for key, image in iter_source_images(source, lambda reason, detail: skipped.update([reason])):
-            keys.append(key)
-            yield image
-
-    emb = embed_images(model, images(), batch_size=batch_size, device=device, progress=progress).numpy()
-    return emb.astype(np.float32, copy=False), keys, dict(skipped)
 
 
 def _sql_string(path: str | Path) -> str:
@@ -637,14 +624,18 @@ def write_outputs(
     train_keys: Sequence[str] | None = None,
     test_keys: Sequence[str] | None = None,
 ) -> dict[str, Path]:
-    """``duplicates.parquet`` (every pair), ``drop.parquet`` + ``drop.json`` (train rows to remove) and
-    ``stats.json`` in ``out_dir``."""
+    """``duplicates.parquet`` and ``duplicates.csv`` (every pair), ``drop.parquet`` + ``drop.json`` (train rows
+    to remove) and ``stats.json`` in ``out_dir``."""
+    import pyarrow.csv as pa_csv
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / f for name, f in [("pairs", "duplicates.parquet"), ("drop", "drop.parquet")]}
-    pq.write_table(result.pairs_table(train_keys, test_keys), paths["pairs"])
+    names = [("pairs", "duplicates.parquet"), ("pairs_csv", "duplicates.csv"), ("drop", "drop.parquet")]
+    paths = {name: out / f for name, f in names}
+    pairs = result.pairs_table(train_keys, test_keys)
+    pq.write_table(pairs, paths["pairs"])
+    pa_csv.write_csv(pairs, paths["pairs_csv"])
     drop = result.drop_indices
     drop_cols: dict[str, Any] = {"train_idx": drop}
     if train_keys is not None:
@@ -656,79 +647,3 @@ def write_outputs(
     paths["stats"] = out / "stats.json"
     paths["stats"].write_text(json.dumps({**result.stats, "notes": result.notes}, indent=2) + "\n")
     return paths
-
-
-def _load_side(
-    source: str, keys_path: str | None, model: Any, *, batch_size: int, device: str, progress: bool
-) -> tuple[np.ndarray, list[str] | None, dict[str, int]]:
-    if model is None:
-        if Path(source).suffix != ".npy":
-            raise ValueError(f"{source}: not a .npy embeddings file; pass --model CKPT to embed images")
-        emb = load_embeddings(source)
-        return emb, (load_keys(keys_path, len(emb)) if keys_path else None), {}
-    if Path(source).suffix == ".npy":
-        raise ValueError(f"{source}: with --model, give an image folder or shards, not embeddings")
-    if keys_path:
-        raise ValueError("keys files go with .npy embeddings; images bring their own keys")
-    emb, keys, skipped = embed_source(model, source, batch_size=batch_size, device=device, progress=progress)
-    if not len(emb):
-        raise ValueError(f"{source}: no readable images (skipped: {skipped or 'none'})")
-    return emb, keys, skipped
-
-
-def run_dedup(
-    train: str,
-    test: str,
-    out_dir: str | Path,
-    config: DedupConfig | None = None,
-    *,
-    model_path: str | None = None,
-    train_keys: str | None = None,
-    test_keys: str | None = None,
-    metadata: str | None = None,
-    key_column: str = "key",
-    batch_size: int = 64,
-    device: str = "cpu",
-    progress: bool = False,
-) -> tuple[DedupResult, dict[str, Path]]:
-    """The whole ``openalign dedup`` job: load (or embed) both sides, search, write the outputs.
-
-    ``train``/``test`` are ``.npy`` embeddings, or with ``model_path`` image folders / WebDataset shards
-    (their embeddings and keys are saved in ``out_dir`` for re-use). With ``metadata`` (the filtered
-    corpus) the table minus the dropped images is written too.
-    """
-    config = config or DedupConfig()
-    config.validate()
-    out = Path(out_dir)
-    model = None
-    if model_path:
-        from openalign.model.io import load_model
-
-        model = load_model(model_path)
-    kw = {"batch_size": batch_size, "device": device, "progress": progress}
-    train_emb, train_names, train_skipped = _load_side(train, train_keys, model, **kw)
-    test_emb, test_names, test_skipped = _load_side(test, test_keys, model, **kw)
-    if model is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        for side, emb, names in (("train", train_emb, train_names), ("test", test_emb, test_names)):
-            np.save(out / f"{side}_emb.npy", emb)
-            (out / f"{side}_keys.json").write_text(json.dumps(names) + "\n")
-    result = find_near_duplicates(train_emb, test_emb, config=config, progress=progress)
-    if train_skipped or test_skipped:
-        result.stats["images_skipped"] = {"train": train_skipped, "test": test_skipped}
-    if metadata:
-        name = f"{Path(metadata).name.split('.')[0]}_dedup.parquet"
-        by_key = train_names is not None
-        result.stats["metadata"] = remove_from_table(
-            metadata,
-            out / name,
-            drop_keys=[train_names[i] for i in result.drop_indices] if by_key else None,
-            drop_rows=None if by_key else result.drop_indices,
-            key_column=key_column,
-            expected_rows=len(train_emb),
-        )
-        result.stats["metadata"]["path"] = str(out / name)
-    paths = write_outputs(result, out, train_keys=train_names, test_keys=test_names)
-    if metadata:
-        paths["metadata"] = out / name
-    return result, paths

@@ -229,52 +229,45 @@ def _filter(cfg: DemoConfig, root: Path) -> dict[str, Any]:
 
 def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     """The supplement's decontamination with a copy detector trained on the crawl's own images (the
-    paper's "separate high-quality image embedding model")."""
-    import pyarrow.csv as pa_csv
+    paper's "separate high-quality image embedding model"), through the one dedup path."""
     import pyarrow.parquet as pq
-    from PIL import Image
 
-    from openalign.data.dedup import find_near_duplicates, remove_from_table
-    from openalign.model.io import load_copy_detector, save_model
-    from openalign.pipeline.copy_detector import CopyDetectorTrainConfig, train_copy_detector
+    from openalign.data.sources import open_source
+    from openalign.pipeline.copy_detector import CopyDetectorTrainConfig, train_copy_detector_from_source
+    from openalign.pipeline.dedup import DedupRunConfig, ImageFiles, run_dedup
 
-    table = pq.read_table(root / "filtered.parquet", columns=["key", "image_path", "planted_duplicate_of"])
-    keys = table.column("key").to_pylist()
-    corpus = root / "corpus"
-
-    def train_images() -> Any:
-        for rel in table.column("image_path").to_pylist():
-            with Image.open(corpus / rel) as im:
-                yield im.convert("RGB")
-
+    table = pq.read_table(root / "filtered.parquet", columns=["key", "planted_duplicate_of"])
+    train = open_source(root / "filtered.parquet", image_root=root / "corpus")
     test_paths = sorted((root / "test" / "retrieval" / "images").glob("*.jpg"))
     test_paths += sorted((root / "test" / "classification" / "val").rglob("*.jpg"))
-    test_names = [str(p.relative_to(root / "test")) for p in test_paths]
+    test = ImageFiles([str(p.relative_to(root / "test")) for p in test_paths], test_paths)
     detector_dir = root / "copy_detector"
-    if (detector_dir / "config.json").is_file():
-        detector = load_copy_detector(detector_dir)
-    else:
+    if not (detector_dir / "config.json").is_file():
         detector_cfg = CopyDetectorTrainConfig(steps=cfg.copy_detector_steps, seed=cfg.seed)
-        detector = train_copy_detector(list(train_images()), detector_cfg, progress=True)
-        save_model(detector, detector_dir)
-    train_emb = detector.embed(train_images(), progress=True)
-    test_emb = detector.embed((Image.open(p).convert("RGB") for p in test_paths), progress=True)
-    result = find_near_duplicates(train_emb, test_emb, threshold=cfg.dedup_threshold, seed=cfg.seed)
-    drop = result.drop_indices
-    counts = remove_from_table(root / "filtered.parquet", root / "deduped.parquet", drop_rows=drop)
-    pa_csv.write_csv(result.pairs_table(keys, test_names), root / "dedup_pairs.csv")
+        train_copy_detector_from_source(train, detector_dir, detector_cfg, progress=True)
+    settings = DedupRunConfig(
+        threshold=cfg.dedup_threshold,
+        seed=cfg.seed,
+        embedder=f"copy-detector:{detector_dir}",
+        metadata=str(root / "filtered.parquet"),
+        metadata_out=str(root / "deduped.parquet"),
+        batch_size=256,
+    )
+    run = run_dedup(train, test, root / "dedup", settings, progress=True)
     # The synthetic crawl records which rows are planted copies of test images: score the removal.
-    planted = {i for i, src in enumerate(table.column("planted_duplicate_of").to_pylist()) if src}
-    found = planted & set(drop.tolist())
+    keys = table.column("key").to_pylist()
+    planted = {key for key, src in zip(keys, table.column("planted_duplicate_of").to_pylist(), strict=True) if src}
+    dropped = set(run.dropped_keys or ())
+    found = planted & dropped
     return {
-        "train_images": len(keys),
-        "test_images": len(test_paths),
-        "candidate_pairs": result.stats.get("candidate_pairs"),
-        "duplicate_pairs": len(result.cosine),
-        "rows_removed": counts["rows_removed"],
+        "train_images": run.train_images,
+        "test_images": run.test_images,
+        "candidate_pairs": run.candidate_pairs,
+        "duplicate_pairs": run.duplicate_pairs,
+        "rows_removed": (run.table or {}).get("rows_removed", 0),
         "planted_after_filter": len(planted),
         "planted_found": len(found),
-        "other_rows_removed": len(drop) - len(found),
+        "other_rows_removed": len(dropped) - len(found),
     }
 
 

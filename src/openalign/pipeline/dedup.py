@@ -1,0 +1,344 @@
+"""The one near-duplicate removal path: embed train and test images, find the pairs, write what to keep.
+
+``run_dedup`` is what ``openalign dedup`` and the demo's decontamination stage both run:
+
+1. embeddings of both sides, from the embedder the settings name (``parse_embedder``, the one place that reads
+   an embedder spec):
+
+   - ``npy``: TRAIN and TEST are precomputed ``.npy`` matrices (keys from optional keys files);
+   - ``copy-detector:DIR``: a copy detector (``openalign copy-detector train``), the supplement's "separate
+     high-quality image embedding model";
+   - ``align:DIR``: the image tower of an ALIGN checkpoint (openalign or transformers AlignModel);
+
+   images come from anything ``openalign.data.sources`` reads (image folder, table, WebDataset shards), an
+   already opened ``Source``, or an explicit list of files (``ImageFiles``); unreadable ones are skipped and
+   counted, and the computed embeddings and keys are saved in OUT for re-use;
+2. the pairs with cosine above the threshold, found by ``openalign.data.dedup.find_near_duplicates`` (k-means
+   buckets, as the supplement does);
+3. the outputs: every pair (``duplicates.parquet`` and ``duplicates.csv``), the train images to drop
+   (``drop.parquet``, ``drop.json``), ``stats.json`` and, given the train metadata table, that table without
+   the dropped images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, cast
+
+import numpy as np
+
+from openalign.config import ConfigError
+from openalign.data.dedup import (
+    DedupConfig,
+    DedupResult,
+    find_near_duplicates,
+    iter_source_images,
+    load_embeddings,
+    load_keys,
+    remove_from_table,
+    write_outputs,
+)
+from openalign.data.sources import BadInput, Source, open_source, read_file
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from openalign.model.copy_detector import CopyDetector
+    from openalign.model.dual_encoder import DualEncoder
+
+__all__ = [
+    "EMBEDDER_KINDS",
+    "DedupRun",
+    "DedupRunConfig",
+    "Embedder",
+    "EmbedderSpec",
+    "ImageFiles",
+    "load_embedder",
+    "parse_embedder",
+    "run_dedup",
+]
+
+EmbedderKind = Literal["npy", "copy-detector", "align"]
+EMBEDDER_KINDS: tuple[EmbedderKind, ...] = ("npy", "copy-detector", "align")
+EMBEDDER_FORMS = "npy, copy-detector:DIR or align:DIR"
+
+
+@dataclass
+class DedupRunConfig(DedupConfig):
+    """Everything ``openalign dedup`` needs: the search settings above, then what to read, how to embed it and
+    what to write."""
+
+    # npy: TRAIN and TEST are .npy embeddings; copy-detector:DIR or align:DIR: image folders, tables or shards
+    # embedded with that copy detector or ALIGN checkpoint.
+    embedder: str = "npy"
+    train_keys: str | None = None  # npy: keys of the train rows (.txt one per line, .json list, or table)
+    test_keys: str | None = None  # npy: keys of the test rows, same formats
+    image_root: str | None = None  # a table input's image_path values start here (default the table's folder)
+    metadata: str | None = None  # train metadata table (.parquet/.csv/.jsonl) to write without the duplicates
+    metadata_out: str | None = None  # where that table goes (default OUT/<metadata name>_dedup.parquet)
+    key_column: str = "key"  # metadata column matching the train keys
+    batch_size: int = 64  # images per forward pass of the embedder
+    device: str = "cpu"  # where the embedder runs: cpu or cuda
+
+    def validate(self) -> None:
+        """Cross-field checks; raises ConfigError naming the bad field."""
+        super().validate()
+        parse_embedder(self.embedder, check_dir=False)
+        if self.batch_size < 1:
+            raise ConfigError(f"dedup.batch_size must be at least 1, got {self.batch_size}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedders
+
+
+@dataclass(frozen=True)
+class EmbedderSpec:
+    """A parsed ``--embedder``: its kind and, for a model, the directory it loads from."""
+
+    kind: EmbedderKind
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.path is None else f"{self.kind}:{self.path}"
+
+
+def parse_embedder(text: str, *, check_dir: bool = True) -> EmbedderSpec:
+    """``npy``, ``copy-detector:DIR`` or ``align:DIR``; anything else, or (with ``check_dir``) a directory that
+    does not exist, is a one-line ConfigError."""
+    kind, sep, rest = str(text).strip().partition(":")
+    if kind not in EMBEDDER_KINDS:
+        raise ConfigError(f"embedder {text!r}: expected {EMBEDDER_FORMS}")
+    if kind == "npy":
+        if sep:
+            raise ConfigError(f"embedder {text!r}: npy takes no directory (TRAIN and TEST are the .npy files)")
+        return EmbedderSpec("npy")
+    if not rest.strip():
+        raise ConfigError(f"embedder {text!r}: {kind} needs a model directory, as {kind}:DIR")
+    path = Path(rest.strip())
+    if check_dir and not path.is_dir():
+        raise ConfigError(f"embedder {text!r}: no such directory {path}")
+    return EmbedderSpec(cast(EmbedderKind, kind), path)
+
+
+@dataclass
+class Embedder:
+    """Images → L2-normalised float32 embeddings [N, D] with the model an embedder spec names."""
+
+    spec: EmbedderSpec
+    model: CopyDetector | DualEncoder
+    device: str = "cpu"
+
+    def embed(self, images: Iterable[Image.Image], *, batch_size: int = 64, progress: bool = False) -> np.ndarray:
+        from openalign.model.copy_detector import CopyDetector
+
+        if isinstance(self.model, CopyDetector):
+            return self.model.embed(images, batch_size=batch_size, progress=progress, device=self.device)
+        from openalign.embed import embed_images
+
+        emb = embed_images(self.model, images, batch_size=batch_size, device=self.device, progress=progress)
+        return emb.numpy().astype(np.float32, copy=False)
+
+
+def load_embedder(spec: EmbedderSpec | str, device: str = "cpu") -> Embedder | None:
+    """The model a spec names, ready to embed; None for ``npy`` (nothing to embed)."""
+    spec = parse_embedder(spec) if isinstance(spec, str) else spec
+    if spec.kind == "npy" or spec.path is None:
+        return None
+    from openalign.model.io import load_copy_detector, load_model
+
+    model = load_copy_detector(spec.path) if spec.kind == "copy-detector" else load_model(spec.path)
+    return Embedder(spec, model, device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass(frozen=True)
+class ImageFiles:
+    """Image files and the keys to report them by, in this order: a side that is not one source."""
+
+    keys: Sequence[str]
+    paths: Sequence[Path]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.paths):
+            raise ValueError(f"ImageFiles: {len(self.keys)} keys for {len(self.paths)} files")
+
+    def images(self, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, Image.Image]]:
+        """(key, RGB image) of every file that reads and decodes; the others go to ``on_skip(reason, detail)``."""
+        from openalign.data.transforms import decode_image
+
+        for key, path in zip(self.keys, self.paths, strict=True):
+            try:
+                yield key, decode_image(read_file(path))
+            except BadInput as err:
+                on_skip(err.reason, f"{path}: {err.detail}")
+
+
+Side = str | os.PathLike[str] | Source | ImageFiles
+
+
+def _is_npy(side: Side) -> bool:
+    return isinstance(side, str | os.PathLike) and Path(side).suffix == ".npy"
+
+
+def _embed_side(
+    side: Side, embedder: Embedder, *, batch_size: int, progress: bool, image_root: str | None = None
+) -> tuple[np.ndarray, list[str], dict[str, int]]:
+    keys: list[str] = []
+    skipped: Counter[str] = Counter()
+
+    def skip(reason: str, detail: str) -> None:
+        skipped[reason] += 1
+
+    if isinstance(side, ImageFiles):
+        pairs = side.images(skip)
+    else:
+        opened = side if isinstance(side, Source) else open_source(side, image_root=image_root)
+        pairs = iter_source_images(opened, skip)
+
+    def images() -> Iterator[Image.Image]:
+        for key, image in pairs:
+            keys.append(key)
+            yield image
+
+    emb = embedder.embed(images(), batch_size=batch_size, progress=progress)
+    if not len(emb):
+        raise ValueError(f"{_describe(side)}: no readable images (skipped: {dict(skipped) or 'none'})")
+    return emb, keys, dict(sorted(skipped.items()))
+
+
+def _describe(side: Side) -> str:
+    if isinstance(side, Source):
+        return side.spec
+    if isinstance(side, ImageFiles):
+        return f"{len(side.paths)} image files"
+    return os.fspath(side)
+
+
+def _npy_side(side: Side, keys_path: str | None) -> tuple[np.ndarray, list[str] | None]:
+    if not isinstance(side, str | os.PathLike) or Path(side).suffix != ".npy":
+        raise ValueError(
+            f"{_describe(side)}: not a .npy embeddings file; pass --embedder copy-detector:DIR or align:DIR to "
+            "embed images"
+        )
+    emb = load_embeddings(Path(side))
+    return emb, (load_keys(keys_path, len(emb)) if keys_path else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class DedupRun:
+    """What one dedup run found and wrote."""
+
+    result: DedupResult  # the pairs (train row, test row, cosine) and the search statistics
+    train_keys: list[str] | None  # key of each train row (None: .npy embeddings without a keys file)
+    test_keys: list[str] | None
+    paths: dict[str, Path]  # every file written, by role (pairs, pairs_csv, drop, drop_json, stats, metadata)
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # unreadable images by side and reason
+    table: dict[str, int] | None = None  # the metadata table's rows_in, rows_removed and rows_out
+
+    @property
+    def train_images(self) -> int:
+        return int(self.result.stats["train_n"])
+
+    @property
+    def test_images(self) -> int:
+        return int(self.result.stats["test_n"])
+
+    @property
+    def candidate_pairs(self) -> int:
+        return int(self.result.stats.get("candidate_pairs", 0))
+
+    @property
+    def duplicate_pairs(self) -> int:
+        return len(self.result.cosine)
+
+    @property
+    def train_rows_removed(self) -> int:
+        return len(self.result.drop_indices)
+
+    @property
+    def dropped_keys(self) -> list[str] | None:
+        """Keys of the train images to remove, in train order (None without train keys)."""
+        if self.train_keys is None:
+            return None
+        return [self.train_keys[i] for i in self.result.drop_indices]
+
+
+def run_dedup(
+    train: Side,
+    test: Side,
+    out_dir: str | os.PathLike[str],
+    config: DedupRunConfig | None = None,
+    *,
+    embedder: Embedder | None = None,
+    progress: bool = False,
+) -> DedupRun:
+    """Embed (or load) both sides, find the near-duplicate pairs, write the outputs in ``out_dir``.
+
+    ``train``/``test`` are ``.npy`` embeddings with the ``npy`` embedder; otherwise an image folder, table or
+    shard spec, an opened ``Source`` or ``ImageFiles``, embedded by ``config.embedder`` (or by ``embedder``
+    when given). With ``config.metadata`` (the filtered corpus) the table minus the dropped images is written
+    too, matched by key when the train side has keys and by row otherwise.
+    """
+    cfg = config or DedupRunConfig()
+    cfg.validate()
+    out = Path(out_dir)
+    spec = embedder.spec if embedder is not None else parse_embedder(cfg.embedder)
+    skipped: dict[str, dict[str, int]] = {}
+    if spec.kind == "npy":
+        train_emb, train_names = _npy_side(train, cfg.train_keys)
+        test_emb, test_names = _npy_side(test, cfg.test_keys)
+    else:
+        for side in (train, test):
+            if _is_npy(side):
+                raise ValueError(
+                    f"{_describe(side)}: with --embedder {spec}, give an image folder, table or shards, not embeddings"
+                )
+        if cfg.train_keys or cfg.test_keys:
+            raise ValueError("keys files go with .npy embeddings; images bring their own keys")
+        loaded = embedder or load_embedder(spec, cfg.device)
+        assert loaded is not None
+        model: Embedder = loaded
+
+        def embed(side: Side) -> tuple[np.ndarray, list[str], dict[str, int]]:
+            return _embed_side(side, model, batch_size=cfg.batch_size, progress=progress, image_root=cfg.image_root)
+
+        train_emb, train_list, skipped["train"] = embed(train)
+        test_emb, test_list, skipped["test"] = embed(test)
+        train_names, test_names = train_list, test_list
+        out.mkdir(parents=True, exist_ok=True)
+        for name, emb, names in (("train", train_emb, train_list), ("test", test_emb, test_list)):
+            np.save(out / f"{name}_emb.npy", emb)
+            (out / f"{name}_keys.json").write_text(json.dumps(names) + "\n")
+    result = find_near_duplicates(train_emb, test_emb, config=cfg, progress=progress)
+    if any(skipped.values()):
+        result.stats["images_skipped"] = skipped
+    table = None
+    table_out: Path | None = None
+    if cfg.metadata:
+        table_out = Path(cfg.metadata_out or out / f"{Path(cfg.metadata).name.split('.')[0]}_dedup.parquet")
+        table = remove_from_table(
+            cfg.metadata,
+            table_out,
+            drop_keys=[train_names[i] for i in result.drop_indices] if train_names is not None else None,
+            drop_rows=None if train_names is not None else result.drop_indices,
+            key_column=cfg.key_column,
+            expected_rows=len(train_emb),
+        )
+        result.stats["metadata"] = {**table, "path": str(table_out)}
+    paths = write_outputs(result, out, train_keys=train_names, test_keys=test_names)
+    if table_out is not None:
+        paths["metadata"] = table_out
+    return DedupRun(result, train_names, test_names, paths, skipped, table)
