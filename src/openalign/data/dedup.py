@@ -288,7 +288,7 @@ class _Projection:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.basis is None:
             return np.ascontiguousarray(x, dtype=np.float32)
-        out = x @ self.basis  # (x - mean) @ basis without a centred copy of x
+        out: np.ndarray = x @ self.basis  # (x - mean) @ basis without a centred copy of x
         out -= self.offset
         return out
 
@@ -323,6 +323,7 @@ def _fit_clusters(sample: np.ndarray, k: int, cfg: DedupConfig) -> Any:
         verbose=False,
     )
     kmeans.train(sample)
+    assert kmeans.centroids is not None  # set by train()
     index = faiss.IndexFlatL2(sample.shape[1])
     index.add(kmeans.centroids)
     return index
@@ -511,11 +512,12 @@ def load_keys(path: str | Path, expected: int | None = None) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such keys file")
+    keys: list[str]
     if p.suffix == ".json":
-        keys = json.loads(p.read_text())
-        if not isinstance(keys, list):
+        listed = json.loads(p.read_text())
+        if not isinstance(listed, list):
             raise ValueError(f"{path}: expected a JSON list of keys")
-        keys = [str(k) for k in keys]
+        keys = [str(k) for k in listed]
     elif p.suffix in (".parquet", ".csv"):
         import duckdb
 
@@ -524,7 +526,8 @@ def load_keys(path: str | Path, expected: int | None = None) -> list[str]:
         columns = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}(?)", [str(p)]).fetchall()]
         if "key" not in columns:
             raise ValueError(f"{path}: no 'key' column (columns: {', '.join(columns)})")
-        keys = [str(r[0]) for r in con.execute(f"SELECT CAST(key AS VARCHAR) FROM {reader}(?)", [str(p)]).fetchall()]
+        rows = con.execute(f"SELECT CAST(key AS VARCHAR) FROM {reader}(?)", [str(p)]).fetchall()
+        keys = [str(r[0]) for r in rows]
     else:
         keys = p.read_text(encoding="utf-8").splitlines()
     if expected is not None and len(keys) != expected:
@@ -538,7 +541,7 @@ def load_embeddings(path: str | Path) -> np.ndarray:
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such embeddings file")
     try:
-        arr = np.load(p, mmap_mode="r", allow_pickle=False)
+        arr: np.ndarray = np.load(p, mmap_mode="r", allow_pickle=False)
     except ValueError as err:
         raise ValueError(f"{path}: not a numeric .npy array ({err})") from err
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.floating):
@@ -558,6 +561,11 @@ def iter_source_images(
     opened = source if isinstance(source, Source) else open_source(source)
     for record, image in decode_records(opened.records(on_skip), on_skip):
         yield (Path(record.key).with_suffix("").as_posix() if record.kind == "folder" else record.key), image
+
+
+def _count(con: Any, query: str) -> int:
+    row = con.execute(query).fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 def _sql_string(path: str | Path) -> str:
@@ -600,7 +608,7 @@ def remove_from_table(
             rows = np.asarray(drop_rows if drop_rows is not None else [], dtype=np.int64)
             con.register("dropped", pa.table({"r": rows}))
             condition = "__row NOT IN (SELECT r FROM dropped)"
-        rows_in = con.execute("SELECT count(*) FROM meta").fetchone()[0]
+        rows_in = _count(con, "SELECT count(*) FROM meta")
         if drop_keys is None and expected_rows is not None and rows_in != expected_rows:
             raise ValueError(
                 f"{table_path}: {rows_in} rows but {expected_rows} train embeddings; without train keys the "
@@ -611,7 +619,7 @@ def remove_from_table(
         out.parent.mkdir(parents=True, exist_ok=True)
         query = f"SELECT {keep} FROM meta WHERE {condition} ORDER BY __row"
         con.execute(f"COPY ({query}) TO {_sql_string(out)} (FORMAT parquet)")
-        rows_out = con.execute(f"SELECT count(*) FROM read_parquet({_sql_string(out)})").fetchone()[0]
+        rows_out = _count(con, f"SELECT count(*) FROM read_parquet({_sql_string(out)})")
     finally:
         con.close()
     return {"rows_in": rows_in, "rows_removed": rows_in - rows_out, "rows_out": rows_out}

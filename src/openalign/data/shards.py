@@ -319,11 +319,6 @@ class ShardResult:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def __getitem__(self, key: str) -> Any:
-        """``result["successes"]``: the key access of the dict this replaced, for callers not yet moved to the
-        attributes."""
-        return self.to_dict()[key]
-
 
 def read_stats(out_dir: str | os.PathLike, prefix: str = "") -> ShardResult:
     """Totals over every ``{prefix}NNNNN_stats.json`` in ``out_dir``: shards, count, successes, failed, bytes,

@@ -535,10 +535,6 @@ class RetrievalSet:
             raise ValueError(f"{self.name}: image {first} has no caption ({len(lonely)} such images)")
 
 
-# The name callers used before the two retrieval-set types became one.
-HeldOutSet = RetrievalSet
-
-
 def evaluate_retrieval(
     model: DualEncoder,
     tokenizer: TextTokenizer,

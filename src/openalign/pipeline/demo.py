@@ -87,6 +87,7 @@ class Stages:
 
     def run(self, name: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         marker = self.dir / f"{name}.json"
+        summary: dict[str, Any]
         if marker.is_file():
             summary = json.loads(marker.read_text())
             self.log(f"{name}: finished earlier ({summary.get('seconds', 0):.0f} s), reused")
@@ -282,7 +283,7 @@ def _shards(root: Path) -> dict[str, Any]:
     from openalign.data.shards import shard_input
 
     totals = shard_input(root / "deduped.parquet", root / "shards", image_root=root / "corpus", progress=True)
-    return {"shards": totals["shards"], "samples": totals["successes"], "skipped": totals["failures"]}
+    return {"shards": totals.shards, "samples": totals.successes, "skipped": totals.failures}
 
 
 def _train(cfg: DemoConfig, root: Path) -> dict[str, Any]:
@@ -370,7 +371,7 @@ def _index(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     if 0 < cfg.index_shards < len(names):
         source = f"{source}/{{{names[0]}..{names[cfg.index_shards - 1]}}}.tar"
     counts = build_index(model, tokenizer, source, root / "index", build_config(captions=True))
-    return {k: v for k, v in counts.items() if k in ("images", "captions", "skipped")}
+    return {"images": counts.images, "captions": counts.captions, "skipped": counts.skipped}
 
 
 # Three queries of the paper's kinds: text → image, image → image, and image + text (Figure 5).

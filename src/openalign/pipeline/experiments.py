@@ -344,7 +344,8 @@ def _log(message: str) -> None:
 def _settings_record(spec: RunSpec, eval_images: int) -> dict[str, Any]:
     """What decides a run's result; a reused result must have been produced by the same."""
     overrides = {k: v for k, v in spec.overrides.items() if k not in ("train.run_dir", "data.tokenizer")}
-    return json.loads(json.dumps({"overrides": overrides, "eval_images": eval_images}))
+    record: dict[str, Any] = json.loads(json.dumps({"overrides": overrides, "eval_images": eval_images}))
+    return record
 
 
 def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], Any]) -> dict[str, Any]:
@@ -352,7 +353,7 @@ def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], A
 
     import openalign
     from openalign.data.synthetic import retrieval_set
-    from openalign.eval.retrieval import HeldOutSet, evaluate_retrieval
+    from openalign.eval.retrieval import RetrievalSet, evaluate_retrieval
     from openalign.train.loop import NonFiniteError, train
 
     cfg = build_config(spec)
@@ -368,7 +369,7 @@ def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], A
     # One held-out set for every run (its own seed space), rendered once per invocation.
     key = (eval_images, cfg.data.synthetic.image_size)
     if key not in eval_sets:
-        eval_sets[key] = HeldOutSet(*retrieval_set(eval_images, 5, image_size=key[1]))
+        eval_sets[key] = RetrievalSet(*retrieval_set(eval_images, 5, image_size=key[1]))
     model = openalign.load_model(result.final_dir)
     tokenizer = openalign.load_tokenizer(result.final_dir, max_length=model.config.text.max_length)
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"

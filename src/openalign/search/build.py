@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable, ItemsView, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,11 +65,6 @@ class IndexBuildResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def items(self) -> ItemsView[str, Any]:
-        """The fields as ``(name, value)`` pairs: the ``.items()`` of the dict this replaced, for callers not
-        yet moved to the attributes."""
-        return self.to_dict().items()
 
 
 @dataclass
