@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import shlex
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import pytest
 
 from openalign.cli import build_parser, main, schema
 from openalign.cli.options import Parser
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+from readme_utils import readme_lines
 
 
 def _commands(parser: Parser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -235,22 +233,7 @@ def test_help_is_fast(argv: list[str]) -> None:
     assert best < 2.0, f"openalign {' '.join(argv)} took {best:.2f} s"
 
 
-def _readme_lines() -> list[str]:
-    lines, joined = [], ""
-    for raw in README.read_text().splitlines():
-        line = raw.strip()
-        if joined:
-            line = joined + " " + line
-            joined = ""
-        if line.endswith("\\"):
-            joined = line[:-1].strip()
-            continue
-        if line.startswith("openalign ") and not line.startswith("openalign.") and "..." not in line:
-            lines.append(re.sub(r"\s+#.*$", "", line))
-    return lines
-
-
-@pytest.mark.parametrize("line", _readme_lines())
+@pytest.mark.parametrize("line", readme_lines())
 def test_readme_command_lines_parse(line: str) -> None:
     """Every flag and argument the README shows is still accepted (running them is left to the stage tests)."""
     argv = shlex.split(line)[1:]
