@@ -61,6 +61,13 @@ def test_nano_recipe_loads_and_uses_the_synthetic_world() -> None:
     assert cfg.optim.lr_scales == {"temperature_param": 10.0}
 
 
+def test_lr_scale_prefixes_survive_overrides() -> None:
+    """A module prefix such as "text." is one key of optim.lr_scales, whether it comes from YAML or a flag."""
+    over = parse_overrides(["--optim.lr_scales", '{"text.": 5.0, "image_proj.weight": 0.5}'])
+    cfg = load_train_config("nano_cpu", over)
+    assert cfg.optim.lr_scales == {"temperature_param": 10.0, "text.": 5.0, "image_proj.weight": 0.5}
+
+
 def test_overrides_are_typed_and_strict() -> None:
     over = parse_overrides(
         ["--train.grad_clip", "1.0", "--model.image.batch_norm=virtual", "--train.steps", "5", "--data.seed", "null"]

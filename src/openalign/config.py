@@ -214,15 +214,21 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge ``overrides`` into a copy of ``base``; dotted keys ("image.batch_norm") address nesting."""
+def merge(base: dict[str, Any], overrides: dict[str, Any], *, dotted: bool = True) -> dict[str, Any]:
+    """Deep-merge ``overrides`` into a copy of ``base``; dotted keys ("image.batch_norm") address nesting.
+
+    Only the keys of ``overrides`` itself are paths: the keys inside a mapping it holds are names, so
+    ``{"optim.lr_scales": {"text.": 5.0, "image_proj.weight": 2.0}}`` keeps both parameter keys whole.
+    """
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     for key, value in overrides.items():
-        head, _, rest = key.partition(".")
+        head, _, rest = key.partition(".") if dotted else (key, "", "")
         if rest:
             value = {rest: value}
+        elif head != key:
+            head = key  # "text." names a module prefix, not a nesting
         if isinstance(value, dict) and isinstance(out.get(head), dict):
-            out[head] = merge(out[head], value)
+            out[head] = merge(out[head], value, dotted=bool(rest))
         else:
             out[head] = value
     return out
