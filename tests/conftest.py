@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -22,3 +24,13 @@ def tiny_overrides(**extra: object) -> dict[str, object]:
 def tiny_model() -> openalign.DualEncoder:
     torch.manual_seed(0)
     return openalign.create_model("nano", **tiny_overrides())
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for a test, then the old count back: on busy shared cores, intra-op threads of tiny
+    models only wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

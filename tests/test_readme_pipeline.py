@@ -13,7 +13,7 @@ import math
 import shlex
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -192,17 +192,6 @@ CHECKS: dict[tuple[str, ...], Callable[[argparse.Namespace, dict[str, Any]], Non
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One torch thread: on busy cores two threads wait on each other and the tiny convolutions take 5× longer."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.usefixtures("one_thread")

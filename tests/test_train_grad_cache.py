@@ -38,13 +38,8 @@ def make_model(**extra: object) -> openalign.DualEncoder:
     return model.train()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Other processes share these cores; intra-op threads would only contend.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Other processes share these cores; intra-op threads would only contend.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def loss_fn(image: torch.Tensor, text: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -129,13 +129,8 @@ def tiny_config(run_dir: Path | str, model: dict | None = None, **sections: dict
     return load_train_config(base)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Other processes share these cores; intra-op threads would only contend.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Other processes share these cores; intra-op threads would only contend.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

@@ -225,8 +225,8 @@ def merge(base: dict[str, Any], overrides: dict[str, Any], *, dotted: bool = Tru
         head, _, rest = key.partition(".") if dotted else (key, "", "")
         if rest:
             value = {rest: value}
-        elif head != key:
-            head = key  # "text." names a module prefix, not a nesting
+        else:
+            head = key  # no path after the dot: "text." names a module prefix, not a nesting
         if isinstance(value, dict) and isinstance(out.get(head), dict):
             out[head] = merge(out[head], value, dotted=bool(rest))
         else:
