@@ -56,7 +56,7 @@ def _hf_model(depthwise_padding: tuple[int, ...] = ()) -> transformers.AlignMode
 def _exportable(**overrides: object) -> openalign.DualEncoder:
     """A tiny model transformers can express: no image projection, no residual on a stage's first block."""
     torch.manual_seed(0)
-    base = tiny_overrides(image={"width_coefficient": 0.5}, embed_dim=round_filters(320, 0.5))
+    base = tiny_overrides(image={"width_coefficient": 0.5}, text={"pooling": "cls"}, embed_dim=round_filters(320, 0.5))
     return openalign.create_model("nano", **merge(base, overrides))
 
 
@@ -141,6 +141,28 @@ def test_exported_model_loads_in_transformers_with_equal_embeddings(tmp_path, so
     assert hf.temperature.item() == pytest.approx(model.temperature.item(), rel=1e-6)
 
 
+def test_mean_pooled_text_features_are_the_masked_mean_of_transformers_last_layer(tmp_path) -> None:
+    _hf_model().save_pretrained(tmp_path)
+    ours = openalign.load_model(tmp_path)
+    ours.config.text.pooling = "mean"
+    hf = transformers.AlignModel.from_pretrained(tmp_path).eval()
+    _, ids, mask = _inputs(64)
+    with torch.no_grad():
+        hidden = hf.text_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        features = ours.text(ids, mask)
+    for row in range(len(ids)):
+        kept = hidden[row, mask[row].bool()]
+        torch.testing.assert_close(features[row], kept.mean(dim=0), rtol=0, atol=1e-5)
+    assert not torch.allclose(features[0], hidden[0, 0], atol=1e-3)
+
+
+def test_export_refuses_mean_pooled_text(tmp_path) -> None:
+    from openalign.model.hf import export_hf_align
+
+    with pytest.raises(ConfigError, match=r"text\.pooling must be cls"):
+        export_hf_align(_exportable(image_size=64, text={"pooling": "mean"}), tmp_path)
+
+
 def test_export_refuses_an_image_projection(tmp_path, tiny_model: openalign.DualEncoder) -> None:
     from openalign.model.hf import export_hf_align
 
@@ -153,7 +175,8 @@ def test_export_refuses_a_residual_transformers_cannot_express(tmp_path) -> None
     from openalign.model.hf import export_hf_align
 
     # at width 0.25 the first stage maps 8 channels to 8 at stride 1: TF adds a residual, transformers not
-    model = openalign.create_model("nano", **tiny_overrides(embed_dim=round_filters(320, 0.25)))
+    overrides = tiny_overrides(text={"pooling": "cls"}, embed_dim=round_filters(320, 0.25))
+    model = openalign.create_model("nano", **overrides)
     with pytest.raises(ConfigError, match="block 0 starts a stage"):
         export_hf_align(model, tmp_path)
 

@@ -87,6 +87,11 @@ class TextTowerConfig:
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
     gradient_checkpointing: bool = False
+    # The paper's text feature is the last layer's [CLS] vector. "mean" averages the last layer over the
+    # caption's tokens instead: a post-LN BERT trained from scratch (no masked-LM pretraining) starts with
+    # [CLS] vectors that are identical to 4 digits for every caption, so the contrastive loss has nothing
+    # to pull apart for hundreds of steps; the mean differs between captions from step 0.
+    pooling: Literal["cls", "mean"] = "cls"
 
     @property
     def ffn_size(self) -> int:

@@ -1,4 +1,5 @@
-"""BERT (Devlin et al. 2019) as ALIGN's text tower: the last layer's [CLS] vector is the text feature.
+"""BERT (Devlin et al. 2019) as ALIGN's text tower: the last layer's [CLS] vector is the text feature
+(or, with ``pooling: mean``, the average of the last layer over the caption's tokens).
 
 Post-LayerNorm encoder identical in function to transformers' BertModel (so its weights load), with a
 fused QKV projection and PyTorch's scaled-dot-product attention. There is no pooler: ALIGN projects
@@ -63,7 +64,7 @@ class BertLayer(nn.Module):
 
 
 class Bert(nn.Module):
-    """BERT encoder: ``forward`` maps token ids [B, L] and a 0/1 mask to [CLS] features [B, hidden]."""
+    """BERT encoder: ``forward`` maps token ids [B, L] and a 0/1 mask to text features [B, hidden]."""
 
     def __init__(self, cfg: TextTowerConfig):
         super().__init__()
@@ -93,7 +94,13 @@ class Bert(nn.Module):
             mask = attention_mask.bool()[:, None, None, :]
         x: torch.Tensor = self.embeddings(input_ids)
         checkpoint = self.gradient_checkpointing and self.training
+        cls_only = self.cfg.pooling == "cls"
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = maybe_checkpointed(checkpoint, layer)(x, mask, i == last)
-        return x[:, 0]
+            x = maybe_checkpointed(checkpoint, layer)(x, mask, cls_only and i == last)
+        if cls_only:
+            return x[:, 0]
+        if attention_mask is None:
+            return x.mean(dim=1)
+        weights = attention_mask.to(x.dtype).unsqueeze(-1)
+        return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)

@@ -270,6 +270,10 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         )
     if im.stem_channels != 32:
         raise ConfigError("transformers' AlignVision fixes the stem at 32 channels before scaling")
+    if tx.pooling != "cls":
+        raise ConfigError(
+            "transformers' AlignModel takes the [CLS] vector as the text feature; text.pooling must be cls"
+        )
     first_residual = [i for i, b in enumerate(model_blocks(cfg)) if b]
     if first_residual and im.padding != "hf":
         raise ConfigError(
