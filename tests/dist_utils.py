@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,6 +17,8 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    # A rank that dies on a signal prints where it was.
+    faulthandler.enable()
     # Several ranks share few cores; intra-op threads would only fight each other.
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -28,6 +33,11 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, arg
     finally:
         dist.destroy_process_group()
     torch.save(result, f"{workdir}/result{rank}.pt")
+    # The result is on disk: leave without interpreter teardown, where the destructors of gloo pairs, DDP
+    # reducers and FSDP state run in no fixed order while the other rank may be closing its sockets.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_gloo(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any, timeout: float = 120.0) -> list[Any]:
