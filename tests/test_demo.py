@@ -69,11 +69,13 @@ def test_unknown_stage_is_a_config_error(tmp_path: Path) -> None:
         run_demo(DemoConfig(out=str(tmp_path), copy_detector_steps=0))
 
 
-def _summaries(t2i: float, temperature: float, planted: int = 100, found: int = 30) -> dict[str, dict]:
+def _summaries(
+    t2i: float, temperature: float, planted: int = 100, found: int = 30, train_seconds: float = 300.0
+) -> dict[str, dict]:
     return {
-        "eval": {"results": [{"t2i_r1": t2i}]},
-        "train": {"metrics": {"temperature": temperature}, "skipped_steps": 0},
-        "dedup": {"planted_after_filter": planted, "planted_found": found, "other_rows_removed": 7},
+        "eval": {"results": [{"t2i_r1": t2i}], "seconds": 4.0},
+        "train": {"metrics": {"temperature": temperature}, "skipped_steps": 0, "seconds": train_seconds},
+        "dedup": {"planted_after_filter": planted, "planted_found": found, "other_rows_removed": 7, "seconds": 90.0},
     }
 
 
@@ -88,4 +90,6 @@ def test_the_report_says_where_to_look_when_the_mark_is_missed() -> None:
     assert any("found 30 of 100" in line and "30 % recall" in line for line in missed)
     reached = diagnose(cfg, _summaries(70.0, 0.08), [(400, 69.5), (500, 70.0)])
     assert "reaches" in reached[0] and any("levelled off" in line for line in reached)
-    assert not any("Temperature" in line for line in reached)
+    assert not any("Temperature" in line or "Wall time" in line for line in reached)
+    slow = diagnose(cfg, _summaries(70.0, 0.08, train_seconds=620.0), [(400, 69.5), (500, 70.0)])
+    assert any("11.9 min, over the 10 min mark" in line and "train (620 s) and dedup (90 s)" in line for line in slow)
