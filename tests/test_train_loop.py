@@ -219,6 +219,9 @@ def test_gradient_clipping_bounds_the_update(tmp_path: Path) -> None:
 
 def test_gradient_caching_in_the_loop_matches_plain_training(tmp_path: Path) -> None:
     virtual = {**NO_DROPOUT, "image": {"drop_connect_rate": 0.0, "batch_norm": "virtual", "virtual_batch_size": 4}}
+    # [CLS] text features, whose rounding noise the tolerance below was measured on: nano's mean pooling moves
+    # the stem weights of this chaotic net ~7x more under float32 reordering (still far below a wiring mistake).
+    virtual["text"] = {**NO_DROPOUT["text"], "pooling": "cls"}
     # SGD, not LAMB: some biases have an exactly-zero true gradient (a batch norm downstream removes them), and
     # Adam-style normalisation would turn their float-rounding noise into full-size steps of random sign.
     # Few steps at a small lr: this tiny net on noise images is chaotic, and float-rounding differences
