@@ -112,6 +112,11 @@ def _log(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
+def wall_seconds(summaries: dict[str, dict[str, Any]]) -> float:
+    """The wall time of a run: the sum of its stages' seconds."""
+    return float(sum(summary.get("seconds", 0.0) for summary in summaries.values()))
+
+
 STAGES = ("world", "filter", "dedup", "vocab", "shards", "train", "eval", "index", "queries")
 
 
@@ -144,7 +149,7 @@ def run_demo(cfg: DemoConfig, *, until: str | None = None, log: Callable[[str], 
         if name == until:
             return root
     report = _report(cfg, root, stages.summaries)
-    wall = sum(summary.get("seconds", 0.0) for summary in stages.summaries.values())
+    wall = wall_seconds(stages.summaries)
     t2i = stages.summaries["eval"]["results"][0].get("t2i_r1", float("nan"))
     log(
         f"seed {cfg.seed}: held-out t2i R@1 {t2i:.2f} % (mark {cfg.target_r1:.0f} %), "
@@ -169,7 +174,7 @@ def run_demo_seeds(cfg: DemoConfig, seeds: int, *, log: Callable[[str], None] = 
         stages = Path(run.out) / "stages"
         summaries = {name: json.loads((stages / f"{name}.json").read_text()) for name in STAGES}
         t2i = summaries["eval"]["results"][0]["t2i_r1"]
-        wall = sum(summary.get("seconds", 0.0) for summary in summaries.values())
+        wall = wall_seconds(summaries)
         rows.append((seed, t2i, wall))
     r1s = [r1 for _, r1, _ in rows]
     spread = f"{statistics.mean(r1s):.2f} ± {statistics.stdev(r1s):.2f}" if len(r1s) > 1 else f"{r1s[0]:.2f}"
@@ -427,7 +432,7 @@ def diagnose(cfg: DemoConfig, summaries: dict[str, dict[str, Any]], curve: list[
         lines.append(f"It **reaches** the {cfg.target_r1:.0f} % mark.")
     else:
         lines.append(f"It **does not reach** the {cfg.target_r1:.0f} % mark. Where to look:")
-    wall = sum(summary.get("seconds", 0.0) for summary in summaries.values())
+    wall = wall_seconds(summaries)
     if wall > 60 * cfg.target_minutes:
         slowest = sorted(summaries.items(), key=lambda item: -item[1].get("seconds", 0.0))[:2]
         lines.append(
@@ -471,7 +476,7 @@ def _report(cfg: DemoConfig, root: Path, summaries: dict[str, dict[str, Any]]) -
 
     plot = plot_metrics(root / "train", root / "training.png")
     filt, train = summaries["filter"], summaries["train"]
-    wall = sum(summary.get("seconds", 0.0) for summary in summaries.values())
+    wall = wall_seconds(summaries)
     lines = [
         "# openalign demo",
         "",
