@@ -321,7 +321,7 @@ def test_schedule_with_lambdalr_and_group_scheduler_respect_lr_scale():
         sched.step()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected)[:, None] * torch.tensor(scales))
 
-    opt = _tiny_optimizer(lr=0.0)  # the group scheduler takes the peak from its own argument
+    opt = _tiny_optimizer(lr=0.5)  # the group scheduler takes the peak from its own argument
     sched = GroupLRScheduler(opt, 2.0, fn)
     got = []
     for _ in range(14):
@@ -406,7 +406,15 @@ def test_config_defaults_are_the_paper_recipe():
     ("kw", "match"),
     [
         ({"name": "adam"}, "valid: adamw, lamb, sgd"),
-        ({"lr": -1e-3}, "lr must be >= 0"),
+        ({"lr": -1e-3}, "lr must be finite and > 0"),
+        ({"lr": 0.0}, "lr must be finite and > 0"),
+        ({"lr": float("inf")}, "lr must be finite and > 0"),
+        ({"lr": float("nan")}, "lr must be finite and > 0"),
+        ({"weight_decay": float("nan")}, "weight_decay must be finite"),
+        ({"weight_decay": float("inf")}, "weight_decay must be finite"),
+        ({"eps": float("inf")}, "eps must be finite"),
+        ({"lr_scales": {"image.": float("inf")}}, "lr_scales"),
+        ({"schedule": "step_decay", "decay_every": 3, "decay_gamma": float("inf")}, "gamma must be finite"),
         ({"schedule": "cosine"}, "valid: constant, step_decay"),
         ({"schedule": "step_decay"}, "decay_every"),
         ({"warmup_steps": -5}, "warmup_steps"),

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import openalign
 from openalign.cli import main
-from openalign.config import ConfigError
+from openalign.config import ConfigError, ModelConfig, validate
 from openalign.train.config import TrainConfig, list_recipes, load_train_config, parse_overrides
 
 SHARDS = {"data.shards": "shards/{00000..00009}.tar", "data.tokenizer": "vocab"}
@@ -130,3 +131,59 @@ def test_cli_help_has_examples() -> None:
         [sys.executable, "-m", "openalign.cli", "train", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "examples:" in out and "--resume latest" in out and "torchrun" in out
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("optim.lr", ".inf", r"optim\.lr: expected a finite number, got inf"),
+        ("optim.lr", ".nan", r"optim\.lr: expected a finite number, got nan"),
+        ("optim.lr", "0", r"optim: lr must be finite and > 0, got 0"),
+        ("optim.lr", "-1", r"optim: lr must be finite and > 0, got -1"),
+        ("optim.weight_decay", ".nan", r"optim\.weight_decay: expected a finite number, got nan"),
+        ("optim.weight_decay", "-1", r"optim: weight_decay must be finite and >= 0, got -1"),
+        ("optim.eps", ".inf", r"optim\.eps: expected a finite number, got inf"),
+        ("model.temperature_init", ".inf", r"model\.temperature_init: expected a finite number, got inf"),
+        ("model.temperature_init", "0", r"temperature_init must be positive, got 0"),
+        ("train.label_smoothing", ".nan", r"train\.label_smoothing: expected a finite number, got nan"),
+        ("train.grad_clip", ".inf", r"train\.grad_clip: expected a finite number, got inf"),
+        ("train.checkpoint_minutes", ".nan", r"train\.checkpoint_minutes: expected a finite number, got nan"),
+        ("data.synthetic.noise", ".nan", r"data\.synthetic\.noise: expected a finite number, got nan"),
+    ],
+)
+def test_non_finite_or_out_of_range_numbers_are_one_line_config_errors(
+    key: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        load_train_config("nano_cpu", parse_overrides([f"--{key}", value]))
+    assert "\n" not in str(info.value)
+    assert main(["train", "--config", "nano_cpu", f"--{key}", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("openalign train: error: ") and "\n" not in err
+
+
+def test_direct_construction_checks_numbers_too() -> None:
+    """Python callers that skip YAML still meet the checks: the config objects validate themselves."""
+    cfg = load_train_config("nano_cpu")
+    cfg.train.grad_clip = float("inf")
+    with pytest.raises(ConfigError, match=r"train\.grad_clip must be positive and finite"):
+        cfg.validate()
+    cfg.train.grad_clip, cfg.train.checkpoint_minutes = None, float("nan")
+    with pytest.raises(ConfigError, match=r"train\.checkpoint_minutes must be finite"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="temperature_init must be positive, got nan"):
+        validate(ModelConfig(temperature_init=float("nan")))
+    with pytest.raises(ConfigError, match="temperature_init: expected a finite number, got inf"):
+        openalign.create_model("nano", temperature_init=float("inf"))
+
+
+def test_train_with_an_infinite_lr_exits_with_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "openalign.cli", "train", "--config", "nano_cpu", "--optim.lr", ".inf"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "openalign train: error: optim.lr: expected a finite number, got inf"
+    assert not (tmp_path / "runs").exists()

@@ -7,6 +7,7 @@ names the key and lists the valid ones, so a typo in a YAML file never silently 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -174,6 +175,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        # YAML reads .inf and .nan as numbers; no setting has a use for them, and a NaN passes every
+        # range check (each comparison is False), so it would surface only as a diverged run.
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -343,7 +348,7 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"text.pad_token_id {tx.pad_token_id} is outside the vocabulary of {tx.vocab_size}")
     if cfg.embed_dim < 1:
         raise ConfigError(f"embed_dim must be positive, got {cfg.embed_dim}")
-    if cfg.temperature_init <= 0:
+    if not (math.isfinite(cfg.temperature_init) and cfg.temperature_init > 0):
         raise ConfigError(f"temperature_init must be positive, got {cfg.temperature_init}")
     if cfg.image_size < 8:
         raise ConfigError(f"image_size must be at least 8 pixels, got {cfg.image_size}")

@@ -66,16 +66,18 @@ OPTIMIZERS = ("adamw", "lamb", "sgd")
 def _check_hparams(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float, max_trust: float | None
 ) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
+    # Written so NaN fails too (every comparison with it is False); an infinite lr or decay turns the first
+    # step's weights into NaN while its loss still looks fine.
+    if not 0.0 <= lr < math.inf:
+        raise ValueError(f"lr must be finite and >= 0, got {lr}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two values in [0, 1), got {betas}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if max_trust is not None and not max_trust > 0.0:
-        raise ValueError(f"max_trust_ratio must be > 0 or None, got {max_trust}")
+    if not 0.0 <= eps < math.inf:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay}")
+    if max_trust is not None and not 0.0 < max_trust < math.inf:
+        raise ValueError(f"max_trust_ratio must be finite and > 0, or None, got {max_trust}")
 
 
 class Lamb(torch.optim.Optimizer):
@@ -246,12 +248,12 @@ def param_groups(
     empty groups are omitted. Names in ``no_weight_decay()`` or keys of ``lr_scales`` that match no parameter
     raise ValueError, so a typo cannot silently fall back to the default treatment.
     """
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay}")
     lr_scales = dict(lr_scales or {})
     for key, scale in lr_scales.items():
-        if not scale >= 0.0:
-            raise ValueError(f"lr_scales[{key!r}] must be >= 0, got {scale}")
+        if not 0.0 <= scale < math.inf:
+            raise ValueError(f"lr_scales[{key!r}] must be finite and >= 0, got {scale}")
 
     # Tied weights appear under several names and owners; any owner's rule excludes the tensor.
     aliases: dict[int, list[str]] = {}
@@ -347,8 +349,8 @@ def step_decay(step: int, every: int, gamma: float) -> float:
     """``gamma ** (step // every)``; the fine-tuning recipe is every=30 epochs' worth of steps, gamma=0.2."""
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
-    if not gamma > 0.0:
-        raise ValueError(f"gamma must be > 0, got {gamma}")
+    if not 0.0 < gamma < math.inf:
+        raise ValueError(f"gamma must be finite and > 0, got {gamma}")
     return gamma ** (max(step, 0) // every)
 
 
@@ -398,8 +400,8 @@ class GroupLRScheduler:
         *,
         last_step: int = 0,
     ) -> None:
-        if not peak_lr >= 0.0:
-            raise ValueError(f"peak_lr must be >= 0, got {peak_lr}")
+        if not 0.0 <= peak_lr < math.inf:
+            raise ValueError(f"peak_lr must be finite and >= 0, got {peak_lr}")
         self.optimizer = optimizer
         self.peak_lr = peak_lr
         self.multiplier = multiplier
@@ -460,6 +462,10 @@ class OptimConfig:
             raise ValueError(f"unknown optimizer {self.name!r}; valid: {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(sorted(SCHEDULES))}")
+        # An optimizer object may hold lr 0 (its groups' lr is the scheduler's to set); a run's peak may not:
+        # it would train nothing while looking like it ran.
+        if not 0.0 < self.lr < math.inf:
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
         _check_hparams(self.lr, self.betas, self.eps, self.weight_decay, self.max_trust_ratio)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
@@ -468,8 +474,8 @@ class OptimConfig:
         if self.schedule == "step_decay" and self.decay_every is None:
             raise ValueError("decay_every must be set to a step count when schedule='step_decay'")
         for key, scale in self.lr_scales.items():
-            if not scale >= 0.0:
-                raise ValueError(f"lr_scales[{key!r}] must be >= 0, got {scale}")
+            if not 0.0 <= scale < math.inf:
+                raise ValueError(f"lr_scales[{key!r}] must be finite and >= 0, got {scale}")
         build_schedule(self.schedule, **_schedule_kwargs(self))
 
 

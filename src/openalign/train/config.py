@@ -10,6 +10,7 @@ The recipes of the paper ship with the package: ``openalign train --config pretr
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -135,12 +136,14 @@ class TrainConfig:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
         if not 0 < t.negatives_fraction <= 1:
             raise ConfigError(f"train.negatives_fraction must be in (0, 1], got {t.negatives_fraction}")
-        if t.grad_clip is not None and not t.grad_clip > 0:
-            raise ConfigError(f"train.grad_clip must be positive or null, got {t.grad_clip}")
+        if t.grad_clip is not None and not 0 < t.grad_clip < math.inf:
+            raise ConfigError(f"train.grad_clip must be positive and finite, or null, got {t.grad_clip}")
         if t.max_bad_steps < 1:
             raise ConfigError(f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}")
-        if t.checkpoint_every < 0 or t.checkpoint_minutes < 0 or t.keep_checkpoints < 0:
-            raise ConfigError("train.checkpoint_every, checkpoint_minutes and keep_checkpoints must not be negative")
+        if not 0 <= t.checkpoint_minutes < math.inf:
+            raise ConfigError(f"train.checkpoint_minutes must be finite and not negative, got {t.checkpoint_minutes}")
+        if t.checkpoint_every < 0 or t.keep_checkpoints < 0:
+            raise ConfigError("train.checkpoint_every and keep_checkpoints must not be negative")
         if t.threads is not None and t.threads < 1:
             raise ConfigError(f"train.threads must be positive, got {t.threads}")
         e = self.eval
@@ -239,8 +242,11 @@ def _from_mapping(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError(f"model.init: expected a path, got {model.init!r}")
     if model.init == "":
         raise ConfigError("model.init is empty: this recipe starts from a checkpoint, give it as --model.init DIR")
-    # Architecture keys are checked now, against ModelConfig, not when the model is built.
+    # Architecture keys are checked now, against ModelConfig, not when the model is built; so are their values
+    # where the architecture is known without reading a checkpoint.
     from_dict(ModelConfig, merge({}, model_raw), "model")
+    if model.init is None:
+        model.resolve()
     try:
         cfg = from_dict(TrainConfig, {k: v or {} for k, v in raw.items()})
     except ValueError as err:  # OptimConfig validates itself with ValueError
