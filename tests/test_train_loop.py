@@ -320,3 +320,102 @@ def test_karpathy_eval_set_is_capped_to_eval_images(tmp_path) -> None:
     assert sorted(set(held.text_image_ids)) == [0, 1, 2]
     full = _load_eval_set(load_train_config("nano_cpu", {**overrides, "eval.images": 10}))
     assert len(full.images) == 6 and len(full.captions) == 30
+
+
+def _all_saved_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every floating-point tensor a checkpoint directory holds, read straight from its files."""
+    out = {f"model.{k}": v for k, v in weights(checkpoint).items()}
+    trainer = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=True)
+
+    def walk(tree: Any, prefix: str) -> None:
+        if isinstance(tree, torch.Tensor):
+            if tree.is_floating_point():
+                out[prefix] = tree
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, f"{prefix}.{k}")
+        elif isinstance(tree, list | tuple):
+            for i, v in enumerate(tree):
+                walk(v, f"{prefix}.{i}")
+
+    walk(trainer, "trainer")
+    return out
+
+
+@pytest.mark.parametrize("target", ["weights", "optimizer state"])
+def test_a_non_finite_update_is_never_checkpointed(
+    tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 3's update turns a tensor into NaN while its loss was finite (what an infinite lr does): the loop
+    counts the step as good, but neither its checkpoint nor the one written when the run aborts is saved."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+    def poison(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            p = optimizer.param_groups[0]["params"][0]
+            tensor = p if target == "weights" else optimizer.state[p]["exp_avg"]
+            with torch.no_grad():
+                tensor[(0,) * tensor.dim()] = float("nan")
+
+    cfg = tiny_config(
+        tmp_path / "run",
+        optim={"warmup_steps": 1, "total_steps": 10},
+        train={"checkpoint_every": 1, "keep_checkpoints": 0, "max_bad_steps": 2},
+    )
+    handle = register_optimizer_step_post_hook(poison)
+    try:
+        with pytest.raises(NonFiniteError, match=r"the state after step [34] is not finite either"):
+            train(cfg, stream_factory=factory())
+    finally:
+        handle.remove()
+    err = capsys.readouterr().err
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1, 2]
+    for _, path in list_checkpoints(tmp_path / "run"):
+        tensors = _all_saved_tensors(path)
+        assert any(k.startswith("trainer.optimizer.state.") for k in tensors)
+        assert all(torch.isfinite(v).all() for v in tensors.values()), path
+    assert "checkpoint not written, the previous ones are kept" in err and "hold NaN or Inf" in err
+    assert not (tmp_path / "run" / "final").exists()
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+
+
+def test_final_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from openalign.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    real_save = checkpoint.save_file
+
+    def save_file(tensors: dict[str, torch.Tensor], filename: str, **kw: Any) -> None:
+        if Path(filename).parent.name.startswith("final"):
+            # Killed while writing: part of the file is on disk, then the process is gone.
+            Path(filename).write_bytes(b"partial")
+            raise OSError("no space left on device")
+        real_save(tensors, filename, **kw)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    with pytest.raises(OSError, match="no space left"):
+        train(tiny_config(run_dir, train={"steps": 1}), stream_factory=factory())
+    assert sorted(p.name for p in run_dir.iterdir() if "final" in p.name) == []
+
+    monkeypatch.setattr(checkpoint, "save_file", real_save)
+    first = train(tiny_config(run_dir, train={"steps": 1}), stream_factory=factory())
+    before = weights(first.final_dir)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    with pytest.raises(OSError, match="no space left"):
+        train(tiny_config(run_dir, train={"steps": 2}), resume="latest", stream_factory=factory())
+    # The old final model is still whole, and nothing half-written sits beside it.
+    assert sorted(p.name for p in run_dir.iterdir() if "final" in p.name) == ["final"]
+    after = openalign.load_model(run_dir / "final").state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+    # A leftover of a write killed outright (no chance to clean up) is cleared by the next one.
+    monkeypatch.setattr(checkpoint, "save_file", real_save)
+    (run_dir / "final.tmp").mkdir()
+    (run_dir / "final.tmp" / "model.safetensors").write_bytes(b"partial")
+    second = train(tiny_config(run_dir, train={"steps": 2}), resume="latest", stream_factory=factory())
+    assert sorted(p.name for p in run_dir.iterdir() if "final" in p.name) == ["final"]
+    assert not torch.equal(weights(second.final_dir)["text_proj.weight"], before["text_proj.weight"])

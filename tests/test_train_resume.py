@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,13 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from dist_utils import run_gloo  # noqa: E402
-from openalign.train.checkpoint import list_checkpoints, load_trainer_state  # noqa: E402
+from openalign.cli import main as cli_main  # noqa: E402
+from openalign.train.checkpoint import CheckpointError, list_checkpoints, load_trainer_state  # noqa: E402
 from openalign.train.loop import train  # noqa: E402
 from test_train_loop import NO_DROPOUT, factory, tiny_config  # noqa: E402
 
@@ -241,6 +244,97 @@ def test_fsdp2_matches_single_process_training_on_cpu(tmp_path: Path) -> None:
     assert not torch.equal(a["temperature_param"], torch.tensor(1.0))
     state, _ = load_trainer_state(tmp_path / "fsdp" / "checkpoints" / "step_0000002")
     assert len(state["optimizer"]["state"]) == sum(1 for k in a if "running" not in k and "num_batches" not in k)
+
+
+# ------------------------------------------------------------------------------ damaged checkpoints
+
+
+def _short_run(run_dir: Path, steps: int, **train_options: Any) -> Any:
+    # Dropout on: resuming from a checkpoint must restore its random stream too.
+    return tiny_config(
+        run_dir,
+        train={"steps": steps, "checkpoint_every": 2, "keep_checkpoints": 0, **train_options},
+        log={"tensorboard": False, "progress": False},
+    )
+
+
+def _damage(checkpoint: Path, how: str) -> str:
+    """Damage a checkpoint as ``how`` says; returns the reason resuming should give for passing over it."""
+    if how == "truncated trainer.pt":
+        data = (checkpoint / "trainer.pt").read_bytes()
+        (checkpoint / "trainer.pt").write_bytes(data[: len(data) // 2])
+        return "trainer.pt is truncated or unreadable"
+    if how == "NaN weight":
+        tensors = load_file(str(checkpoint / "model.safetensors"))
+        tensors["text_proj.weight"][0, 0] = float("nan")
+        save_file(tensors, str(checkpoint / "model.safetensors"))
+        return "1 tensor(s) hold NaN or Inf, e.g. model.text_proj.weight"
+    if how == "NaN optimizer state":
+        state = torch.load(checkpoint / "trainer.pt", weights_only=True)
+        next(iter(state["optimizer"]["state"].values()))["exp_avg_sq"].fill_(float("inf"))
+        torch.save(state, checkpoint / "trainer.pt")
+        return "1 tensor(s) hold NaN or Inf, e.g. trainer.optimizer.state.0.exp_avg_sq"
+    (checkpoint / "model.safetensors").unlink()
+    return "missing model.safetensors"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("how", ["truncated trainer.pt", "NaN weight", "NaN optimizer state", "missing file"])
+def test_resume_latest_passes_over_a_damaged_newest_checkpoint(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(_short_run(tmp_path / "run", 4), stream_factory=factory())
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 4]
+    shutil.copytree(tmp_path / "run", tmp_path / "direct")
+    reason = _damage(tmp_path / "run" / "checkpoints" / "step_0000004", how)
+    capsys.readouterr()
+
+    fallback = train(_short_run(tmp_path / "run", 6), resume="latest", stream_factory=factory())
+    err = capsys.readouterr().err
+    newest, previous = (tmp_path / "run" / "checkpoints" / f"step_000000{s}" for s in (4, 2))
+    assert f"resume: skipping {newest}: {reason}" in err
+    assert f"resumed from {previous} at step 2" in err
+    assert len([line for line in err.splitlines() if "skipping" in line]) == 1
+
+    direct = train(
+        _short_run(tmp_path / "direct", 6),
+        resume=str(tmp_path / "direct" / "checkpoints" / "step_0000002"),
+        stream_factory=factory(),
+    )
+    assert fallback.step == direct.step == 6
+    a, b = _weights(fallback.final_dir), _weights(direct.final_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The damaged step was written anew, whole, by the resumed run.
+    assert load_trainer_state(newest)[0]["step"] == 4
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_whose_checkpoints_are_all_damaged_does_not_start_over(tmp_path: Path) -> None:
+    train(_short_run(tmp_path / "run", 4), stream_factory=factory())
+    for step in (2, 4):
+        _damage(tmp_path / "run" / "checkpoints" / f"step_000000{step}", "truncated trainer.pt")
+    with pytest.raises(CheckpointError, match=r"none of its 2 checkpoint\(s\) can be resumed from"):
+        train(_short_run(tmp_path / "run", 6), resume="latest", stream_factory=factory())
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 4]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("how", ["truncated trainer.pt", "NaN weight"])
+def test_a_damaged_checkpoint_named_explicitly_is_a_one_line_error(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(_short_run(tmp_path / "run", 2), stream_factory=factory())
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002"
+    reason = _damage(checkpoint, how)
+    with pytest.raises(CheckpointError, match=re.escape(f"{checkpoint}: {reason}")) as info:
+        train(_short_run(tmp_path / "run", 4), resume=str(checkpoint), stream_factory=factory())
+    assert "\n" not in str(info.value)
+    capsys.readouterr()
+    # The command: one line, a non-zero exit, no traceback.
+    args = ["train", "--config", "nano_cpu", "--train.run_dir", str(tmp_path / "run"), "--resume", str(checkpoint)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"openalign train: error: {checkpoint}: {reason}") and "\n" not in err
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ def test_every_rank_gets_rank_zeros_vocabulary(tmp_path: Path) -> None:
 def test_a_resumed_run_keeps_the_vocabulary_of_its_checkpoint(tmp_path: Path, monkeypatch: Any) -> None:
     cfg = synthetic_config(tmp_path / "run")
     monkeypatch.setattr(loop, "_synthetic_tokenizer", learner("firstword"))
-    first = loop._load_tokenizer(cfg, "latest", True)  # nothing to resume yet: learnt
+    first = loop._load_tokenizer(cfg, None, True)  # nothing to resume yet: learnt
     assert "firstword" in vocabulary(first)
     model_config = cfg.model.resolve()
     torch.manual_seed(0)
-    ckpt.write_checkpoint(
+    checkpoint = ckpt.write_checkpoint(
         cfg.train.run_dir,
         2,
         model_config=model_config,
@@ -77,6 +77,6 @@ def test_a_resumed_run_keeps_the_vocabulary_of_its_checkpoint(tmp_path: Path, mo
         keep=2,
     )
     monkeypatch.setattr(loop, "_synthetic_tokenizer", learner("secondword"))
-    assert vocabulary(loop._load_tokenizer(cfg, "latest", True)) == vocabulary(first)
+    assert vocabulary(loop._load_tokenizer(cfg, checkpoint, True)) == vocabulary(first)
     # A fresh start learns anew.
     assert "secondword" in vocabulary(loop._load_tokenizer(cfg, None, True))

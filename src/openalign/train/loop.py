@@ -7,7 +7,9 @@ checkpoint. Nothing else happens in between.
 
 Non-finite guard: a step whose loss or gradient norm is NaN/Inf is skipped (no weight, optimizer or
 schedule change; its batch is consumed), counted, and after ``train.max_bad_steps`` in a row the run stops
-with ``NonFiniteError`` after writing a checkpoint of the last good state.
+with ``NonFiniteError`` after checkpointing the last good state. A finite loss does not prove that the update
+it led to was finite, so every save checks: a state with a NaN/Inf tensor is not written (one line says so)
+and the checkpoints before it stay, and a non-finite final model stops the run with ``NonFiniteError``.
 """
 
 from __future__ import annotations
@@ -84,11 +86,12 @@ def train(
     """
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
+    opened = _open_resume(cfg, resume, info) if resume else None
     if tokenizer is None:
-        tokenizer = _load_tokenizer(cfg, resume, info.is_main)
+        tokenizer = _load_tokenizer(cfg, opened.path if opened else None, info.is_main)
     run = _Run(cfg, info, stream_factory, tokenizer)
     try:
-        run.restore(resume)
+        run.restore(opened)
         try:
             return run.loop()
         except KeyboardInterrupt:
@@ -101,6 +104,33 @@ def train(
         run.close()
         if owns_group and is_distributed():
             dist.destroy_process_group()
+
+
+@dataclass
+class _Resume:
+    """The checkpoint every rank resumes from; rank 0 also holds what it read while choosing it."""
+
+    path: Path
+    opened: ckpt.OpenedCheckpoint | None
+
+
+def _open_resume(cfg: TrainConfig, resume: str, info: DistInfo) -> _Resume | None:
+    """Rank 0 resolves ``resume`` ("latest" or a directory) so every rank loads the same step (checkpoints live
+    on a shared filesystem); its error, if any, is raised on every rank."""
+    opened, error = None, None
+    if info.is_main:
+        try:
+            opened = ckpt.open_checkpoint(cfg.train.run_dir, resume, log=lambda line: print(line, file=sys.stderr))
+        except (FileNotFoundError, ckpt.CheckpointError) as err:
+            error = (isinstance(err, FileNotFoundError), str(err))
+        if opened is None and error is None:
+            root = Path(cfg.train.run_dir) / ckpt.CHECKPOINT_DIR
+            print(f"no checkpoint in {root}; starting at step 0", file=sys.stderr)
+    path, error = broadcast_object((opened.path if opened else None, error))
+    if error is not None:
+        missing, message = error
+        raise FileNotFoundError(message) if missing else ckpt.CheckpointError(message)
+    return _Resume(path, opened) if path is not None else None
 
 
 def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
@@ -187,7 +217,8 @@ class _Run:
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def save(self) -> Path | None:
-        """Checkpoint the current step. Every rank must call it; rank 0 writes."""
+        """Checkpoint the current step. Every rank must call it; rank 0 writes, and returns the path unless the
+        state held a non-finite tensor (then nothing is written)."""
         rng = all_gather_object(ckpt.capture_rng(self.info.device))
         streams = all_gather_object(self.stream.state_dict())
         model_state, optim_state = self._state_dicts()
@@ -203,36 +234,32 @@ class _Run:
                 "skipped_steps": self.skipped_steps,
                 "config": self.cfg.to_dict(),
             }
-            path = ckpt.write_checkpoint(
-                self.run_dir,
-                self.step,
-                model_config=self.model_config,
-                model_state=model_state,
-                trainer_state=state,
-                tokenizer=self.tokenizer,
-                keep=self.cfg.train.keep_checkpoints,
-            )
+            try:
+                path = ckpt.write_checkpoint(
+                    self.run_dir,
+                    self.step,
+                    model_config=self.model_config,
+                    model_state=model_state,
+                    trainer_state=state,
+                    tokenizer=self.tokenizer,
+                    keep=self.cfg.train.keep_checkpoints,
+                )
+            except ckpt.CheckpointError as err:
+                print(f"checkpoint not written, the previous ones are kept: {err}", file=sys.stderr)
         if is_distributed():
             dist.barrier()
         self.last_checkpoint_time = time.monotonic()
         return path
 
-    def restore(self, resume: str | None) -> None:
-        # Rank 0 resolves "latest" so every rank loads the same step (checkpoints live on a shared filesystem).
-        found, error = None, None
-        if resume and self.info.is_main:
-            try:
-                found = ckpt.find_checkpoint(self.run_dir, resume)
-            except FileNotFoundError as err:
-                error = str(err)
-        path, error = broadcast_object((found, error))
-        if error is not None:
-            raise FileNotFoundError(error)
-        if path is None:
-            if resume == "latest" and self.info.is_main:
-                print(f"no checkpoint in {self.run_dir / ckpt.CHECKPOINT_DIR}; starting at step 0", file=sys.stderr)
+    def restore(self, resume: _Resume | None) -> None:
+        if resume is None:
             return
-        trainer, model_state = ckpt.load_trainer_state(path)
+        path = resume.path
+        if resume.opened is not None:
+            trainer, model_state = resume.opened.trainer, resume.opened.model
+            resume.opened = None  # its tensors are copied into the model below; don't keep a second copy
+        else:
+            trainer, model_state = ckpt.load_trainer_state(path)
         state: dict[str, Any] = model_state
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -341,8 +368,13 @@ class _Run:
         self.skipped_steps += 1
         try:
             guard(False, self.step)
-        except NonFiniteError:
-            self.save()  # the weights are still the last good ones: keep them for a resume with a lower lr
+        except NonFiniteError as err:
+            # Usually the weights are still the last good ones: keep them for a resume with a lower lr. When the
+            # last finite step's update was itself non-finite, the save refuses and the older checkpoints stay.
+            if self.save() is None and self.info.is_main:
+                raise NonFiniteError(
+                    f"{err} (the state after step {self.step} is not finite either, so that is an earlier one)"
+                ) from None
             raise
 
     def _forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
@@ -418,11 +450,13 @@ class _Run:
         final = None
         model_state, _ = self._state_dicts() if self.fsdp else (self.model.state_dict(), None)
         if self.info.is_main:
-            final = self.run_dir / "final"
-            final.mkdir(parents=True, exist_ok=True)
-            ckpt.write_model_dir(final, self.model_config, model_state)
-            if self.tokenizer is not None:
-                self.tokenizer.save(final)
+            try:
+                final = ckpt.write_model(self.run_dir / "final", self.model_config, model_state, self.tokenizer)
+            except ckpt.CheckpointError as err:
+                raise NonFiniteError(
+                    f"final model not written: {err}; lower optim.lr or set train.grad_clip, then resume from the "
+                    "last checkpoint"
+                ) from None
             if stats:
                 self.logger.log(self.step, {f"skipped/{k}": v for k, v in stats.items()})
             print(
@@ -471,11 +505,12 @@ def _has_tokenizer(path: str | Path) -> bool:
     return Path(path).is_dir() and find_tokenizer_file(path) is not None
 
 
-def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> TextTokenizer | None:
+def _load_tokenizer(cfg: TrainConfig, resume: Path | None, is_main: bool) -> TextTokenizer | None:
     """The run's tokenizer: ``data.tokenizer``, the ``model.init`` checkpoint's, or (synthetic data) a vocabulary
     learnt from the world's captions. A learnt one is learnt once, by rank 0, and handed to every rank; a
-    resumed run takes the one saved with its checkpoint. Learning it again is not safe: the WordPiece trainer
-    breaks ties between equally frequent merges in hash-map order, so two learners can disagree."""
+    resumed run takes the one saved with the checkpoint ``resume`` it continues from. Learning it again is not
+    safe: the WordPiece trainer breaks ties between equally frequent merges in hash-map order, so two learners
+    can disagree."""
     from openalign.text import load_tokenizer
 
     length = cfg.data.max_text_length
@@ -488,12 +523,8 @@ def _load_tokenizer(cfg: TrainConfig, resume: str | None, is_main: bool) -> Text
         return None
     tokenizer = None
     if is_main:
-        found = None
-        if resume:
-            with contextlib.suppress(FileNotFoundError):  # restore() reports it, on every rank
-                found = ckpt.find_checkpoint(cfg.train.run_dir, resume)
-        if found is not None and _has_tokenizer(found):
-            tokenizer = load_tokenizer(found, max_length=length)
+        if resume is not None and _has_tokenizer(resume):
+            tokenizer = load_tokenizer(resume, max_length=length)
         else:
             tokenizer = _synthetic_tokenizer(cfg)
     shared: TextTokenizer | None = broadcast_object(tokenizer)
