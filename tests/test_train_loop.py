@@ -419,3 +419,36 @@ def test_final_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch: pyte
     second = train(tiny_config(run_dir, train={"steps": 2}), resume="latest", stream_factory=factory())
     assert sorted(p.name for p in run_dir.iterdir() if "final" in p.name) == ["final"]
     assert not torch.equal(weights(second.final_dir)["text_proj.weight"], before["text_proj.weight"])
+
+
+@pytest.mark.parametrize(
+    ("source", "pairs", "warning"),
+    [("shards", 3, "each pair appears ~2.7 times per batch"), ("synthetic", 4, "~2.0 times"), ("synthetic", 8, None)],
+)
+def test_a_batch_larger_than_the_data_warns_once(
+    tmp_path: Path, source: str, pairs: int, warning: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real stream: shard epochs are measured as they are read, a finite synthetic world has its size."""
+    from openalign.text import train_wordpiece
+    from test_train_data import caption, write_dataset
+
+    tokenizer = train_wordpiece([caption(i) for i in range(50)] * 2, vocab_size=120, min_frequency=1)
+    if source == "shards":
+        data = {"source": "shards", "shards": write_dataset(tmp_path / "shards", pairs, pairs)}
+    else:
+        data = {"source": "synthetic", "synthetic": {"size": pairs, "image_size": 16}}
+    cfg = tiny_config(
+        tmp_path / "run",
+        model={"text": {"vocab_size": 128}},
+        data={**data, "workers": 0, "max_text_length": 12},
+        train={"steps": 3},
+        log={"progress": False},
+    )
+    train(cfg, stream_factory=None, tokenizer=tokenizer)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    if warning is None:
+        assert warnings == []
+        return
+    assert len(warnings) == 1
+    assert f"the global batch of 8 is larger than the {pairs} pairs of an epoch" in warnings[0]
+    assert warning in warnings[0] and "in-batch negatives include copies of the positive" in warnings[0]

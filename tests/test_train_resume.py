@@ -293,7 +293,7 @@ def test_resume_latest_passes_over_a_damaged_newest_checkpoint(
     err = capsys.readouterr().err
     newest, previous = (tmp_path / "run" / "checkpoints" / f"step_000000{s}" for s in (4, 2))
     assert f"resume: skipping {newest}: {reason}" in err
-    assert f"resumed from {previous} at step 2" in err
+    assert f"resumed from {previous} at step 2" in err and "global batch changes" not in err
     assert len([line for line in err.splitlines() if "skipping" in line]) == 1
 
     direct = train(
@@ -335,6 +335,20 @@ def test_a_damaged_checkpoint_named_explicitly_is_a_one_line_error(
     assert cli_main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"openalign train: error: {checkpoint}: {reason}") and "\n" not in err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_changing_the_global_batch_on_resume_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    train(_short_run(tmp_path / "run", 2), stream_factory=factory())
+    capsys.readouterr()
+    make = factory()
+    train(_short_run(tmp_path / "run", 4, batch_size=16), resume="latest", stream_factory=make)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1
+    assert "global batch changes from 8 (checkpoint) to 16" in warnings[0]
+    assert "each step reads 2× the samples" in warnings[0]
+    assert "the 2 steps left read 32 samples instead of 16" in warnings[0]
+    assert make.built[0].seen[0] == 16  # the stream goes on at the sample the checkpoint had reached
 
 
 if __name__ == "__main__":

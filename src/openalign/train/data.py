@@ -626,7 +626,10 @@ class TrainStream:
 
     @property
     def epoch_length(self) -> int | None:
-        """Usable samples per epoch, known once some worker has read a whole epoch (None before)."""
+        """Usable samples per epoch: a finite synthetic world's size, or for shards known once some worker has
+        read a whole epoch (None before, and always for an endless or resampled source)."""
+        if self._epoch_length is None and isinstance(self._plan.source, _SyntheticSource):
+            return self._plan.source.size
         return self._epoch_length
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

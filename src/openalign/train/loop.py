@@ -106,6 +106,10 @@ def train(
             dist.destroy_process_group()
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 @dataclass
 class _Resume:
     """The checkpoint every rank resumes from; rank 0 also holds what it read while choosing it."""
@@ -232,6 +236,7 @@ class _Run:
                 "rng": rng,
                 "stream": streams,
                 "skipped_steps": self.skipped_steps,
+                "global_batch": self.global_batch,
                 "config": self.cfg.to_dict(),
             }
             try:
@@ -303,6 +308,19 @@ class _Run:
                 torch.manual_seed(self.cfg.train.seed * 1_000_003 + rank + 1 + self.step)
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+            self._warn_batch_change(trainer, saved_world)
+
+    def _warn_batch_change(self, trainer: dict[str, Any], saved_world: int) -> None:
+        saved = _saved_global_batch(trainer, saved_world)
+        if saved is None or saved == self.global_batch:
+            return
+        _warn(
+            f"the global batch changes from {saved} (checkpoint) to {self.global_batch}: the data stream goes on "
+            f"at the sample it had reached, but the schedule counts steps, so from step {self.step} on each step "
+            f"reads {self.global_batch / saved:.3g}× the samples it did and the {self.total_steps - self.step} "
+            f"steps left read {(self.total_steps - self.step) * self.global_batch} samples instead of "
+            f"{(self.total_steps - self.step) * saved}"
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -318,8 +336,11 @@ class _Run:
         metrics: dict[str, float] = {}
         batches = iter(self.stream)
         tick, tick_step = time.perf_counter(), self.step
+        small_data_warned = False
         while self.step < self.total_steps:
             batch = {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()}
+            if not small_data_warned and info.is_main:
+                small_data_warned = self._warn_small_epoch()
             # A bad batch would leave NaN in batch-norm running statistics even though the step is skipped.
             saved_buffers = [(b, b.clone()) for b in self.model.buffers()]
             loss = self._forward_backward(batch, loss_fn)
@@ -359,6 +380,19 @@ class _Run:
             ):
                 self.save()
         return self._finish(metrics)
+
+    def _warn_small_epoch(self) -> bool:
+        """Warn when the global batch holds more pairs than an epoch; True once warned. A source whose epoch
+        length is unknown (an endless one, or shards not yet read to their end) says nothing yet."""
+        length = getattr(self.stream, "epoch_length", None)
+        if not length or self.global_batch <= length:
+            return False
+        _warn(
+            f"the global batch of {self.global_batch} is larger than the {length} pairs of an epoch: each pair "
+            f"appears ~{self.global_batch / length:.1f} times per batch, so in-batch negatives include copies of "
+            "the positive; lower train.batch_size or train on more pairs"
+        )
+        return True
 
     def _skip_step(self, saved_buffers: list[tuple[torch.Tensor, torch.Tensor]], guard: Callable[..., int]) -> None:
         """Undo a non-finite step: no update, batch-norm statistics back, gradients dropped; maybe abort."""
@@ -482,6 +516,17 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def _saved_global_batch(trainer: dict[str, Any], saved_world: int) -> int | None:
+    if "global_batch" in trainer:
+        return int(trainer["global_batch"])
+    # Checkpoints written before the global batch was recorded: their config says it.
+    train = (trainer.get("config") or {}).get("train") or {}
+    if train.get("batch_size") is not None:
+        return int(train["batch_size"])
+    per_rank = ((trainer.get("config") or {}).get("data") or {}).get("batch_size")
+    return int(per_rank) * saved_world if per_rank is not None else None
 
 
 def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
