@@ -47,7 +47,7 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``repeated_words``  (words − distinct words) / words is > ``max_repeated_fraction`` (CC12M: 0.2).
 
 Before those, rows that cannot be judged are removed with their own funnel lines: ``malformed_row`` (a
-CSV/JSON line that does not parse), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only
+CSV/JSON record that does not parse), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only
 whitespace), ``bad_size`` (width or height missing, non-numeric, not finite or ≤ 0; only checked when a
 size rule is on) and ``bad_unsafe_score`` (present but non-numeric or NaN).
 
@@ -85,7 +85,7 @@ RULE_STEPS = (
     "repeated_words",
 )
 STEP_DESCRIPTIONS = {
-    "malformed_row": "line of the input that does not parse",
+    "malformed_row": "input record that does not parse (or a JSON alt-text that is not text)",
     "non_utf8_text": "alt-text is not valid UTF-8",
     "missing_text": "alt-text is null",
     "empty_text": "alt-text is empty or only whitespace",
