@@ -752,6 +752,45 @@ def test_json_lines_that_do_not_parse_are_skipped_and_counted_with_their_reason(
         filter_corpus(src, tmp_path / "out2.parquet", load_rules("align", **OFF))
 
 
+# --------------------------------------------------------------------------------------------------
+# img2dataset metadata: width/height are its resized copy's, original_* the crawl's; status is its verdict
+
+
+def img2dataset_rows() -> list[dict]:
+    def r(i, caption, ow, oh, status="success"):
+        size = 256 if status == "success" else None
+        return {"key": f"{i:03d}", "url": f"http://x/{i}", "caption": caption, "width": size, "height": size,
+                "original_width": ow, "original_height": oh, "status": status}  # fmt: skip
+
+    rows = [r(i, f"a small red car number {i}", 120, 90) for i in range(40)]  # resized up to 256x256
+    rows += [r(i, f"a large blue boat number {i}", 1200, 900) for i in range(40, 60)]
+    rows += [r(i, None, None, None, "failed_to_download") for i in range(60, 70)]
+    rows += [r(70, "a photo that failed to resize", 800, 600, "failed_to_resize")]
+    rows += [r(71, "a photo without a status", 800, 600, None)]
+    return rows
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_img2dataset_sizes_are_the_originals_and_failed_downloads_have_their_own_line(tmp_path, request, engine):
+    rows = img2dataset_rows()
+    rules, kw = (
+        load_rules("align", **{**OFF, "min_shorter_side": 200, "max_aspect_ratio": 3.0}),
+        engine_kw(request, engine),
+    )
+    src = write_rows(tmp_path / "in.parquet", rows)
+    report = filter_corpus(src, tmp_path / "out.parquet", rules, **kw)
+    # Failed rows (null caption and sizes) are download_failed before anything else could claim them.
+    assert report.steps[0] == ("download_failed", 12) and nonzero(report) == {"download_failed": 12, "small_image": 40}
+    assert kept_keys(tmp_path / "out.parquet") == [f"{i:03d}" for i in range(40, 60)]
+    assert report.meta["size_columns"] == ["original_width", "original_height"]
+    assert "sizes from original_width x original_height" in report.table()
+    # Without the originals, width/height are the sizes there are (and the resized 256x256 pass).
+    plain = [{k: v for k, v in r.items() if not k.startswith("original_")} for r in rows]
+    src = write_rows(tmp_path / "plain.parquet", plain)
+    report = filter_corpus(src, tmp_path / "plain_out.parquet", rules, **kw)
+    assert nonzero(report) == {"download_failed": 12} and report.meta["size_columns"] == ["width", "height"]
+
+
 def test_bench_pandas_baseline_keeps_the_same_rows(tmp_path, capsys):
     from openalign.bench.filter import run_filter_bench
 

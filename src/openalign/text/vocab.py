@@ -22,6 +22,7 @@ from openalign.config import ConfigError
 from openalign.data.sources import (
     CAPTION_MEMBER,
     CAPTION_TEXT_SUFFIXES,
+    SHARD_SUFFIXES,
     expand_urls,
     iter_samples,
     table_format,
@@ -177,7 +178,9 @@ def iter_captions(
     text = str(source)
     path = Path(text)
     suffix = path.suffix.lower()
-    if path.is_dir() and any(path.rglob("*.parquet")):
+    # A folder of shards also holds each shard's .parquet table; the shards are what it is.
+    shard_folder = path.is_dir() and any(p.name.endswith(SHARD_SUFFIXES) for p in path.iterdir())
+    if path.is_dir() and not shard_folder and any(path.rglob("*.parquet")):
         first = next(path.rglob("*.parquet"))
         import pyarrow.parquet as pq
 

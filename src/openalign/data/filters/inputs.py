@@ -169,7 +169,7 @@ def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> St
         schemas.append(schema)
         names += [n for n in schema.names if n not in names]
     text = resolve_text_column(names, columns.text)
-    numeric = [columns.width, columns.height, columns.unsafe]
+    numeric = [columns.width, columns.height, columns.original_width, columns.original_height, columns.unsafe]
     for f, schema in zip(files, schemas, strict=True):
         if text in schema.names:
             kind = schema.field(text).type
@@ -177,7 +177,7 @@ def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> St
                 raise ValueError(f"{f}: {why}; name the alt-text column with --text-column")
             binary_text = binary_text or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
         for name in numeric:
-            if name in schema.names and not _scalar(schema.field(name).type):
+            if name is not None and name in schema.names and not _scalar(schema.field(name).type):
                 raise ValueError(f"{f}: column '{name}' holds {schema.field(name).type}, not a number")
     if not binary_text:
         return StagedInput([Path(f) for f in files], names, text, "parquet")

@@ -96,6 +96,8 @@ class FunnelReport:
             lines.append(f"{name:<{width}}{n:>12,}{remaining:>12,}{share:>7.1f}%  {STEP_DESCRIPTIONS[name]}")
         share = 100.0 * self.rows_out / self.rows_in if self.rows_in else 0.0
         lines.append(f"{'rows out':<{width}}{'':>12}{self.rows_out:>12,}{share:>7.1f}%")
+        if self.meta.get("size_columns"):
+            lines.append(f"sizes from {' x '.join(self.meta['size_columns'])}")
         for rule, why in self.skipped.items():
             lines.append(f"skipped {rule}: {why}")
         if self.input_errors:
@@ -184,6 +186,8 @@ def filter_corpus(
             "input": str(input),
             "input_format": staged.format,
             "text_column": staged.text_column,
+            "size_columns": [plan.width, plan.height] if plan.width and plan.height else None,
+            "status_column": plan.status,
             "output": str(out),
             "engine": cfg.engine,
             "rules": to_dict(rules),
