@@ -551,7 +551,7 @@ def test_cli_parquet_to_parquet(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
 
 
-def test_cli_csv_with_bad_lines_to_csv(tmp_path):
+def test_cli_csv_with_bad_lines_to_csv(tmp_path, capsys):
     lines = [
         b"key,url,caption,width,height",
         b"000,http://a,a red car on the road,640,480",
@@ -564,13 +564,21 @@ def test_cli_csv_with_bad_lines_to_csv(tmp_path):
     src = tmp_path / "in.csv"
     src.write_bytes(b"\n".join(lines) + b"\n")
     out, rep = tmp_path / "out.csv", tmp_path / "funnel.json"
-    assert main(["filter", str(src), str(out), "--report", str(rep), "--quiet"]) == 0
+    # By default a row that does not parse stops the run, naming its line, before anything is written.
+    assert main(["filter", str(src), str(out), "--report", str(rep), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "line 6: 6 fields where the header has 5" in err and err.count("\n") == 1
+    assert not out.exists() and not rep.exists()
+    args = ["filter", str(src), str(out), "--report", str(rep), "--quiet", "--max-malformed-rows", "1"]
+    assert main(args) == 0
     text = out.read_text()
     assert text.splitlines()[0] == "key,url,caption,width,height"
     assert "a red car on the road" in text and "a quoted, caption here" in text and "dog" not in text
-    removed = {s["step"]: s["removed"] for s in check_cli_report(rep, 6)["steps"]}
+    report = check_cli_report(rep, 6)
+    removed = {s["step"]: s["removed"] for s in report["steps"]}
     assert removed["malformed_row"] == 1 and removed["non_utf8_text"] == 1
     assert removed["bad_size"] == 1 and removed["empty_text"] == 1
+    assert report["input_errors"] == [f"malformed_row: {src}: line 6: 6 fields where the header has 5"]
 
 
 def test_cli_jsonl_to_jsonl_with_cc12m(tmp_path):
@@ -626,6 +634,161 @@ def test_missing_columns_are_named(tmp_path, capsys):
         filter_corpus(src, tmp_path / "o2.parquet", load_rules("align", **OFF))
     with pytest.raises(ValueError, match="no text column 'alt'"):
         filter_corpus(src, tmp_path / "o2.parquet", load_rules("align", **OFF, columns={"text": "alt"}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Strict tables: no row disappears inside another, and a column of the wrong type is named. Both engines
+# read the same staged table, so each case runs on both.
+
+ENGINES = ["duckdb", pytest.param("spark", marks=pytest.mark.slow)]
+
+
+def crawl_csv(path: Path, n: int, captions: dict[int, str]) -> Path:
+    """``n`` rows written by hand (bad quoting stays bad); row i is on line i + 2."""
+    rows = [f"{i:05d},http://x/{i}.jpg,{captions.get(i, f'a red car number {i}')},640,480" for i in range(n)]
+    path.write_text("\n".join(["key,url,caption,width,height", *rows]) + "\n")
+    return path
+
+
+def engine_kw(request: pytest.FixtureRequest, engine: str) -> dict:
+    return {"engine": engine, "spark": request.getfixturevalue("spark") if engine == "spark" else None}
+
+
+def kept_keys(path: Path) -> list[str]:
+    return sorted(pq.read_table(path).column("key").to_pylist())
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "spark"])  # the input is refused before an engine starts
+def test_a_stray_quote_stops_the_run_naming_its_line(tmp_path, capsys, engine):
+    src = crawl_csv(tmp_path / "crawl.csv", 300, {4: '"a stray quote opens here'})
+    out, rep = tmp_path / "out.parquet", tmp_path / "funnel.json"
+    assert main(["filter", str(src), str(out), "--report", str(rep), "--engine", engine, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openalign filter: error:") and err.count("\n") == 1
+    assert f"{src}: line 6: a quoted value opened on this line is never closed" in err and "--max-malformed-rows" in err
+    assert not out.exists() and not rep.exists()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_malformed_rows_within_the_allowance_are_counted_and_every_other_row_is_read(tmp_path, request, engine):
+    rules, kw = load_rules("align", **OFF), engine_kw(request, engine)
+    unclosed = crawl_csv(tmp_path / "unclosed.csv", 300, {4: '"a stray quote opens here'})
+    # a second bad quote (an unquoted inch mark before a comma) closes the first 195 rows later
+    paired = crawl_csv(tmp_path / "paired.csv", 300, {4: '"a stray quote opens here', 199: 'a vinyl record 12"'})
+    for src in (unclosed, paired):
+        out = tmp_path / f"{src.stem}_out.parquet"
+        report = filter_corpus(src, out, rules, max_malformed_rows=1, **kw)
+        assert report.rows_in == 300 and report.removed["malformed_row"] == 1 and report.rows_out == 299
+        assert kept_keys(out) == [f"{i:05d}" for i in range(300) if i != 4]
+        assert len(report.input_errors) == 1 and report.input_errors[0].startswith(f"malformed_row: {src}: line 6: ")
+    with pytest.raises(ValueError, match=r"paired\.csv: line 6: a quoted value runs from this line to line 201"):
+        filter_corpus(paired, tmp_path / "strict.parquet", rules, **kw)
+    # The allowance is a ceiling over the whole input: a second malformed row is the error, named.
+    twice = crawl_csv(tmp_path / "twice.csv", 300, {4: '"a stray quote', 250: "too,many"})
+    with pytest.raises(ValueError, match=r"twice\.csv: line 252: 6 fields where the header has 5 \(malformed row 2"):
+        filter_corpus(twice, tmp_path / "twice.parquet", rules, max_malformed_rows=1, **kw)
+    assert not (tmp_path / "twice.parquet").exists() and not (tmp_path / "strict.parquet").exists()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_quoted_delimiters_newlines_and_quotes_read_every_row(tmp_path, fmt):
+    import csv
+
+    captions = [
+        "a red car, parked outside",
+        "two lines:\nthe second, with a comma",
+        "three\nshort\nlines",
+        'she said "hello", then left',
+        'a 5" screen, 12" wide',
+        "a tab\tinside",
+    ]
+    rows = [{"key": f"{i:05d}", "url": f"http://x/{i}", "caption": captions[i % 6], "w": "640"} for i in range(300)]
+    src = tmp_path / f"in.{fmt}"
+    with open(src, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]), delimiter="\t" if fmt == "tsv" else ",", lineterminator="\r\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        f.write("\r\n")  # a blank line is not a record
+    report = filter_corpus(src, tmp_path / "out.parquet", load_rules("align", **OFF))
+    assert report.rows_in == 300 == report.rows_out and report.removed["malformed_row"] == 0
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == rows
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "spark"])  # refused before an engine starts
+@pytest.mark.parametrize(
+    ("column", "values", "held"),
+    [
+        ("caption", pa.array([1, 2, 3]), "int64"),
+        ("caption", pa.array([["a red", "car"], ["a dog"], []]), "list<"),
+        ("width", pa.array([[640], [480], [1]]), "list<"),
+    ],
+    ids=["int_caption", "list_caption", "list_width"],
+)
+def test_a_column_of_the_wrong_type_is_named(tmp_path, capsys, engine, column, values, held):
+    columns = {"url": ["a", "b", "c"], "caption": ["a red car"] * 3, "width": [640] * 3, "height": [480] * 3}
+    table = pa.table({**columns, column: values})
+    pq.write_table(table, tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    assert main(["filter", str(tmp_path / "in.parquet"), str(out), "--engine", engine, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"column '{column}' holds {held}" in err and not out.exists()
+
+
+def test_json_lines_that_do_not_parse_are_skipped_and_counted_with_their_reason(tmp_path):
+    good = {"key": "0", "url": "http://a", "caption": "a red car on the road", "width": 640, "height": 480}
+    lines = [json.dumps(good), "{not json", "[1, 2]", json.dumps({**good, "key": "3", "caption": 1920})]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    report = filter_corpus(src, tmp_path / "out.parquet", load_rules("align", **OFF))
+    assert report.rows_in == 4 and report.removed["malformed_row"] == 3 and report.rows_out == 1
+    assert report.input_errors == [
+        f"bad_json: {src}: line 2",
+        f"not_an_object: {src}: line 3: a JSON list",
+        f"caption_not_text: {src}: line 4: 'caption' holds int",
+    ]
+    # A key that never holds text is not an alt-text column: named, not cast.
+    src.write_text("\n".join(json.dumps({**good, "caption": i}) for i in range(3)) + "\n")
+    with pytest.raises(ValueError, match="column 'caption' holds int values, not text"):
+        filter_corpus(src, tmp_path / "out2.parquet", load_rules("align", **OFF))
+
+
+# --------------------------------------------------------------------------------------------------
+# img2dataset metadata: width/height are its resized copy's, original_* the crawl's; status is its verdict
+
+
+def img2dataset_rows() -> list[dict]:
+    def r(i, caption, ow, oh, status="success"):
+        size = 256 if status == "success" else None
+        return {"key": f"{i:03d}", "url": f"http://x/{i}", "caption": caption, "width": size, "height": size,
+                "original_width": ow, "original_height": oh, "status": status}  # fmt: skip
+
+    rows = [r(i, f"a small red car number {i}", 120, 90) for i in range(40)]  # resized up to 256x256
+    rows += [r(i, f"a large blue boat number {i}", 1200, 900) for i in range(40, 60)]
+    rows += [r(i, None, None, None, "failed_to_download") for i in range(60, 70)]
+    rows += [r(70, "a photo that failed to resize", 800, 600, "failed_to_resize")]
+    rows += [r(71, "a photo without a status", 800, 600, None)]
+    return rows
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_img2dataset_sizes_are_the_originals_and_failed_downloads_have_their_own_line(tmp_path, request, engine):
+    rows = img2dataset_rows()
+    rules, kw = (
+        load_rules("align", **{**OFF, "min_shorter_side": 200, "max_aspect_ratio": 3.0}),
+        engine_kw(request, engine),
+    )
+    src = write_rows(tmp_path / "in.parquet", rows)
+    report = filter_corpus(src, tmp_path / "out.parquet", rules, **kw)
+    # Failed rows (null caption and sizes) are download_failed before anything else could claim them.
+    assert report.steps[0] == ("download_failed", 12) and nonzero(report) == {"download_failed": 12, "small_image": 40}
+    assert kept_keys(tmp_path / "out.parquet") == [f"{i:03d}" for i in range(40, 60)]
+    assert report.meta["size_columns"] == ["original_width", "original_height"]
+    assert "sizes from original_width x original_height" in report.table()
+    # Without the originals, width/height are the sizes there are (and the resized 256x256 pass).
+    plain = [{k: v for k, v in r.items() if not k.startswith("original_")} for r in rows]
+    src = write_rows(tmp_path / "plain.parquet", plain)
+    report = filter_corpus(src, tmp_path / "plain_out.parquet", rules, **kw)
+    assert nonzero(report) == {"download_failed": 12} and report.meta["size_columns"] == ["width", "height"]
 
 
 def test_bench_pandas_baseline_keeps_the_same_rows(tmp_path, capsys):

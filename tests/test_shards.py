@@ -66,8 +66,12 @@ def test_round_trip_keys_captions_json_and_images(tmp_path: Path) -> None:
         assert diff.mean() < 3
     assert by_key["jpegbytes"]["jpg"] == jpeg  # no second lossy encode
     meta = json.loads(by_key["jpegbytes"]["json"])
-    assert (meta["width"], meta["height"]) == (800, 600)  # caller metadata wins
-    assert (meta["original_width"], meta["original_height"]) == (30, 20)
+    # img2dataset's meaning: width/height are the stored JPEG's, the caller's (crawl) sizes are the originals
+    assert (meta["width"], meta["height"]) == (30, 20)
+    assert (meta["original_width"], meta["original_height"]) == (800, 600)
+    assert meta["status"] == "success"
+    meta = json.loads(by_key["000000"]["json"])
+    assert (meta["width"], meta["height"], meta["original_width"], meta["original_height"]) == (48, 40, 48, 40)
     meta = json.loads(by_key["pngbytes"]["json"])
     assert meta["n"] == 7 and meta["x"] is None
     assert Image.open(io.BytesIO(by_key["pngbytes"]["jpg"])).format == "JPEG"
@@ -138,10 +142,43 @@ def test_stats_per_shard_and_totals(tmp_path: Path) -> None:
     }
 
 
+def test_each_tar_has_its_parquet_table_with_one_row_per_stored_sample(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    samples = _samples(5)
+    samples[1]["jpg"] = _image(1, (200, 100))  # resized to 64x32 below
+    samples[0]["json"]["n"] = 1
+    samples[2]["json"] = {"url": "https://x/2", "n": "seven", "extra": {"nested": [1, 2]}}
+    for s in samples[3:]:
+        s["json"] = {"url": s["json"]["url"], "n": 1, "width": 1600, "height": 1200}  # a crawl's sizes
+    samples.insert(2, {"key": "broken", "jpg": b"junk"})  # skipped: no row
+    paths = write_shards(samples, tmp_path, samples_per_shard=3, max_side=64)
+    assert sorted(p.name for p in tmp_path.glob("*.parquet")) == ["00000.parquet", "00001.parquet"]
+    for tar in paths:
+        table = pq.read_table(tar.with_suffix(".parquet"))
+        first = ["key", "caption", "url", "width", "height", "original_width", "original_height", "status"]
+        assert table.column_names[:8] == first
+        stored = _collect(str(tar))[0]
+        rows = table.to_pylist()
+        assert [r["key"] for r in rows] == [s["__key__"] for s in stored]
+        for row, sample in zip(rows, stored, strict=True):
+            meta = json.loads(sample["json"])
+            assert row["caption"] == sample["txt"].decode() == meta["caption"] and row["status"] == "success"
+            assert (row["width"], row["height"]) == Image.open(io.BytesIO(sample["jpg"])).size
+            assert (row["original_width"], row["original_height"]) == (meta["original_width"], meta["original_height"])
+    rows = {r["key"]: r for p in paths for r in pq.read_table(p.with_suffix(".parquet")).to_pylist()}
+    assert (rows["000001"]["width"], rows["000001"]["original_width"]) == (64, 200)
+    assert (rows["000003"]["width"], rows["000003"]["original_width"]) == (48, 1600)
+    # in a shard whose values of a column disagree in kind, or hold objects, they are kept as JSON text
+    assert [rows[k]["n"] for k in ("000000", "000001", "000002", "000003")] == ["1", None, "seven", 1]
+    assert rows["000002"]["extra"] == '{"nested": [1, 2]}' and rows["000000"]["extra"] is None
+
+
 def test_writing_is_deterministic(tmp_path: Path) -> None:
     a = write_shards(_samples(4), tmp_path / "a", samples_per_shard=10)
     b = write_shards(_samples(4), tmp_path / "b", samples_per_shard=10)
     assert hashlib.sha256(a[0].read_bytes()).digest() == hashlib.sha256(b[0].read_bytes()).digest()
+    assert a[0].with_suffix(".parquet").read_bytes() == b[0].with_suffix(".parquet").read_bytes()
     with tarfile.open(a[0]) as tf:
         members = tf.getmembers()
     assert [m.name for m in members[:3]] == ["000000.jpg", "000000.json", "000000.txt"]
@@ -156,8 +193,10 @@ def test_interrupted_writer_keeps_finished_shards_only(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         write_shards(samples(), tmp_path, samples_per_shard=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "00000.parquet",
         "00000.tar",
         "00000_stats.json",
+        "00001.parquet",
         "00001.tar",
         "00001_stats.json",
     ]
@@ -361,6 +400,9 @@ def test_cli_shard_parquet_with_image_bytes(tmp_path: Path, capsys: pytest.Captu
     assert code == 0 and "corrupt 1" in out
     got = _read_all(tmp_path / "out")
     assert [s["__key__"] for s in got] == ["a", "b", "c"]
+    shard_table = pq.read_table(tmp_path / "out" / "00000.parquet")
+    assert shard_table.column("key").to_pylist() == ["a", "b", "c"]
+    assert shard_table.column("score").to_pylist() == [0.5, 0.25, 1.0]
     assert [s["txt"].decode() for s in got] == ["first", "second", "third"]
     meta = json.loads(got[2]["json"])
     assert meta["score"] == 1.0 and "jpg" not in meta and "image" not in meta
@@ -385,7 +427,11 @@ def test_cli_shard_synthetic_corpus_keeps_metadata(tmp_path: Path, capsys: pytes
     for s in got:
         row, meta = by_key[s["__key__"]], json.loads(s["json"])
         assert s["txt"].decode() == row["caption"]
-        assert {k: meta[k] for k in row} == row  # every metadata column, original width/height included
+        sizes = {"width", "height"}
+        assert {k: meta[k] for k in row if k not in sizes} == {k: v for k, v in row.items() if k not in sizes}
+        # the crawl's sizes become the originals; width/height are the stored JPEG's, as in img2dataset
+        assert (meta["original_width"], meta["original_height"]) == (row["width"], row["height"])
+        assert (meta["width"], meta["height"]) == Image.open(io.BytesIO(s["jpg"])).size
         assert hashlib.sha256(s["jpg"]).hexdigest() == row["sha256"]  # JPEG bytes stored unchanged
     # the same corpus written through the CSV form of the table gives the same samples
     import pyarrow.csv as pcsv

@@ -197,6 +197,44 @@ def test_tables_are_a_source_for_every_image_stage(tmp_path: Path) -> None:
     assert [k for k, _ in iter_source_images(str(tmp_path / "t.parquet"), lambda r, d: None)] == ["a", "b", "c"]
 
 
+def test_table_sources_are_strict_about_csv_quotes_and_caption_types(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from openalign.cli import main
+    from openalign.text.vocab import iter_captions
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "0.png").write_bytes(_encoded(0, "PNG"))
+    rows = [f"{i:06d},img/0.png,a caption number {i},{640 + i},480" for i in range(20)]
+    rows[4] = '000004,img/0.png,"a stray quote,644,480'
+    (tmp_path / "t.csv").write_text("\n".join(["key,image_path,caption,width,height", *rows]) + "\n")
+    # shard (and every stage reading tables through sources), vocab: the line is named, nothing is written
+    with pytest.raises(ValueError, match=r"t\.csv: line 6: a quoted value opened on this line is never closed"):
+        list(open_source(tmp_path / "t.csv").events())
+    assert main(["shard", str(tmp_path / "t.csv"), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 6" in err and not list((tmp_path / "out").glob("*.tar"))
+    with pytest.raises(ValueError, match=r"line 6: a quoted value"):
+        list(iter_captions(tmp_path / "t.csv"))
+    # well-formed, keys stay text and sizes become numbers, as Parquet would give them
+    rows[4] = '000004,img/0.png,"a quoted, caption",644,480'
+    (tmp_path / "t.csv").write_text("\n".join(["key,image_path,caption,width,height", *rows]) + "\n")
+    records = list(open_source(tmp_path / "t.csv").records())
+    assert [r.key for r in records] == [f"{i:06d}" for i in range(20)] and records[4].caption == "a quoted, caption"
+    assert records[4].metadata()["width"] == 644
+    # a caption column that is not text is named, for a table source and for a captions table
+    for values, held in ((pa.array([1]), "int64"), (pa.array([["a", "b"]]), "list<")):
+        pq.write_table(pa.table({"caption": values, "image_path": ["img/0.png"]}), tmp_path / "bad.parquet")
+        with pytest.raises(ValueError, match=f"column 'caption' holds {held}"):
+            list(open_source(tmp_path / "bad.parquet").events())
+        pq.write_table(pa.table({"caption": values, "file": ["0.png"]}), tmp_path / "captions.parquet")
+        with pytest.raises(ValueError, match=f"column 'caption' holds {held}"):
+            open_source(tmp_path / "img", captions=tmp_path / "captions.parquet")
+
+
 def test_open_source_recognises_inputs_and_refuses_the_rest(tmp_path: Path) -> None:
     mixed_folder(tmp_path / "photos")
     assert open_source(tmp_path / "photos").kind == "folder"

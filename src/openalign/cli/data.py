@@ -120,6 +120,7 @@ def run_filter(args: argparse.Namespace) -> int:
         cfg.rules,
         engine=cfg.engine,
         input_format=cfg.input_format,
+        max_malformed_rows=cfg.max_malformed_rows,
         report_path=cfg.report,
         person_hook=cfg.person_names,
         overwrite=cfg.overwrite,

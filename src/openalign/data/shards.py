@@ -1,5 +1,10 @@
 """WebDataset shards in the img2dataset layout: ``00000.tar`` holding ``key.jpg`` / ``key.txt`` / ``key.json``
-next to ``00000_stats.json``.
+next to ``00000.parquet`` (the json of every sample in the tar, one row each) and ``00000_stats.json``.
+
+As in img2dataset, ``width``/``height`` are the size of the JPEG in the tar and ``original_width``/
+``original_height`` the size of the image before this writer resized it: the crawl's sizes when the
+metadata brings them (its ``original_width``/``original_height``, else its ``width``/``height``, as a
+crawl table states them), else the size of the image it was given.
 
 Shards are read, and shard lists expanded, by ``openalign.data.sources`` (re-exported here): reading never
 raises mid-stream, because one bad file in a million must not stop a training run. Writing is deterministic
@@ -11,6 +16,7 @@ shard behind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import io
 import json
@@ -150,14 +156,18 @@ def _encode_sample(sample: dict, max_side: int | None, quality: int) -> tuple[st
                 raise SkipSample("bad_text", f"{key}: caption is not UTF-8") from err
         members[CAPTION_MEMBER] = str(text).encode("utf-8")
     meta = dict(sample.get(METADATA_MEMBER) or {})
-    # img2dataset's fields; caller metadata wins (a filtered corpus keeps its original web width/height).
+    # img2dataset's fields. width/height describe the JPEG stored here, so the caller's (a crawl table's
+    # sizes, or an earlier img2dataset's resized copy) cannot stand; the crawl's sizes are kept as the
+    # originals, which is what filtering reads.
+    if meta.get("original_width") is None or meta.get("original_height") is None:
+        if meta.get("width") is not None and meta.get("height") is not None:
+            original = (meta["width"], meta["height"])
+        meta["original_width"], meta["original_height"] = original
+    meta["width"], meta["height"] = written
     meta.setdefault("key", key)
     if text is not None:
         meta.setdefault("caption", str(text))
-    meta.setdefault("width", written[0])
-    meta.setdefault("height", written[1])
-    meta.setdefault("original_width", original[0])
-    meta.setdefault("original_height", original[1])
+    meta.setdefault("status", "success")
     try:
         members[METADATA_MEMBER] = json.dumps(_jsonable(meta), sort_keys=True, ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as err:
@@ -193,10 +203,12 @@ class _Shard:
 
     def __init__(self, out_dir: Path, name: str):
         self.path = out_dir / f"{name}.tar"
+        self.parquet_path = out_dir / f"{name}.parquet"
         self.stats_path = out_dir / f"{name}_stats.json"
         self.tmp = out_dir / f".{name}.tar.tmp"
         self.tf: tarfile.TarFile | None = None
         self.keys: set[str] = set()
+        self.rows: list[dict[str, Any]] = []  # each sample's json, in tar order
         self.failures: Counter[str] = Counter()
         self.image_bytes = 0
         self.start = time.time()
@@ -207,11 +219,13 @@ class _Shard:
         for ext in sorted(members):
             _add_member(self.tf, f"{key}.{ext}", members[ext])
         self.keys.add(key)
+        self.rows.append(json.loads(members[METADATA_MEMBER]))
         self.image_bytes += len(members[IMAGE_MEMBER])
 
     def close(self) -> Path | None:
         if self.tf is not None:
             self.tf.close()
+            _write_rows(self.rows, self.parquet_path)
             os.replace(self.tmp, self.path)
         stats = {
             "shard": self.path.name if self.tf is not None else None,
@@ -228,6 +242,38 @@ class _Shard:
         return self.path if self.tf is not None else None
 
 
+# img2dataset's columns first; the caller's other metadata follows in order of appearance.
+_PARQUET_FIRST = ("key", "caption", "url", "width", "height", "original_width", "original_height", "status")
+
+
+def _column(values: list[Any]) -> Any:
+    """One Parquet column from json values. Objects, lists and columns that mix kinds are stored as JSON
+    text (a string stays itself): one sample's odd metadata must not cost the shard its table."""
+    import pyarrow as pa
+
+    if not any(isinstance(v, dict | list) for v in values):
+        try:
+            return pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            pass
+    dumps = functools.partial(json.dumps, sort_keys=True, ensure_ascii=False)
+    as_text = [v if v is None or isinstance(v, str) else dumps(v) for v in values]
+    return pa.array(as_text, pa.string())
+
+
+def _write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """The shard's table, one row per sample in tar order, written under a temporary name and renamed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = [n for n in _PARQUET_FIRST if any(n in r for r in rows)]
+    names += list(dict.fromkeys(k for r in rows for k in r if k not in _PARQUET_FIRST))
+    table = pa.table({n: _column([r.get(n) for r in rows]) for n in names})
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
 def write_shards(
     samples: Iterable[dict | BadInput],
     out_dir: str | os.PathLike,
@@ -242,13 +288,15 @@ def write_shards(
 
     ``jpg`` is encoded bytes (any format PIL reads) or a PIL image; it is stored as JPEG, downscaled so its
     longer side is at most ``max_side`` when given; JPEG bytes that need no resize are stored unchanged.
-    ``txt`` is the caption; ``json`` the metadata, to which img2dataset's ``key``, ``caption``, ``width``,
-    ``height``, ``original_width`` and ``original_height`` are added where absent. Other keys become extra
-    members (bytes as they are, str as UTF-8, dict as JSON). A sample that cannot be stored is skipped and
-    counted by reason in the stats file of the shard being filled (``{prefix}00000_stats.json``:
-    count, successes, failed, failures by reason, bytes, image_bytes, duration); an item that is a
-    ``SkipSample`` (a sample that failed before reaching the writer) is counted the same way. Returns the
-    tar paths.
+    ``txt`` is the caption; ``json`` the metadata, to which img2dataset's ``key``, ``caption`` and
+    ``status`` (``success``) are added where absent, and ``width``/``height`` (the stored JPEG's) and
+    ``original_width``/``original_height`` (see the module docstring) always. Other keys become extra
+    members (bytes as they are, str as UTF-8, dict as JSON). Each tar gets its table,
+    ``{prefix}00000.parquet``: every stored sample's json, one row each, in tar order. A sample that
+    cannot be stored is skipped and counted by reason in the stats file of the shard being filled
+    (``{prefix}00000_stats.json``: count, successes, failed, failures by reason, bytes, image_bytes,
+    duration); an item that is a ``SkipSample`` (a sample that failed before reaching the writer) is
+    counted the same way. Returns the tar paths.
     """
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be at least 1, got {samples_per_shard}")

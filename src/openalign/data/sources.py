@@ -13,7 +13,9 @@ the same inputs and name a skipped item with the same reason:
 - **one reader**: ``open_source`` recognises an image folder (recursive), a table (Parquet, CSV/TSV, JSON
   lines with image bytes or an ``image_path`` column) or WebDataset shards, and ``Source.records`` yields
   uniform ``Record`` s (key, image bytes read on demand, caption if any, metadata); ``decode_records`` and
-  ``batched`` turn them into decoded images and batches.
+  ``batched`` turn them into decoded images and batches. CSV/TSV is read strictly
+  (``openalign.data.tables``): a record that does not parse is an error naming its line, and a caption
+  column that is not text (an int or list column) is an error naming it, never a string made of it.
 
 Items that cannot be used are never raised mid-stream: they are reported as ``BadInput`` (a reason slug
 plus a detail), either through an ``on_skip(reason, detail)`` callback or in the stream itself
@@ -525,13 +527,20 @@ def scan_folder(root: str | os.PathLike) -> FolderScan:
 def read_caption_table(path: str | os.PathLike) -> dict[str, str]:
     """Captions of an image folder from a table: a file column (path relative to the folder, or file name)
     and a caption column."""
-    names, batches = read_table_batches(Path(path))
+    names, types, batches = _read_table(Path(path))
     file_col = next((c for c in FILENAME_COLUMNS if c in names), None)
     text_col = next((c for c in CAPTION_COLUMNS if c in names), None)
     if file_col is None or text_col is None:
         need = f"a file column ({' / '.join(FILENAME_COLUMNS)}) and a caption column ({' / '.join(CAPTION_COLUMNS)})"
         raise ValueError(f"{path}: a captions table needs {need}; has {names}")
-    return {str(r[file_col]): "" if r[text_col] is None else str(r[text_col]) for b in batches for r in b}
+    _text_column_check(Path(path), types, text_col, "a captions table holds text captions")
+    return {str(r[file_col]): _caption_text(r[text_col]) for b in batches for r in b}
+
+
+def _caption_text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,34 +549,65 @@ def read_caption_table(path: str | os.PathLike) -> dict[str, str]:
 
 def read_table_batches(path: Path, batch_size: int = 4096) -> tuple[list[str], Iterator[list[dict]]]:
     """Column names and row batches of a Parquet, CSV/TSV or JSON-lines file, read incrementally where possible."""
+    names, _, batches = _read_table(path, batch_size)
+    return names, batches
+
+
+def _read_table(path: Path, batch_size: int = 4096) -> tuple[list[str], dict[str, Any], Iterator[list[dict]]]:
+    """Column names, their Arrow types (a CSV column is text) and row batches of a table.
+
+    CSV/TSV is read strictly (``openalign.data.tables``): a record that does not parse (a stray quote,
+    the wrong number of fields) raises ``ValueError`` naming its line, so no row is lost unseen; columns
+    that name things (keys, urls, captions, file names) stay text and the others become numbers where
+    every value of a batch is one.
+    """
     import pyarrow as pa
-    import pyarrow.csv as pcsv
     import pyarrow.json as pjson
     import pyarrow.parquet as pq
+
+    from openalign.data.tables import read_csv
 
     fmt = table_format(path)
     try:
         if fmt == "parquet":
             pf = pq.ParquetFile(path)
-            return pf.schema_arrow.names, (b.to_pylist() for b in pf.iter_batches(batch_size=batch_size))
+            schema = pf.schema_arrow
+            types = {f.name: f.type for f in schema}
+            return schema.names, types, (b.to_pylist() for b in pf.iter_batches(batch_size=batch_size))
         if fmt == "csv":
-            tsv = ".tsv" in [s.lower() for s in path.suffixes[-2:]]
-            parse = pcsv.ParseOptions(delimiter="\t" if tsv else ",", newlines_in_values=True)
-            # Strings stay strings: a key "000123" must not become the integer 123.
-            probe = pcsv.open_csv(path, parse_options=parse)
-            names = probe.schema.names
-            probe.close()
-            text_like = {"key", "url", "sha256", *CAPTION_COLUMNS, *FILENAME_COLUMNS}
-            convert = pcsv.ConvertOptions(column_types={n: pa.string() for n in names if n in text_like})
-            reader = pcsv.open_csv(path, parse_options=parse, convert_options=convert)
-            return names, (b.to_pylist() for b in reader)
+            names, records = read_csv(path)
+            return names, dict.fromkeys(names, pa.string()), _csv_batches(names, records, batch_size)
         if fmt == "jsonl":
             table = pjson.read_json(path)
-            return table.schema.names, (b.to_pylist() for b in table.to_batches(max_chunksize=batch_size))
+            types = {f.name: f.type for f in table.schema}
+            return table.schema.names, types, (b.to_pylist() for b in table.to_batches(max_chunksize=batch_size))
     except pa.ArrowInvalid as err:
         raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from err
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     raise ValueError(f"{path}: unsupported table format {suffix.lower()!r} (use .parquet, .csv, .tsv or .jsonl)")
+
+
+# A key "000123" must not become the integer 123, nor a caption "1920" a number.
+_TEXT_LIKE = frozenset({"key", "url", "sha256", "status", *CAPTION_COLUMNS, *FILENAME_COLUMNS})
+
+
+def _csv_batches(names: list[str], records: Iterator[list[str]], batch_size: int) -> Iterator[list[dict]]:
+    from openalign.data.tables import clean_text, infer_values, undecodable
+
+    for batch in batched(records, batch_size):
+        values = []
+        for name, column in zip(names, zip(*batch, strict=True), strict=True):
+            text = list(column) if undecodable(column) is None else [clean_text(v) for v in column]
+            values.append(text if name in _TEXT_LIKE else infer_values(text))
+        yield [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+
+
+def _text_column_check(path: Path, types: Mapping[str, Any], column: str, hint: str) -> None:
+    """A caption column of another type (an int or list column) is refused, not turned into strings."""
+    from openalign.data.tables import text_type_error
+
+    if column in types and (why := text_type_error(column, types[column])) is not None:
+        raise ValueError(f"{path}: {why}; {hint}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -656,10 +696,12 @@ def _folder_events(scan: FolderScan, captions: Mapping[str, str] | None) -> Iter
 def _table_events(
     path: Path, image_root: Path, caption_column: str | None, image_column: str | None, require_caption: bool
 ) -> Iterator[Event]:
-    names, batches = read_table_batches(path)
+    names, types, batches = _read_table(path)
     caption = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
     if (caption_column and caption_column not in names) or (require_caption and caption is None):
         raise ValueError(f"{path}: no caption column ({caption_column or ' / '.join(CAPTION_COLUMNS)}); has {names}")
+    if caption is not None:
+        _text_column_check(path, types, caption, "choose the caption column with --caption-column")
     if image_column is not None and image_column not in names:
         raise ValueError(f"{path}: no image column {image_column!r}; has {names}")
     candidates = [image_column] if image_column else [c for c in IMAGE_BYTES_COLUMNS if c in names]
@@ -692,7 +734,7 @@ def _table_events(
                     kind="table",
                     origin=str(file) if file is not None else str(path),
                     index=index,
-                    caption=None if caption is None else ("" if text is None else str(text)),
+                    caption=None if caption is None else _caption_text(text),
                     path=file,
                     data=data,
                     raw_meta={k: v for k, v in row.items() if k not in candidates},

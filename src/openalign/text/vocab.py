@@ -19,7 +19,15 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from openalign.config import ConfigError
-from openalign.data.sources import CAPTION_MEMBER, CAPTION_TEXT_SUFFIXES, expand_urls, iter_samples, table_format
+from openalign.data.sources import (
+    CAPTION_MEMBER,
+    CAPTION_TEXT_SUFFIXES,
+    SHARD_SUFFIXES,
+    expand_urls,
+    iter_samples,
+    table_format,
+)
+from openalign.data.tables import read_csv
 from openalign.text.tokenizer import Tokenizer, train_wordpiece
 
 
@@ -90,33 +98,18 @@ def _parquet(path: Path, column: str, batch_size: int, skipped: Counter[str]) ->
                     yield text
 
 
-def _csv_parse(path: Path) -> Any:
-    import pyarrow.csv as pcsv
-
-    return pcsv.ParseOptions(delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-
-
 def _csv(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
-    import pyarrow.csv as pcsv
-
-    # Read the caption as bytes: one invalid UTF-8 row must be skipped, not abort the whole file.
-    reader = pcsv.open_csv(
-        path,
-        parse_options=_csv_parse(path),
-        convert_options=pcsv.ConvertOptions(include_columns=[column], column_types={column: pa.binary()}),
-    )
-    for batch in reader:
-        for value in batch.column(0).to_pylist():
-            if (text := _decode(value, skipped)) is not None:
-                yield text
+    # Strict: a stray quote stops the run naming its line, instead of folding the rows after it into one.
+    names, records = read_csv(path)
+    index = names.index(column)
+    for record in records:
+        # Back to the bytes read: an invalid UTF-8 caption is skipped and counted like any other input's.
+        if (text := _decode(record[index].encode("utf-8", "surrogateescape"), skipped)) is not None:
+            yield text
 
 
 def _csv_header(path: Path, column: str) -> None:
-    import pyarrow.csv as pcsv
-
-    names = pcsv.open_csv(
-        path, parse_options=_csv_parse(path), read_options=pcsv.ReadOptions(block_size=1 << 16)
-    ).schema.names
+    names, _ = read_csv(path)
     if column not in names:
         raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(names)}); choose one with --column")
 
@@ -185,7 +178,9 @@ def iter_captions(
     text = str(source)
     path = Path(text)
     suffix = path.suffix.lower()
-    if path.is_dir() and any(path.rglob("*.parquet")):
+    # A folder of shards also holds each shard's .parquet table; the shards are what it is.
+    shard_folder = path.is_dir() and any(p.name.endswith(SHARD_SUFFIXES) for p in path.iterdir())
+    if path.is_dir() and not shard_folder and any(path.rglob("*.parquet")):
         first = next(path.rglob("*.parquet"))
         import pyarrow.parquet as pq
 

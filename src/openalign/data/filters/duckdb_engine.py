@@ -75,6 +75,8 @@ def _identity_sql(plan: FilterPlan) -> str:
 def _invalid_sql(plan: FilterPlan) -> str:
     """The first validity problem of a row (columns of the inner select in ``_run``), or NULL."""
     cases = []
+    if plan.status is not None:
+        cases.append("WHEN status IS DISTINCT FROM 'success' THEN 'download_failed'")
     if plan.has_text_error_column:
         cases.append("WHEN text_error IS NOT NULL THEN text_error")
     cases.append("WHEN txt IS NULL THEN 'missing_text'")
@@ -246,6 +248,8 @@ def _run(
     inner.append(f"CAST({quote(plan.text)} AS VARCHAR) AS txt")
     if plan.has_text_error_column:
         inner.append(f"{TEXT_ERROR_COLUMN} AS text_error")
+    if plan.status is not None:
+        inner.append(f"CAST({quote(plan.status)} AS VARCHAR) AS status")
     if plan.width is not None and plan.height is not None:
         inner += [f"try_cast({quote(plan.width)} AS DOUBLE) AS w", f"try_cast({quote(plan.height)} AS DOUBLE) AS h"]
     if plan.unsafe is not None:

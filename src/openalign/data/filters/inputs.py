@@ -5,7 +5,16 @@ one to use on a cluster). CSV/TSV, JSON Lines, WebDataset shards and Parquet fil
 is binary are first *staged* into Parquet here, streaming, so that both engines see exactly the same
 table and so that undecodable input becomes a counted funnel line instead of a crash:
 
-* a CSV/JSON line that does not parse is counted as ``malformed_row``;
+* CSV/TSV is read strictly (:mod:`openalign.data.tables`): a record that does not parse (a stray quote,
+  the wrong number of fields) stops the run with an error naming its line, unless ``max_malformed_rows``
+  allows it, and then it is counted as ``malformed_row`` with its line in the input errors; either way
+  every record of the file is read or counted, never swallowed by its neighbour;
+* a JSON line that does not parse, is not an object, or whose alt-text is not a string, is skipped and
+  counted as ``malformed_row`` (``bad_json``, ``not_an_object``, ``caption_not_text`` in the input errors,
+  with its line);
+* an alt-text column that is not text (a Parquet int or list column, a JSON key that never holds a
+  string) and a size or unsafe-score column that is not a number are errors naming the column and its
+  type, before anything is read;
 * an alt-text that is not valid UTF-8 becomes null with ``non_utf8_text`` in a hidden column; invalid
   bytes in any other column are replaced by U+FFFD, since only the alt-text is judged;
 * CSV values are kept as text (CSV has no types; sizes and scores are parsed per row by the engines, so
@@ -15,9 +24,9 @@ table and so that undecodable input becomes a counted funnel line instead of a c
 
 from __future__ import annotations
 
-import csv
+import functools
 import glob
-import io
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -30,6 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from openalign.data.filters.rules import TEXT_COLUMN_CANDIDATES, ColumnNames
+from openalign.data.tables import MalformedRow, clean_text, has_surrogates, read_csv, text_type_error, undecodable
 
 TEXT_ERROR_COLUMN = "__oa_text_error"
 ROW_ID_COLUMN = "__oa_rid"
@@ -123,8 +133,12 @@ def resolve_text_column(columns: list[str], configured: str | None) -> str:
     )
 
 
-def stage_input(spec: str, fmt: str | None, columns: ColumnNames, work_dir: Path) -> StagedInput:
-    """Make ``spec`` readable by the engines; see the module docstring for what is counted where."""
+def stage_input(
+    spec: str, fmt: str | None, columns: ColumnNames, work_dir: Path, max_malformed_rows: int = 0
+) -> StagedInput:
+    """Make ``spec`` readable by the engines; see the module docstring for what is counted where.
+    ``max_malformed_rows``: CSV/TSV records that may fail to parse before the run stops (JSON lines that do
+    not parse are always skipped and counted)."""
     fmt = fmt or detect_format(spec)
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"unknown input format '{fmt}'; valid: {', '.join(INPUT_FORMATS)}")
@@ -133,7 +147,7 @@ def stage_input(spec: str, fmt: str | None, columns: ColumnNames, work_dir: Path
     if fmt == "parquet":
         return _stage_parquet(files, columns, work_dir)
     if fmt in ("csv", "tsv"):
-        return _stage_csv(files, fmt, columns, work_dir)
+        return _stage_csv(files, fmt, columns, work_dir, max_malformed_rows)
     if fmt == "jsonl":
         return _stage_json(files, columns, work_dir, fmt)
     return _stage_webdataset(files, columns, work_dir)
@@ -155,10 +169,16 @@ def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> St
         schemas.append(schema)
         names += [n for n in schema.names if n not in names]
     text = resolve_text_column(names, columns.text)
-    for schema in schemas:
+    numeric = [columns.width, columns.height, columns.original_width, columns.original_height, columns.unsafe]
+    for f, schema in zip(files, schemas, strict=True):
         if text in schema.names:
             kind = schema.field(text).type
+            if (why := text_type_error(text, kind)) is not None:
+                raise ValueError(f"{f}: {why}; name the alt-text column with --text-column")
             binary_text = binary_text or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+        for name in numeric:
+            if name is not None and name in schema.names and not _scalar(schema.field(name).type):
+                raise ValueError(f"{f}: column '{name}' holds {schema.field(name).type}, not a number")
     if not binary_text:
         return StagedInput([Path(f) for f in files], names, text, "parquet")
     # Binary alt-texts are decoded here, so that invalid UTF-8 is a counted reason and not an engine error.
@@ -182,8 +202,16 @@ def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> St
     return StagedInput([out], names, text, "parquet", has_text_error_column=True)
 
 
-def _decode_binary(arr: pa.ChunkedArray | pa.Array, strict: bool) -> tuple[pa.Array, list[bool] | None]:
-    """Binary to UTF-8 strings; invalid values become null (strict) or get U+FFFD (lenient)."""
+def _scalar(kind: pa.DataType) -> bool:
+    """Whether the engines can read a number from a column of this type (per row, as they do from text)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    tests = (pa.types.is_integer, pa.types.is_floating, pa.types.is_decimal, pa.types.is_string, pa.types.is_null)
+    return any(test(kind) for test in (*tests, pa.types.is_large_string))
+
+
+def _decode_binary(arr: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, list[bool] | None]:
+    """Binary to UTF-8 strings; invalid values become null, flagged in the list returned with them."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
@@ -203,13 +231,13 @@ def _decode_binary(arr: pa.ChunkedArray | pa.Array, strict: bool) -> tuple[pa.Ar
             values.append(v.decode("utf-8"))
             bad.append(False)
         except UnicodeDecodeError:
-            values.append(None if strict else v.decode("utf-8", "replace"))
-            bad.append(strict)
+            values.append(None)
+            bad.append(True)
     return pa.array(values, pa.string()), bad
 
 
 def _decode_text_column(table: pa.Table, text: str) -> pa.Table:
-    decoded, bad = _decode_binary(table.column(text), strict=True)
+    decoded, bad = _decode_binary(table.column(text))
     errors = pa.array(["non_utf8_text" if b else None for b in bad] if bad else [None] * len(table), pa.string())
     table = table.set_column(table.column_names.index(text), text, decoded)
     return table.append_column(TEXT_ERROR_COLUMN, errors)
@@ -219,80 +247,75 @@ def _decode_text_column(table: pa.Table, text: str) -> pa.Table:
 # CSV / TSV
 
 
-def _stage_csv(files: list[str], fmt: str, columns: ColumnNames, work_dir: Path) -> StagedInput:
-    import pyarrow.csv as pacsv
-
+def _stage_csv(files: list[str], fmt: str, columns: ColumnNames, work_dir: Path, max_malformed: int) -> StagedInput:
     delimiter = "\t" if fmt == "tsv" else ","
     header: list[str] | None = None
-    malformed = 0
-
-    def on_invalid(row: Any) -> str:
-        nonlocal malformed
-        malformed += 1
-        return "skip"
-
+    errors: list[str] = []
     out = work_dir / "staged.parquet"
     writer: pq.ParquetWriter | None = None
     text = ""
+
+    def write(rows: list[list[str]]) -> None:
+        nonlocal writer
+        assert header is not None
+        values = list(zip(*rows, strict=True))
+        arrays, errors = [], pa.nulls(len(rows), pa.string())
+        for i, name in enumerate(header):
+            column: list[str | None] = list(values[i])
+            bad = undecodable(values[i])
+            if bad is not None and name == text:
+                # An undecodable alt-text costs its row; elsewhere only the bad bytes are replaced.
+                column = [None if b else v for v, b in zip(values[i], bad, strict=True)]
+                errors = pa.array(["non_utf8_text" if b else None for b in bad], pa.string())
+            elif bad is not None:
+                column = [clean_text(v) for v in values[i]]
+            arrays.append(pa.array(column, pa.string()))
+        arrays.append(errors)
+        table = pa.Table.from_arrays(arrays, names=[*header, TEXT_ERROR_COLUMN])
+        if writer is None:
+            writer = pq.ParquetWriter(out, table.schema)
+        writer.write_table(table)
+
     try:
         for f in files:
-            with open(f, "rb") as fh:
-                first = fh.readline().decode("utf-8", "replace").lstrip("\ufeff")
-            names = next(csv.reader(io.StringIO(first), delimiter=delimiter), [])
-            if not names or any(n == "" for n in names):
-                raise ValueError(f"{f}: the first line must be a header naming every column")
-            if len(set(names)) != len(names):
-                raise ValueError(f"{f}: duplicate column names in the header: {', '.join(names)}")
-            if header is None:
-                header = names
-                text = resolve_text_column(header, columns.text)
-            elif names != header:
-                raise ValueError(f"{f}: header {names} differs from the first file's {header}")
-            reader = pacsv.open_csv(
-                f,
-                read_options=pacsv.ReadOptions(block_size=1 << 24, encoding="utf8"),
-                parse_options=pacsv.ParseOptions(
-                    delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_invalid
-                ),
-                # Bytes, not text: an invalid UTF-8 value must cost its row, not the whole file.
-                convert_options=pacsv.ConvertOptions(
-                    column_types={n: pa.binary() for n in names}, strings_can_be_null=False, check_utf8=False
-                ),
-            )
-            for batch in reader:
-                table = pa.Table.from_batches([batch])
-                arrays = []
-                for name in names:
-                    arr = table.column(name)
-                    arrays.append(arr if name == text else _decode_binary(arr, strict=False)[0])
-                table = pa.Table.from_arrays(arrays, names=names)
-                table = _decode_text_column(table, text)
-                if writer is None:
-                    writer = pq.ParquetWriter(out, table.schema)
-                writer.write_table(table)
+            allowed = max_malformed - len(errors)
+            on_malformed = functools.partial(_malformed, errors, f)
+            try:
+                names, records = read_csv(f, delimiter=delimiter, max_malformed=allowed, on_malformed=on_malformed)
+                if header is None:
+                    header = names
+                    text = resolve_text_column(header, columns.text)
+                elif names != header:
+                    raise ValueError(f"{f}: header {names} differs from the first file's {header}")
+                for rows in _chunks(records, _BATCH_ROWS):
+                    write(rows)
+            except MalformedRow as err:
+                raise ValueError(f"{err}; --max-malformed-rows N skips and counts up to N such rows") from None
     finally:
         if writer is not None:
             writer.close()
     assert header is not None
     if writer is None:  # header only: an empty table with the right columns
         pq.write_table(pa.table({n: pa.array([], pa.string()) for n in [*header, TEXT_ERROR_COLUMN]}), out)
-    return StagedInput([out], header, text, fmt, malformed=malformed, has_text_error_column=True)
+    return StagedInput([out], header, text, fmt, malformed=len(errors), has_text_error_column=True, input_errors=errors)
+
+
+def _malformed(errors: list[str], path: str, line: int, why: str) -> None:
+    errors.append(f"malformed_row: {path}: line {line}: {why}")
+
+
+def _chunks(records: Iterator[list[str]], size: int) -> Iterator[list[list[str]]]:
+    while chunk := list(itertools.islice(records, size)):
+        yield chunk
 
 
 # --------------------------------------------------------------------------------------------------
 # JSON Lines (and JSON arrays of objects)
 
 
-def _has_surrogates(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-        return False
-    except UnicodeEncodeError:
-        return True
-
-
-def _iter_json_records(path: str) -> Iterator[Any]:
-    """Each record of a JSON Lines file (or a JSON array); an unparseable line yields ``_MALFORMED``."""
+def _iter_json_records(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each record of a JSON Lines file (or a JSON array), ``where`` being ``line N``
+    (``item N`` in an array); an unparseable line yields ``_MALFORMED``."""
     with open(path, "rb") as fh:
         head = fh.read(4096).lstrip()
         fh.seek(0)
@@ -301,17 +324,18 @@ def _iter_json_records(path: str) -> Iterator[Any]:
                 records = json.loads(fh.read().decode("utf-8", "surrogateescape"))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}: not a valid JSON array: {err}") from err
-            yield from records
+            for i, rec in enumerate(records, 1):
+                yield f"item {i}", rec
             return
-        for raw in fh:
+        for number, raw in enumerate(fh, 1):
             line = raw.strip()
             if not line:
                 continue
             try:
                 # surrogateescape keeps invalid bytes visible (as lone surrogates) for the text check
-                yield json.loads(line.decode("utf-8", "surrogateescape"))
+                yield f"line {number}", json.loads(line.decode("utf-8", "surrogateescape"))
             except ValueError:
-                yield _MALFORMED
+                yield f"line {number}", _MALFORMED
 
 
 _MALFORMED = object()
@@ -324,12 +348,12 @@ def _kind(v: Any) -> str:
     if isinstance(v, bool):
         return "bool"
     if isinstance(v, int):
-        return "int" if _INT64[0] <= v <= _INT64[1] else "other"
+        return "int" if _INT64[0] <= v <= _INT64[1] else "bigint"
     if isinstance(v, float):
         return "float"
     if isinstance(v, str):
         return "str"
-    return "other"
+    return "object" if isinstance(v, dict) else "list" if isinstance(v, list) else type(v).__name__
 
 
 def _column_type(kinds: set[str]) -> pa.DataType:
@@ -347,16 +371,20 @@ def _as_text(v: Any) -> str | None:
     if v is None:
         return None
     if isinstance(v, str):
-        return v.encode("utf-8", "surrogateescape").decode("utf-8", "replace") if _has_surrogates(v) else v
+        return clean_text(v)
     return json.dumps(v, ensure_ascii=False, sort_keys=True)
 
 
-def _stage_json(files: list[str], columns: ColumnNames, work_dir: Path, fmt: str) -> StagedInput:
+def _stage_json(
+    files: list[str], columns: ColumnNames, work_dir: Path, fmt: str, origins: list[str] | None = None
+) -> StagedInput:
+    """``origins``: what to call each line of a single file in the errors, when it stands for something else
+    (a WebDataset sample)."""
     # Pass 1: the column names (in order of first appearance) and the kinds of value each one holds,
     # so that every batch of pass 2 is written with the same schema.
     kinds: dict[str, set[str]] = {}
     for f in files:
-        for rec in _iter_json_records(f):
+        for _, rec in _iter_json_records(f):
             if isinstance(rec, dict):
                 for k, v in rec.items():
                     kinds.setdefault(k, set()).add(_kind(v))
@@ -364,11 +392,18 @@ def _stage_json(files: list[str], columns: ColumnNames, work_dir: Path, fmt: str
     if not names:
         raise ValueError(f"no JSON objects found in {', '.join(files)}")
     text = resolve_text_column(names, columns.text)
+    text_kinds = kinds[text] - {"null"}
+    if text_kinds and "str" not in text_kinds:
+        # No value is text: the column is something else, named by the user or picked by name.
+        where = "the shards' json" if origins is not None else ", ".join(files)
+        held = " and ".join(sorted(text_kinds))
+        hint = "name the alt-text column with --text-column"
+        raise ValueError(f"{where}: column '{text}' holds {held} values, not text; {hint}")
     types = {n: pa.string() if n == text else _column_type(kinds[n]) for n in names}
     schema = pa.schema([(n, types[n]) for n in names] + [(TEXT_ERROR_COLUMN, pa.string())])
     work_dir.mkdir(parents=True, exist_ok=True)
     out = work_dir / "staged.parquet"
-    malformed = 0
+    errors: list[str] = []
     with pq.ParquetWriter(out, schema) as writer:
         batch: dict[str, list[Any]] = {n: [] for n in schema.names}
 
@@ -379,19 +414,25 @@ def _stage_json(files: list[str], columns: ColumnNames, work_dir: Path, fmt: str
                     values.clear()
 
         for f in files:
-            for rec in _iter_json_records(f):
+            for where, rec in _iter_json_records(f):
+                source = origins[int(where.split()[1]) - 1] if origins is not None else f"{f}: {where}"
+                if rec is _MALFORMED:
+                    errors.append(f"bad_json: {source}")
+                    continue
                 if not isinstance(rec, dict):
-                    malformed += 1
+                    errors.append(f"not_an_object: {source}: a JSON {_kind(rec)}")
+                    continue
+                caption = rec.get(text)
+                if caption is not None and not isinstance(caption, str):
+                    # A line of JSON is a row of its own: a caption of another type costs that row only.
+                    errors.append(f"caption_not_text: {source}: '{text}' holds {_kind(caption)}")
                     continue
                 for n in names:
                     v = rec.get(n)
                     if n == text:
-                        if isinstance(v, str) and _has_surrogates(v):
-                            batch[n].append(None)
-                            batch[TEXT_ERROR_COLUMN].append("non_utf8_text")
-                            continue
-                        batch[n].append(v if isinstance(v, str) or v is None else _as_text(v))
-                        batch[TEXT_ERROR_COLUMN].append(None)
+                        bad = v is not None and has_surrogates(v)
+                        batch[n].append(None if bad else v)
+                        batch[TEXT_ERROR_COLUMN].append("non_utf8_text" if bad else None)
                     elif types[n] == pa.string():
                         batch[n].append(_as_text(v))
                     else:
@@ -399,7 +440,7 @@ def _stage_json(files: list[str], columns: ColumnNames, work_dir: Path, fmt: str
                 if len(batch[TEXT_ERROR_COLUMN]) >= _BATCH_ROWS:
                     flush()
         flush()
-    return StagedInput([out], names, text, fmt, malformed=malformed, has_text_error_column=True)
+    return StagedInput([out], names, text, fmt, malformed=len(errors), has_text_error_column=True, input_errors=errors)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,6 +456,7 @@ def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) ->
     text_name = columns.text or "caption"
     rows_path = work_dir / "samples.jsonl"
     malformed = 0
+    origins: list[str] = []  # the sample behind each line of rows_path
     with open(rows_path, "w", encoding="utf-8") as out:
         for url in files:
             for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"{reason}: {detail}")):
@@ -433,11 +475,12 @@ def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) ->
                 meta.setdefault(columns.key, sample["__key__"])
                 # ensure_ascii writes lone surrogates as \udcXX escapes, which parse back unchanged
                 out.write(json.dumps(meta, ensure_ascii=True) + "\n")
+                origins.append(f"{sample.get('__url__', url)}:{sample['__key__']}")
     if rows_path.stat().st_size == 0:
         raise ValueError(f"no readable samples in {len(files)} WebDataset shard(s): {'; '.join(errors[:3])}")
-    staged = _stage_json([str(rows_path)], columns, work_dir / "json", "webdataset")
+    staged = _stage_json([str(rows_path)], columns, work_dir / "json", "webdataset", origins=origins)
     staged.malformed += malformed
-    staged.input_errors = errors
+    staged.input_errors = errors + staged.input_errors
     return staged
 
 

@@ -38,6 +38,9 @@ class FilterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     input_format: Literal["parquet", "csv", "tsv", "jsonl", "webdataset"] | None = None  # default: from INPUT
     report: str | None = None  # also write the funnel and statistics to this JSON file
+    # CSV/TSV records that may fail to parse (each counted as malformed_row, its line in the report) before
+    # the run stops with an error naming the line; JSON lines that do not parse are always skipped and counted
+    max_malformed_rows: int = 0
     person_names: str | None = None  # names -> <PERSON> after filtering: demo or module:function
     overwrite: bool = False  # replace OUTPUT if it exists
 
@@ -93,6 +96,8 @@ class FunnelReport:
             lines.append(f"{name:<{width}}{n:>12,}{remaining:>12,}{share:>7.1f}%  {STEP_DESCRIPTIONS[name]}")
         share = 100.0 * self.rows_out / self.rows_in if self.rows_in else 0.0
         lines.append(f"{'rows out':<{width}}{'':>12}{self.rows_out:>12,}{share:>7.1f}%")
+        if self.meta.get("size_columns"):
+            lines.append(f"sizes from {' x '.join(self.meta['size_columns'])}")
         for rule, why in self.skipped.items():
             lines.append(f"skipped {rule}: {why}")
         if self.input_errors:
@@ -107,6 +112,7 @@ def filter_corpus(
     *,
     engine: EngineConfig | str = "duckdb",
     input_format: str | None = None,
+    max_malformed_rows: int = 0,
     report_path: str | Path | None = None,
     person_hook: PersonHook | str | None = None,
     spark: Any = None,
@@ -118,15 +124,19 @@ def filter_corpus(
     ``input``: a Parquet, CSV/TSV or JSON Lines file, a directory or glob of them, or WebDataset shards
     (``shards/{00000..00099}.tar``). ``output``: Parquet, CSV, TSV or JSON Lines by extension, with every
     input column kept (DuckDB: one file, in input order; Spark: a directory of part files). ``rules``: a
-    preset name, YAML path, mapping or FilterRules. ``person_hook``: a ``str -> str`` callable, ``"demo"``
-    or ``"module:function"`` (default: the rules' ``person_substitution``). ``spark``: an existing
-    SparkSession to use. Returns the funnel; also written as JSON to ``report_path`` when given.
+    preset name, YAML path, mapping or FilterRules. ``max_malformed_rows``: CSV/TSV records that may fail to
+    parse before the run stops with an error naming the line (nothing is written then). ``person_hook``: a
+    ``str -> str`` callable, ``"demo"`` or ``"module:function"`` (default: the rules' ``person_substitution``).
+    ``spark``: an existing SparkSession to use. Returns the funnel; also written as JSON to ``report_path``
+    when given.
     """
     start = time.perf_counter()
     rules = load_rules(rules)
     cfg = EngineConfig(engine=engine) if isinstance(engine, str) else engine  # type: ignore[arg-type]
     if cfg.engine not in ("duckdb", "spark"):
         raise ValueError(f"unknown engine '{cfg.engine}'; valid: duckdb, spark")
+    if max_malformed_rows < 0:
+        raise ValueError(f"--max-malformed-rows must be ≥ 0, got {max_malformed_rows}")
     hook = resolve_person_hook(person_hook if person_hook is not None else rules.person_substitution)
     out = Path(output)
     out_fmt = output_format(out)
@@ -142,7 +152,7 @@ def filter_corpus(
     work = Path(tempfile.mkdtemp(prefix="openalign-filter-", dir=cfg.temp_directory))
     try:
         say(f"reading {input}")
-        staged = stage_input(str(input), input_format, rules.columns, work / "staged")
+        staged = stage_input(str(input), input_format, rules.columns, work / "staged", max_malformed_rows)
         plan = build_plan(staged, rules)
         say(f"running {len(plan.steps)} steps on {cfg.engine} ({', '.join(plan.steps)})")
         if cfg.engine == "duckdb":
@@ -176,6 +186,8 @@ def filter_corpus(
             "input": str(input),
             "input_format": staged.format,
             "text_column": staged.text_column,
+            "size_columns": [plan.width, plan.height] if plan.width and plan.height else None,
+            "status_column": plan.status,
             "output": str(out),
             "engine": cfg.engine,
             "rules": to_dict(rules),

@@ -16,8 +16,9 @@ from openalign.data.filters.rules import VALIDITY_STEPS, FilterRules
 class FilterPlan:
     rules: FilterRules
     text: str
-    width: str | None  # set when a size rule is on
+    width: str | None  # set when a size rule is on: original_width when the input has it, else width
     height: str | None
+    status: str | None  # img2dataset's status column, when the input has one
     unsafe: str | None  # set when the unsafe rule is on and its column exists
     identity: list[tuple[str, str]]  # (prefix, column) in precedence order: sha256, url, key
     has_text_error_column: bool
@@ -29,9 +30,13 @@ def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
     """Check the input has what the rules need; raises ValueError naming every missing column."""
     cols, names = staged.columns, rules.columns
     missing: dict[str, list[str]] = {}
+    width, height = names.width, names.height
+    if names.original_width in cols and names.original_height in cols:
+        # img2dataset's width/height are its resized copy's; the rules are about the crawled image.
+        width, height = names.original_width, names.original_height
     if rules.uses_sizes:
         needers = [n for n in ("min_shorter_side", "max_aspect_ratio") if getattr(rules, n) is not None]
-        for col in (names.width, names.height):
+        for col in (width, height):
             if col not in cols:
                 missing.setdefault(col, []).extend(needers)
     identity = [(f"{c}:", getattr(names, c)) for c in ("sha256", "url", "key") if getattr(names, c) in cols]
@@ -48,7 +53,10 @@ def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
             unsafe = names.unsafe
         else:
             skipped["unsafe"] = f"no unsafe-score column '{names.unsafe}' in the input"
+    status = names.status if names.status in cols else None
     validity = [s for s in VALIDITY_STEPS if s != "malformed_row"]
+    if status is None:
+        validity.remove("download_failed")
     if not staged.has_text_error_column:
         validity.remove("non_utf8_text")
     if not rules.uses_sizes:
@@ -59,8 +67,9 @@ def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
     return FilterPlan(
         rules=rules,
         text=staged.text_column,
-        width=names.width if rules.uses_sizes else None,
-        height=names.height if rules.uses_sizes else None,
+        width=width if rules.uses_sizes else None,
+        height=height if rules.uses_sizes else None,
+        status=status,
         unsafe=unsafe,
         identity=identity,
         has_text_error_column=staged.has_text_error_column,

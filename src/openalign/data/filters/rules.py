@@ -46,10 +46,18 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``too_many_words``  more than ``max_words`` words (ALIGN: 20, CC12M: 256).
 ``repeated_words``  (words − distinct words) / words is > ``max_repeated_fraction`` (CC12M: 0.2).
 
-Before those, rows that cannot be judged are removed with their own funnel lines: ``malformed_row`` (a
-CSV/JSON line that does not parse), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only
-whitespace), ``bad_size`` (width or height missing, non-numeric, not finite or ≤ 0; only checked when a
-size rule is on) and ``bad_unsafe_score`` (present but non-numeric or NaN).
+**img2dataset metadata.** img2dataset's ``width``/``height`` are the sizes of the image it stored, after
+its resize; the crawled image's sizes are ``original_width``/``original_height``. So when both
+``columns.original_width`` and ``columns.original_height`` are in the input the size rules read them
+(the report's ``size_columns`` says which pair was used), and otherwise ``width``/``height``. A row whose
+``columns.status`` (img2dataset's ``status``) is anything but ``success`` (a failed download or resize,
+or null) has no image to judge.
+
+Before the rules, rows that cannot be judged are removed with their own funnel lines: ``malformed_row``
+(a CSV/JSON record that does not parse), ``download_failed`` (status not ``success``; only with a status
+column), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only whitespace), ``bad_size``
+(width or height missing, non-numeric, not finite or ≤ 0; only checked when a size rule is on) and
+``bad_unsafe_score`` (present but non-numeric or NaN).
 
 After filtering, an optional person-name hook (CC12M's ``<PERSON>`` substitution) rewrites the kept
 alt-texts; see :mod:`openalign.data.filters.person`.
@@ -71,7 +79,15 @@ WHITESPACE = " \t\n\x0b\f\r"
 TEXT_COLUMN_CANDIDATES = ("caption", "alt", "alt_text", "text", "TEXT")
 
 # Funnel lines in order: input validity first, then the rules. Each name is also a ``reason``.
-VALIDITY_STEPS = ("malformed_row", "non_utf8_text", "missing_text", "empty_text", "bad_size", "bad_unsafe_score")
+VALIDITY_STEPS = (
+    "malformed_row",
+    "download_failed",
+    "non_utf8_text",
+    "missing_text",
+    "empty_text",
+    "bad_size",
+    "bad_unsafe_score",
+)
 RULE_STEPS = (
     "unsafe",
     "small_image",
@@ -85,7 +101,8 @@ RULE_STEPS = (
     "repeated_words",
 )
 STEP_DESCRIPTIONS = {
-    "malformed_row": "line of the input that does not parse",
+    "malformed_row": "input record that does not parse (or a JSON alt-text that is not text)",
+    "download_failed": "img2dataset status is not success",
     "non_utf8_text": "alt-text is not valid UTF-8",
     "missing_text": "alt-text is null",
     "empty_text": "alt-text is empty or only whitespace",
@@ -114,6 +131,10 @@ class ColumnNames:
     sha256: str = "sha256"  # image content hash: the image identity when present
     width: str = "width"
     height: str = "height"
+    # The crawled image's sizes (img2dataset's width/height are after its resize); used when both exist
+    original_width: str | None = "original_width"
+    original_height: str | None = "original_height"
+    status: str | None = "status"  # img2dataset's download status: rows not "success" are dropped
     unsafe: str = "punsafe"  # the user's unsafe-content probability (0-1), e.g. LAION's punsafe
 
 

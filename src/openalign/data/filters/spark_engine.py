@@ -108,12 +108,14 @@ def run_spark(
         ident.alias("ident"),
         txt.alias("txt"),
         (F.col(TEXT_ERROR_COLUMN) if plan.has_text_error_column else F.lit(None).cast("string")).alias("text_error"),
+        (_col(plan.status).cast("string") if plan.status else F.lit("success")).alias("status"),
         (_try_double(plan.width) if plan.width else F.lit(None).cast("double")).alias("w"),
         (_try_double(plan.height) if plan.height else F.lit(None).cast("double")).alias("h"),
         (_try_double(plan.unsafe) if plan.unsafe else F.lit(None).cast("double")).alias("u"),
         (_col(plan.unsafe).isNotNull() if plan.unsafe else F.lit(False)).alias("u_given"),
     )
-    invalid = F.when(F.col("text_error").isNotNull(), F.col("text_error"))
+    invalid = F.when(~F.coalesce(F.col("status") == "success", F.lit(False)), "download_failed")
+    invalid = invalid.when(F.col("text_error").isNotNull(), F.col("text_error"))
     invalid = invalid.when(F.col("txt").isNull(), "missing_text")
     invalid = invalid.when(F.regexp_replace("txt", _WS_EDGES, "") == "", "empty_text")
     if plan.width is not None:
