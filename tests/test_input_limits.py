@@ -20,15 +20,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 import openalign
+from conftest import tiny_overrides
 from openalign.cli import main
 from openalign.data.sources import BadInput, open_source, read_file, read_samples, resolve_image_path
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs and /dev/zero")
 
-MEMORY_LIMIT = 2 * 2**30  # address space for a child, far below what reading /dev/zero or a 30 GB file would take
+# Address space for a child, far below what reading /dev/zero or a 30 GB file would take: 2 GB for shard;
+# commands that load torch and a model (index build, dedup) map about 2.2 GB before reading anything.
+MEMORY_LIMIT = 2 * 2**30
+MODEL_MEMORY_LIMIT = 4 * 2**30
 HUGE = 30 * 2**30  # a sparse file: no disk, but os.stat and a whole read see 30 GB
 
 
@@ -277,3 +282,58 @@ def test_a_folder_source_carries_the_limit_to_its_records(tmp_path: Path) -> Non
     assert record.read() == _jpeg(0, (64, 64))
     with pytest.raises(ValueError, match="max_file_bytes"):
         open_source(tmp_path / "photos", max_file_bytes=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# index build
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from openalign.text import train_wordpiece
+
+    out = tmp_path_factory.mktemp("model")
+    tokenizer = train_wordpiece(["caption a", "caption b", "a huge image"] * 5, vocab_size=60, min_frequency=1)
+    torch.manual_seed(0)
+    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tokenizer.vocab_size}))
+    openalign.save_model(model, out)
+    tokenizer.save(out)
+    return out
+
+
+def _index_keys(index: Path) -> list[str]:
+    return pq.read_table(index / "image" / "metadata.parquet").column("key").to_pylist()
+
+
+def test_index_build_skips_fifos_and_huge_files_under_a_memory_limit(
+    crawl: Path, tmp_path: Path, model_dir: Path
+) -> None:
+    (crawl / "img" / "leak.png").unlink()  # a folder is the user's own: its symlinks are not confined
+    out = tmp_path / "idx"
+    args = ["index", "build", "--model", str(model_dir), "--images", str(crawl), "--out", str(out), "--quiet"]
+    run = _cli_limited(*args, limit=MODEL_MEMORY_LIMIT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "+3 images" in run.stdout and "not_a_file 1" in run.stdout and "too_large_file 1" in run.stdout
+    assert sorted(_index_keys(out)) == ["img/good0.jpg", "img/good1.jpg", "img/inside.jpg"]
+    assert json.loads((out / "index.json").read_text())["skipped"] == {"not_a_file": 1, "too_large_file": 1}
+
+
+def test_index_build_keeps_table_paths_inside_the_table_folder(
+    crawl: Path, tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = {
+        "a": "img/good0.jpg",
+        "dotdot": "../secret/secret.png",
+        "absolute": str(tmp_path / "secret" / "secret.png"),
+        "symlink_out": "img/leak.png",
+        "symlink_in": "img/inside.jpg",
+    }
+    table = _table(crawl / "rows.parquet", rows)
+    base = ["index", "build", "--model", str(model_dir), "--images", str(table), "--quiet"]
+    assert main([*base, "--out", str(tmp_path / "confined")]) == 0
+    assert "skipped 3 (outside_root 3)" in capsys.readouterr().out
+    assert _index_keys(tmp_path / "confined") == ["a", "symlink_in"]
+    assert main([*base, "--out", str(tmp_path / "allowed"), "--allow-outside-root", "--max-file-mb", "1"]) == 0
+    assert _index_keys(tmp_path / "allowed") == list(rows)
+    assert main([*base, "--out", str(tmp_path / "bad"), "--max-file-mb", "-1"]) == 2
+    assert "max_file_mb" in capsys.readouterr().err
