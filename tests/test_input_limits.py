@@ -337,3 +337,27 @@ def test_index_build_keeps_table_paths_inside_the_table_folder(
     assert _index_keys(tmp_path / "allowed") == list(rows)
     assert main([*base, "--out", str(tmp_path / "bad"), "--max-file-mb", "-1"]) == 2
     assert "max_file_mb" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# dedup
+
+
+def test_dedup_skips_outside_and_huge_files_under_a_memory_limit(crawl: Path, tmp_path: Path, model_dir: Path) -> None:
+    rows = {
+        "a": "img/good0.jpg",
+        "b": "img/good1.jpg",
+        "c": "img/inside.jpg",
+        "dotdot": "../secret/secret.png",
+        "symlink_out": "img/leak.png",
+        "huge": "img/huge.jpg",
+    }
+    table = _table(crawl / "rows.parquet", rows)
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.jpg").write_bytes(_jpeg(1))
+    out = tmp_path / "dedup"
+    args = ["dedup", str(table), str(tmp_path / "test"), str(out), "--embedder", f"align:{model_dir}", "--quiet"]
+    run = _cli_limited(*args, limit=MODEL_MEMORY_LIMIT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "skipped train images: outside_root 2, too_large_file 1" in run.stdout
+    assert json.loads((out / "train_keys.json").read_text()) == ["a", "b", "c"]
