@@ -230,6 +230,13 @@ def test_read_samples_counts_members_over_the_limit(tmp_path: Path) -> None:
     assert [s["__key__"] for s in kept] == ["a"] and errors == ["too_large_member"]
     assert [s["__key__"] for s in read_samples(str(shard))] == ["a", "b"]
 
+    # eval is strict: the same member is an error naming it
+    from openalign.eval.datasets import load_retrieval_wds
+
+    with pytest.raises(ValueError, match="too_large_member"):
+        load_retrieval_wds(str(shard), max_file_bytes=limit)
+    assert len(load_retrieval_wds(str(shard)).captions) == 2
+
 
 # --------------------------------------------------------------------------------------------------
 # The two enforcement points
