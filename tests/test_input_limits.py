@@ -368,3 +368,29 @@ def test_dedup_skips_outside_and_huge_files_under_a_memory_limit(crawl: Path, tm
     assert run.returncode == 0, run.stderr[-2000:]
     assert "skipped train images: outside_root 2, too_large_file 1" in run.stdout
     assert json.loads((out / "train_keys.json").read_text()) == ["a", "b", "c"]
+
+
+# --------------------------------------------------------------------------------------------------
+# train
+
+
+def test_the_training_stream_skips_members_over_data_max_file_mb(tmp_path: Path) -> None:
+    from openalign.config import ConfigError
+    from openalign.text import train_wordpiece
+    from openalign.train.data import DataConfig, build_train_stream
+
+    small, large = _jpeg(0, (16, 16)), _jpeg(1, (64, 64))
+    with tarfile.open(tmp_path / "00000.tar", "w") as tf:
+        _add_members(tf, [("a.jpg", small), ("a.txt", b"red"), ("b.jpg", large), ("b.txt", b"blue")])
+        _add_members(tf, [("c.jpg", small), ("c.txt", b"green")])
+    tokenizer = train_wordpiece(["red blue green"] * 5, vocab_size=40, min_frequency=1)
+    cfg = DataConfig(shards=str(tmp_path / "00000.tar"), batch_size=2, image_size=8, resize=10, workers=0)
+    cfg.shuffle_buffer, cfg.shuffle_shards = 0, False
+    cfg.max_file_mb = (len(small) + 0.5) / 2**20
+    stream = build_train_stream(cfg, tokenizer, seed=0)
+    batch = next(iter(stream))
+    assert batch["input_ids"].tolist() == tokenizer(["red", "green"], max_length=64)["input_ids"].tolist()
+    assert stream.stats == Counter(shard_too_large_member=1)
+    cfg.max_file_mb = 0
+    with pytest.raises(ConfigError, match=r"data\.max_file_mb"):
+        cfg.validate()
