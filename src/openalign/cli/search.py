@@ -162,14 +162,15 @@ def run_search(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config({k: v for k, v in to_dict(query).items() if k != "image"})
         return 0
+    from openalign.data.sources import read_file
     from openalign.data.transforms import decode_image
     from openalign.search.api import load_searcher
 
     if args.image:
         path = Path(args.image)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"{args.image}: no such image file")
-        query.image = decode_image(path.read_bytes())
+        query.image = decode_image(read_file(path))  # a device or a huge file is a one-line error, not a hang
     searcher = load_searcher(args.index, args.model, args.tokenizer)
     hits = searcher.search(query)
     if args.json:

@@ -18,3 +18,6 @@ class ShardConfig:
     image_root: str | None = None
     caption_column: str | None = None  # table input: caption column (default: caption, text, alt, ...)
     image_column: str | None = None  # table input: image-bytes column (default: jpg, image, image_bytes, ...)
+    max_file_mb: float = 64.0  # larger image files (and shard members) are skipped unread as too_large_file
+    # table input: also read image paths that resolve outside the image root (else skipped as outside_root)
+    allow_outside_root: bool = False

@@ -36,12 +36,15 @@ from PIL import Image
 
 from openalign.data.sources import (
     CAPTION_MEMBER,
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_FILE_MB,
     IMAGE_MEMBER,
     METADATA_MEMBER,
     BadInput,
     ErrorHandler,
     Source,
     expand_urls,
+    file_limit,
     iter_samples,
     open_source,
     read_samples,
@@ -418,21 +421,33 @@ def samples_from_table(
     image_root: str | os.PathLike | None = None,
     caption_column: str | None = None,
     image_column: str | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    allow_outside_root: bool = False,
 ) -> Iterator[dict | SkipSample]:
     """Samples from a metadata table whose rows hold image bytes (a binary column, or a ``{"bytes": ...}``
     struct as Hugging Face datasets store images) or point to image files (``image_path``, relative paths
-    resolved against ``image_root``, default the table's folder). Every other column goes into the json.
+    resolved against ``image_root``, default the table's folder; a path resolving outside it is skipped as
+    ``outside_root`` unless ``allow_outside_root``). Every other column goes into the json.
     """
     if not Path(path).is_file():
         raise FileNotFoundError(f"no such table: {path}")
     source = open_source(
-        path, image_root=image_root, caption_column=caption_column, image_column=image_column, require_caption=True
+        path,
+        image_root=image_root,
+        caption_column=caption_column,
+        image_column=image_column,
+        require_caption=True,
+        max_file_bytes=max_file_bytes,
+        allow_outside_root=allow_outside_root,
     )
     return samples_from_source(source)
 
 
 def samples_from_folder(
-    folder: str | os.PathLike, *, captions: str | os.PathLike | None = None
+    folder: str | os.PathLike,
+    *,
+    captions: str | os.PathLike | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Iterator[dict | SkipSample]:
     """Samples from a folder of images (searched recursively, in sorted order) whose captions are sidecar
     ``.txt`` files (``cat.jpg`` + ``cat.txt``) or rows of a ``captions`` table keyed by the path relative to
@@ -441,7 +456,7 @@ def samples_from_folder(
     """
     if not Path(folder).is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
-    return samples_from_source(open_source(folder, captions=captions))
+    return samples_from_source(open_source(folder, captions=captions, max_file_bytes=max_file_bytes))
 
 
 def shard_input(
@@ -456,11 +471,15 @@ def shard_input(
     image_root: str | os.PathLike | None = None,
     caption_column: str | None = None,
     image_column: str | None = None,
+    max_file_mb: float = DEFAULT_MAX_FILE_MB,
+    allow_outside_root: bool = False,
     progress: bool = False,
 ) -> ShardResult:
     """Write ``source`` (an image folder, a Parquet/CSV/JSONL table with image bytes or ``image_path``, or
     WebDataset shards to re-shard; see ``openalign.data.sources.open_source``) as WebDataset shards in
-    ``out_dir``; returns the totals of the shards' stats files."""
+    ``out_dir``; returns the totals of the shards' stats files. Files over ``max_file_mb`` and anything
+    that is not a regular file are skipped unread (``too_large_file``, ``too_large_member``, ``not_a_file``),
+    as are a table's image paths outside ``image_root`` (``outside_root``) unless ``allow_outside_root``."""
     samples = samples_from_source(
         open_source(
             source,
@@ -469,6 +488,8 @@ def shard_input(
             caption_column=caption_column,
             image_column=image_column,
             require_caption=True,
+            max_file_bytes=file_limit(max_file_mb),
+            allow_outside_root=allow_outside_root,
         )
     )
     out = Path(out_dir)

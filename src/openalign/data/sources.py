@@ -20,7 +20,16 @@ the same inputs and name a skipped item with the same reason:
 Items that cannot be used are never raised mid-stream: they are reported as ``BadInput`` (a reason slug
 plus a detail), either through an ``on_skip(reason, detail)`` callback or in the stream itself
 (``Source.events``), so the caller counts them. Every file read of an input goes through ``read_file`` and
-every table path through ``resolve_image_path``: the places where limits on what is read belong.
+every table path through ``resolve_image_path``, the two places that bound what an input can make a stage read:
+
+- ``read_file`` reads regular files only (``not_a_file``: a device such as ``/dev/zero``, a FIFO, a folder)
+  of at most ``max_bytes`` (``too_large_file``; default ``DEFAULT_MAX_FILE_MB``), checked before reading and
+  again while reading, so no input file can drive a stage out of memory; a WebDataset member whose header
+  claims more than the limit is skipped unread (``too_large_member``);
+- ``resolve_image_path`` keeps a table's ``image_path`` inside its image root once symlinks are resolved
+  (``outside_root``: an absolute path elsewhere, a ``..`` escape, a symlink pointing out), because a table
+  is data, often from someone else, and must not be able to pick files such as ``~/.ssh/id_rsa`` to be packed
+  into shards or an index; ``allow_outside_root`` lifts this for tables one trusts.
 
 This module is model-free and torch-free at import: decoding pulls in ``openalign.data.transforms`` only
 when an image is actually decoded.
@@ -33,6 +42,7 @@ import json
 import logging
 import os
 import re
+import stat
 import subprocess
 import tarfile
 import zlib
@@ -52,6 +62,8 @@ __all__ = [
     "CAPTION_MEMBER",
     "CAPTION_SUFFIX",
     "CAPTION_TEXT_SUFFIXES",
+    "DEFAULT_MAX_FILE_BYTES",
+    "DEFAULT_MAX_FILE_MB",
     "FILENAME_COLUMNS",
     "IMAGE_BYTES_COLUMNS",
     "IMAGE_MEMBER",
@@ -77,6 +89,7 @@ __all__ = [
     "batched",
     "decode_records",
     "expand_urls",
+    "file_limit",
     "find_tokenizer_file",
     "image_member",
     "is_image_file",
@@ -136,6 +149,12 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 TOKENIZER_VOCAB_FILES: tuple[str, ...] = (TOKENIZER_JSON, VOCAB_TXT)
 TOKENIZER_FILES: tuple[str, ...] = (*TOKENIZER_VOCAB_FILES, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 
+# The largest input file (an image, a sidecar, a shard member) any stage reads into memory. The largest
+# images of web crawls are a few MB; 64 MB leaves room for big TIFFs and PNGs while a few of them at once
+# still fit a small machine.
+DEFAULT_MAX_FILE_MB = 64.0
+DEFAULT_MAX_FILE_BYTES = int(DEFAULT_MAX_FILE_MB * 2**20)
+
 ErrorHandler = Callable[[str, str], None]
 SourceKind = Literal["folder", "table", "shards"]
 T = TypeVar("T")
@@ -175,20 +194,89 @@ def table_format(path: str | os.PathLike) -> str | None:
     return TABLE_SUFFIXES.get(suffix)
 
 
-def read_file(path: str | os.PathLike) -> bytes:
-    """The bytes of an input file; raises ``BadInput`` (``missing_file``, ``unreadable_file``) instead of OSError."""
+def file_limit(max_file_mb: float) -> int:
+    """``max_file_mb`` (a setting's value) in bytes; raises ``ValueError`` unless it is positive."""
+    if isinstance(max_file_mb, bool) or not isinstance(max_file_mb, int | float) or not max_file_mb > 0:
+        raise ValueError(f"max_file_mb must be a positive number of MB, got {max_file_mb!r}")
+    return max(1, int(max_file_mb * 2**20))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n} bytes"
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _check_stat(path: str | os.PathLike, st: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput("not_a_file", f"{path}: {_kind(st.st_mode)}, not a regular file")
+    if st.st_size > max_bytes:
+        raise BadInput("too_large_file", f"{path}: {_size(st.st_size)}, over the {_size(max_bytes)} limit")
+
+
+def read_file(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The bytes of an input file; raises ``BadInput`` instead of OSError or MemoryError: ``missing_file``,
+    ``unreadable_file``, ``not_a_file`` (a device, FIFO, socket or directory, even behind a symlink) or
+    ``too_large_file`` (over ``max_bytes``).
+
+    The file is looked at before it is opened (opening a FIFO would wait for a writer, opening some devices
+    has effects) and again once open, and never more than ``max_bytes`` + 1 bytes are read, so a file that
+    is replaced or grows in between is still caught."""
     try:
-        return Path(path).read_bytes()
+        _check_stat(path, os.stat(path), max_bytes)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise BadInput("missing_file", str(path)) from None
+    except BadInput:
+        raise
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path, which a table can hold
+        raise BadInput("unreadable_file", f"{path!r}: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            _check_stat(path, st, max_bytes)
+            # The first read asks for one byte more than the size seen, so a regular file is read in one go
+            # without a buffer of the limit's size; a file that grew since is read on, up to the limit.
+            chunks, total, want = [], 0, min(st.st_size, max_bytes) + 1
+            while chunk := f.read(want):
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > max_bytes:
+                    raise BadInput("too_large_file", f"{path}: grew past the {_size(max_bytes)} limit while read")
+                want = min(1 << 20, max_bytes + 1 - total)
     except OSError as err:
         raise BadInput("unreadable_file", f"{path}: {err.strerror or err}") from None
+    return b"".join(chunks)
 
 
-def resolve_image_path(root: Path, value: str) -> Path:
-    """The file a table's image path names: relative paths are taken from ``root``."""
+def resolve_image_path(root: Path, value: str, *, allow_outside_root: bool = False) -> Path:
+    """The file a table's image path names: relative paths are taken from ``root``.
+
+    Unless ``allow_outside_root``, the path is resolved (symlinks included) and must lie inside ``root``:
+    an absolute path elsewhere, a ``..`` escape or a symlink pointing out raises ``BadInput("outside_root")``.
+    The resolved path is what is returned, so the file checked is the file read."""
     file = Path(value)
-    return file if file.is_absolute() else root / file
+    candidate = file if file.is_absolute() else root / file
+    if allow_outside_root:
+        return candidate
+    try:
+        base, resolved = root.resolve(), candidate.resolve()
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
+        raise BadInput("unreadable_file", f"{value!r}: {err}") from None
+    if not resolved.is_relative_to(base):
+        raise BadInput("outside_root", f"{value}: resolves to {resolved}, outside the image root {base}")
+    return resolved
 
 
 def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -364,8 +452,11 @@ def _scan(fileobj: _Readable, start: int, end: int | None) -> tuple[bool, int]:
     return zero, seen
 
 
-def _iter_tar(tf: tarfile.TarFile, url: str, report: ErrorHandler, seekable: bool) -> Iterator[dict]:
-    """Group consecutive members by key into samples; drop a sample any of whose members is unreadable."""
+def _iter_tar(
+    tf: tarfile.TarFile, url: str, report: ErrorHandler, seekable: bool, max_member_bytes: int
+) -> Iterator[dict]:
+    """Group consecutive members by key into samples; drop a sample any of whose members is unreadable or
+    larger than ``max_member_bytes`` (such a member is stepped over, never read)."""
     current: dict[str, Any] | None = None
     current_bad = False
     after_gap = False  # the member after a damaged region may start a sample that lost its first member
@@ -410,6 +501,13 @@ def _iter_tar(tf: tarfile.TarFile, url: str, report: ErrorHandler, seekable: boo
             current = {"__key__": key, "__url__": url}
             current_bad = after_gap
         after_gap = False
+        if member.size > max_member_bytes:
+            report(
+                "too_large_member",
+                f"{url}: member {member.name} has {_size(member.size)}, over the {_size(max_member_bytes)} limit",
+            )
+            current_bad = True
+            continue
         try:
             handle = tf.extractfile(member)
             data = handle.read() if handle is not None else b""
@@ -433,25 +531,33 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def read_samples(url: str, *, on_error: ErrorHandler | None = None) -> Iterator[dict]:
+def read_samples(
+    url: str, *, on_error: ErrorHandler | None = None, max_member_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> Iterator[dict]:
     """Yield one dict per sample of a WebDataset tar: ``{"__key__", "__url__", "<ext>": bytes, ...}``.
 
     ``url`` is a local path (optionally ``file://``, optionally gzip-compressed) or ``pipe:COMMAND`` whose
     stdout is a tar. Problems are passed to ``on_error(reason, detail)`` (default: a logged warning) and
     skipped, never raised: reasons are ``missing``, ``unreadable``, ``not_a_tar``, ``truncated``, ``corrupt``
     (a damaged header; the samples on both sides of it are dropped because either may have lost a member),
-    ``no_extension``, ``duplicate_member``, ``unsupported_url`` and ``pipe_failed``.
+    ``no_extension``, ``duplicate_member``, ``too_large_member`` (a member over ``max_member_bytes``, whose
+    sample is dropped), ``not_a_file`` (a device, FIFO or folder given as a shard), ``unsupported_url`` and
+    ``pipe_failed``.
     """
     report = on_error or _log_error
     url = os.fspath(url)
     if url.startswith("pipe:"):
-        yield from _read_pipe(url, report)
+        yield from _read_pipe(url, report, max_member_bytes)
         return
     path = url.removeprefix("file://")
     if _is_remote(path):
         report("unsupported_url", f"{url}: only local paths and pipe: urls are read (try pipe:curl -s {url})")
         return
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # /dev/zero would be read as endless empty blocks, a FIFO waits for a writer
+            report("not_a_file", f"{url}: {_kind(mode)}, not a regular file")
+            return
         handle = open(path, "rb")  # noqa: SIM115 - closed below, after the generator finishes
     except FileNotFoundError as err:
         report("missing", f"{url}: {err.strerror}")
@@ -466,10 +572,10 @@ def read_samples(url: str, *, on_error: ErrorHandler | None = None) -> Iterator[
             report("not_a_tar", f"{url}: {_one_line(err)}")
             return
         with tf:
-            yield from _iter_tar(tf, url, report, seekable=True)
+            yield from _iter_tar(tf, url, report, seekable=True, max_member_bytes=max_member_bytes)
 
 
-def _read_pipe(url: str, report: ErrorHandler) -> Iterator[dict]:
+def _read_pipe(url: str, report: ErrorHandler, max_member_bytes: int) -> Iterator[dict]:
     command = url.removeprefix("pipe:")
     proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
@@ -480,7 +586,7 @@ def _read_pipe(url: str, report: ErrorHandler) -> Iterator[dict]:
             report("not_a_tar", f"{url}: {_one_line(err)}")
         else:
             with tf:
-                yield from _iter_tar(tf, url, report, seekable=False)
+                yield from _iter_tar(tf, url, report, seekable=False, max_member_bytes=max_member_bytes)
     finally:
         proc.stdout.close()
         stderr = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr else ""
@@ -488,10 +594,12 @@ def _read_pipe(url: str, report: ErrorHandler) -> Iterator[dict]:
             report("pipe_failed", f"{url}: exit status {proc.returncode}: {stderr[-200:]}")
 
 
-def iter_samples(spec: str | Sequence[str], *, on_error: ErrorHandler | None = None) -> Iterator[dict]:
+def iter_samples(
+    spec: str | Sequence[str], *, on_error: ErrorHandler | None = None, max_member_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> Iterator[dict]:
     """``read_samples`` over every shard of ``expand_urls(spec)``, in order."""
     for url in expand_urls(spec):
-        yield from read_samples(url, on_error=on_error)
+        yield from read_samples(url, on_error=on_error, max_member_bytes=max_member_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -510,12 +618,14 @@ class FolderScan:
 
 
 def scan_folder(root: str | os.PathLike) -> FolderScan:
-    """List an image folder (see ``FolderScan``)."""
+    """List an image folder (see ``FolderScan``). Every entry but a folder is listed, so a FIFO, a device or a
+    dangling symlink named like an image is reported when read (``not_a_file``, ``missing_file``) rather than
+    left out unseen."""
     base = Path(root)
     files = sorted(
         p
         for p in base.rglob("*")
-        if not any(part.startswith(".") for part in p.relative_to(base).parts) and p.is_file()
+        if not any(part.startswith(".") for part in p.relative_to(base).parts) and not p.is_dir()
     )
     images = [p for p in files if is_image_file(p)]
     stems = {p.with_suffix("") for p in images}
@@ -632,13 +742,14 @@ class Record:
     path: Path | None = None
     data: bytes | None = field(default=None, repr=False)
     raw_meta: Mapping[str, Any] | bytes | Path | None = field(default=None, repr=False)
+    max_bytes: int = DEFAULT_MAX_FILE_BYTES  # the largest file ``read`` and ``metadata`` read
 
     def read(self) -> bytes:
-        """The encoded image; raises ``BadInput`` (``missing_file``, ``unreadable_file``, ``missing_image``)."""
+        """The encoded image; raises ``BadInput`` (``missing_image`` or a ``read_file`` reason)."""
         if self.data is not None:
             return self.data
         if self.path is not None:
-            return read_file(self.path)
+            return read_file(self.path, max_bytes=self.max_bytes)
         raise BadInput("missing_image", f"{self.origin}: {self.key}")
 
     def decode(self, *, max_pixels: int = 64_000_000, min_side: int = 2) -> Image.Image:
@@ -656,7 +767,7 @@ class Record:
         if isinstance(raw, Mapping):
             return dict(raw)
         try:
-            value = json.loads(read_file(raw) if isinstance(raw, Path) else raw)
+            value = json.loads(read_file(raw, max_bytes=self.max_bytes) if isinstance(raw, Path) else raw)
         except (ValueError, TypeError) as err:  # UnicodeDecodeError is a ValueError
             raise BadInput("bad_json", f"{self.origin}: {self.key}: {err}") from None
         if not isinstance(value, dict):
@@ -667,7 +778,7 @@ class Record:
 Event = Record | BadInput
 
 
-def _folder_events(scan: FolderScan, captions: Mapping[str, str] | None) -> Iterator[Event]:
+def _folder_events(scan: FolderScan, captions: Mapping[str, str] | None, max_bytes: int) -> Iterator[Event]:
     for file in scan.other:
         yield BadInput("not_an_image", str(file))
     for index, file in enumerate(scan.images):
@@ -677,7 +788,8 @@ def _folder_events(scan: FolderScan, captions: Mapping[str, str] | None) -> Iter
         else:
             sidecar = file.with_suffix(CAPTION_SUFFIX)
             try:
-                caption = read_file(sidecar).decode("utf-8", "replace").strip() if sidecar.is_file() else None
+                text = read_file(sidecar, max_bytes=max_bytes) if sidecar.is_file() else None
+                caption = None if text is None else text.decode("utf-8", "replace").strip()
             except BadInput as err:
                 yield err
                 continue
@@ -690,11 +802,18 @@ def _folder_events(scan: FolderScan, captions: Mapping[str, str] | None) -> Iter
             caption=caption,
             path=file,
             raw_meta=meta if meta.is_file() else None,
+            max_bytes=max_bytes,
         )
 
 
 def _table_events(
-    path: Path, image_root: Path, caption_column: str | None, image_column: str | None, require_caption: bool
+    path: Path,
+    image_root: Path,
+    caption_column: str | None,
+    image_column: str | None,
+    require_caption: bool,
+    max_bytes: int,
+    allow_outside_root: bool,
 ) -> Iterator[Event]:
     names, types, batches = _read_table(path)
     caption = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
@@ -724,7 +843,14 @@ def _table_events(
                     break
             file = None
             if data is None and row.get(IMAGE_PATH_COLUMN):
-                file = resolve_image_path(image_root, str(row[IMAGE_PATH_COLUMN]))
+                try:
+                    file = resolve_image_path(
+                        image_root, str(row[IMAGE_PATH_COLUMN]), allow_outside_root=allow_outside_root
+                    )
+                except BadInput as err:
+                    yield BadInput(err.reason, f"row {key}: {err.detail}")
+                    index += 1
+                    continue
             if data is None and file is None:
                 yield BadInput("missing_image", f"row {key}: no image bytes or {IMAGE_PATH_COLUMN}")
             else:
@@ -738,15 +864,18 @@ def _table_events(
                     path=file,
                     data=data,
                     raw_meta={k: v for k, v in row.items() if k not in candidates},
+                    max_bytes=max_bytes,
                 )
             index += 1
 
 
-def _shard_events(urls: Sequence[str]) -> Iterator[Event]:
+def _shard_events(urls: Sequence[str], max_bytes: int) -> Iterator[Event]:
     errors: list[BadInput] = []
     index = 0
     for url in urls:
-        for sample in read_samples(url, on_error=lambda reason, detail: errors.append(BadInput(reason, detail))):
+        for sample in read_samples(
+            url, on_error=lambda reason, detail: errors.append(BadInput(reason, detail)), max_member_bytes=max_bytes
+        ):
             yield from errors
             errors.clear()
             key = str(sample["__key__"])
@@ -763,6 +892,7 @@ def _shard_events(urls: Sequence[str]) -> Iterator[Event]:
                 caption=None if text is None else text.decode("utf-8", "replace").strip(),
                 data=sample[member],
                 raw_meta=sample.get(METADATA_MEMBER),
+                max_bytes=max_bytes,
             )
             index += 1
         yield from errors
@@ -787,6 +917,8 @@ class Source:
     caption_column: str | None = None  # table: default the first of CAPTION_COLUMNS present
     image_column: str | None = None  # table: default the first of IMAGE_BYTES_COLUMNS present, then image_path
     require_caption: bool = False  # table: a missing caption column is an error
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files and shard members are skipped, never read
+    allow_outside_root: bool = False  # table: read image paths that resolve outside the image root
 
     def events(self) -> Iterator[Record | BadInput]:
         """Every item in order: a ``Record``, or a ``BadInput`` for an item (or a whole shard) that was skipped.
@@ -794,14 +926,22 @@ class Source:
         A table whose columns do not fit raises ``ValueError`` before the first item."""
         if self.kind == "folder":
             assert self.scan is not None
-            return _folder_events(self.scan, self.captions)
+            return _folder_events(self.scan, self.captions, self.max_file_bytes)
         if self.kind == "table":
             assert self.table is not None
             root = self.image_root if self.image_root is not None else self.table.parent
-            events = _table_events(self.table, root, self.caption_column, self.image_column, self.require_caption)
+            events = _table_events(
+                self.table,
+                root,
+                self.caption_column,
+                self.image_column,
+                self.require_caption,
+                self.max_file_bytes,
+                self.allow_outside_root,
+            )
             first = next(events, None)  # column checks happen here, not at the first next() of the caller
             return iter(()) if first is None else _chain(first, events)
-        return _shard_events(self.urls)
+        return _shard_events(self.urls, self.max_file_bytes)
 
     def records(self, on_skip: ErrorHandler | None = None) -> Iterator[Record]:
         """The usable records; every skipped item goes to ``on_skip(reason, detail)`` (default: a warning)."""
@@ -830,15 +970,23 @@ def open_source(
     caption_column: str | None = None,
     image_column: str | None = None,
     require_caption: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    allow_outside_root: bool = False,
 ) -> Source:
     """Recognise an input: a folder holding images (read recursively; ``cat.txt`` / ``cat.json`` beside
     ``cat.jpg`` are its caption and metadata, or ``captions`` names a table of them), a folder of ``.tar``
     shards, a table (``.parquet``, ``.csv``/``.tsv``, ``.jsonl``; image bytes or an ``image_path`` column,
     relative to ``image_root``), or a shard file / pattern (``{00000..00009}.tar``, globs, lists, ``pipe:``).
 
+    Files and shard members over ``max_file_bytes`` are skipped unread; a table's image paths must resolve
+    inside ``image_root`` (default the table's folder) unless ``allow_outside_root`` (see ``read_file`` and
+    ``resolve_image_path``).
+
     Raises ``FileNotFoundError`` for an input that does not exist or holds nothing readable and
     ``ValueError`` for an option that does not apply to the input's kind.
     """
+    if max_file_bytes < 1:
+        raise ValueError(f"max_file_bytes must be at least 1, got {max_file_bytes}")
     text = os.fspath(spec)
     path = Path(text)
     table_options = caption_column or image_column  # image_root only matters for a table
@@ -850,7 +998,7 @@ def open_source(
             if table_options:
                 raise ValueError("--caption-column/--image-column apply to a table input, not to a folder")
             table = read_caption_table(captions) if captions is not None else None
-            return Source(text, "folder", scan=scan, captions=table)
+            return Source(text, "folder", scan=scan, captions=table, max_file_bytes=max_file_bytes)
         kind: SourceKind = "shards"
     elif path.is_file():
         kind = "table" if table_format(path) is not None else "shards"
@@ -874,6 +1022,8 @@ def open_source(
             caption_column=caption_column,
             image_column=image_column,
             require_caption=require_caption,
+            max_file_bytes=max_file_bytes,
+            allow_outside_root=allow_outside_root,
         )
     if table_options:
         raise ValueError("--caption-column/--image-column apply to a table input, not to shards")
@@ -882,7 +1032,7 @@ def open_source(
         raise FileNotFoundError(
             f"{text}: no such shard" + (f" ({len(urls)} named, none exists)" if len(urls) > 1 else "")
         )
-    return Source(text, "shards", urls=tuple(urls))
+    return Source(text, "shards", urls=tuple(urls), max_file_bytes=max_file_bytes)
 
 
 def decode_records(

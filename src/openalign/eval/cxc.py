@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
 from openalign.eval.retrieval import recall_at_k_sets
 from openalign.eval.simlex import spearman
 
@@ -335,8 +336,10 @@ def run_cxc(
     batch_size: int = 64,
     device: str | torch.device = "cpu",
     progress: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> dict[str, Any]:
-    """Embed the split's images (under ``image_root``/filepath/filename) and captions, then score CxC."""
+    """Embed the split's images (under ``image_root``/filepath/filename; a file over ``max_file_bytes`` is an
+    error) and captions, then score CxC."""
     from openalign.embed import embed_images, embed_texts
     from openalign.eval.datasets import ImageSource
 
@@ -347,7 +350,11 @@ def run_cxc(
     if missing:
         raise FileNotFoundError(f"{missing[0]}: image not found ({len(missing)} of {len(files)} missing)")
     image_emb = embed_images(
-        model, ImageSource.from_files(files), batch_size=batch_size, device=device, progress=progress
+        model,
+        ImageSource.from_files(files, max_bytes=max_file_bytes),
+        batch_size=batch_size,
+        device=device,
+        progress=progress,
     )
     text_emb = embed_texts(model, tokenizer, data.captions, device=device, progress=progress)
     return evaluate_cxc(image_emb, text_emb, data, threshold=threshold, n_bootstrap=n_bootstrap, seed=seed)
@@ -358,6 +365,8 @@ def run_cxc(
 
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
+    from openalign.eval.tasks import max_file_bytes
+
     metrics = run_cxc(
         model,
         tokenizer,
@@ -371,6 +380,7 @@ def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) 
         batch_size=options["batch_size"],
         device=options["device"],
         progress=True,
+        max_file_bytes=max_file_bytes(options),
     )
     return {"dataset": f"cxc-{options['split']}", **metrics}
 

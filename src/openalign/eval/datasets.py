@@ -8,7 +8,8 @@ line); a CSV of (image, caption) rows grouped by image. Classification: ImageNet
 Evaluation is strict where training is lenient: a missing image file, an unreadable image or a caption
 without an image is an error naming it, because dropping it would silently change the denominator and
 the number would no longer be comparable with anyone else's. Images are opened lazily, in order, so a
-50K-image set never sits in memory.
+50K-image set never sits in memory; an image file or shard member over ``max_file_bytes`` (the ``max_file_mb``
+option every task takes) is an error naming it, never read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from PIL import Image
 
 from openalign.data.sources import (
     CAPTION_MEMBER,
+    DEFAULT_MAX_FILE_BYTES,
     BadInput,
     expand_urls,
     image_member,
@@ -47,10 +49,11 @@ def _decode(data: bytes, where: str) -> Image.Image:
         raise ValueError(f"{where}: unreadable image ({err})") from None
 
 
-def open_image(path: str | Path) -> Image.Image:
-    """An RGB image from a file; a missing or undecodable file is an error naming the path."""
+def open_image(path: str | Path, *, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Image.Image:
+    """An RGB image from a file; a missing, undecodable or too large (``max_bytes``) file, or one that is not a
+    regular file, is an error naming the path."""
     try:
-        data = read_file(path)
+        data = read_file(path, max_bytes=max_bytes)
     except BadInput as err:
         if err.reason == "missing_file":
             raise FileNotFoundError(f"{path}: image file not found") from None
@@ -62,10 +65,17 @@ class ImageSource(Sequence):
     """The images of an eval set, opened lazily and in order each time it is iterated (a Sequence, so
     progress bars know the total; indexing a shard-backed source re-reads its shards)."""
 
-    def __init__(self, names: Sequence[str], opener: Callable[[], Iterator[Image.Image]]):
+    def __init__(
+        self,
+        names: Sequence[str],
+        opener: Callable[[], Iterator[Image.Image]],
+        *,
+        max_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    ):
         self.names = list(names)  # a path or shard key per image, for messages and reports
         self._opener = opener
         self._paths: list[Path] | None = None
+        self.max_bytes = max_bytes  # the largest image file or shard member read
 
     def __len__(self) -> int:
         return len(self.names)
@@ -75,7 +85,7 @@ class ImageSource(Sequence):
             raise TypeError("ImageSource does not support slicing")
         index = range(len(self))[index]
         if self._paths is not None:
-            return open_image(self._paths[index])
+            return open_image(self._paths[index], max_bytes=self.max_bytes)
         for i, image in enumerate(self._opener()):
             if i == index:
                 return image
@@ -90,21 +100,27 @@ class ImageSource(Sequence):
             raise ValueError(f"expected {len(self.names)} images, read {count}; did the files change?")
 
     @classmethod
-    def from_files(cls, paths: Sequence[str | Path]) -> ImageSource:
+    def from_files(cls, paths: Sequence[str | Path], *, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ImageSource:
         files = [Path(p) for p in paths]
-        source = cls([str(p) for p in files], lambda: (open_image(p) for p in files))
+
+        def opener() -> Iterator[Image.Image]:
+            return (open_image(p, max_bytes=max_bytes) for p in files)
+
+        source = cls([str(p) for p in files], opener, max_bytes=max_bytes)
         source._paths = files
         return source
 
     @classmethod
-    def from_shards(cls, urls: Sequence[str], keys: Sequence[tuple[str, str]]) -> ImageSource:
+    def from_shards(
+        cls, urls: Sequence[str], keys: Sequence[tuple[str, str]], *, max_bytes: int = DEFAULT_MAX_FILE_BYTES
+    ) -> ImageSource:
         """Images stored in WebDataset shards, named by (url, key); the shards are re-read on iteration."""
         wanted = list(keys)
 
         def opener() -> Iterator[Image.Image]:
             it = iter(wanted)
             expected = next(it, None)
-            for sample in _read_shards(urls):
+            for sample in _read_shards(urls, max_bytes):
                 if expected is None:
                     return
                 if (sample["__url__"], sample["__key__"]) != expected:
@@ -114,17 +130,17 @@ class ImageSource(Sequence):
             if expected is not None:
                 raise ValueError(f"{expected[0]}: sample {expected[1]!r} disappeared between reads")
 
-        return cls([f"{u}:{k}" for u, k in wanted], opener)
+        return cls([f"{u}:{k}" for u, k in wanted], opener, max_bytes=max_bytes)
 
 
-def _read_shards(urls: Sequence[str]) -> Iterator[dict]:
+def _read_shards(urls: Sequence[str], max_bytes: int) -> Iterator[dict]:
     errors: list[str] = []
 
     def on_error(reason: str, detail: str) -> None:
         errors.append(f"{reason}: {detail}")
 
     for url in urls:
-        yield from read_samples(url, on_error=on_error)
+        yield from read_samples(url, on_error=on_error, max_member_bytes=max_bytes)
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise ValueError(f"{url}: unreadable evaluation shard: {errors[0]}{more}")
@@ -166,7 +182,9 @@ def _resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
     return found
 
 
-def load_karpathy(path: str | Path, image_root: str | Path, split: str = "test") -> RetrievalSet:
+def load_karpathy(
+    path: str | Path, image_root: str | Path, split: str = "test", *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> RetrievalSet:
     """Flickr30K / MSCOCO from Karpathy's split JSON: ``images[]`` with ``split``, ``filename``, optional
     ``filepath`` (COCO's ``val2014``) and ``sentences[].raw``. Images are looked up as
     ``root/filepath/filename``, then ``root/filename``."""
@@ -210,10 +228,12 @@ def load_karpathy(path: str | Path, image_root: str | Path, split: str = "test")
             ids.append(i)
     files = _resolve_images(candidates, str(path))
     name = str(data.get("dataset") or path.stem.removeprefix("dataset_"))
-    return RetrievalSet(ImageSource.from_files(files), captions, ids, name=name)
+    return RetrievalSet(ImageSource.from_files(files, max_bytes=max_file_bytes), captions, ids, name=name)
 
 
-def load_coco_captions(path: str | Path, image_root: str | Path) -> RetrievalSet:
+def load_coco_captions(
+    path: str | Path, image_root: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> RetrievalSet:
     """A COCO-style caption file (``captions_val2014.json``, nocaps): ``images[]`` with ``id`` and
     ``file_name``, ``annotations[]`` with ``image_id`` and ``caption``. An annotation whose ``image_id``
     matches no image is an error naming the id."""
@@ -242,17 +262,17 @@ def load_coco_captions(path: str | Path, image_root: str | Path) -> RetrievalSet
         captions.append(str(ann.get("caption", "")).strip())
         ids.append(position[ann["image_id"]])
     files = _resolve_images([[root / im["file_name"]] for im in images], str(path))
-    return RetrievalSet(ImageSource.from_files(files), captions, ids, name=path.stem)
+    return RetrievalSet(ImageSource.from_files(files, max_bytes=max_file_bytes), captions, ids, name=path.stem)
 
 
-def load_retrieval_wds(spec: str) -> RetrievalSet:
+def load_retrieval_wds(spec: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> RetrievalSet:
     """CLIP_benchmark-style WebDataset retrieval shards: per sample an image and a ``txt`` member holding
     that image's captions, one per line."""
     urls = _expand(spec)
     keys: list[tuple[str, str]] = []
     captions: list[str] = []
     ids: list[int] = []
-    for sample in _read_shards(urls):
+    for sample in _read_shards(urls, max_file_bytes):
         where = f"{sample['__url__']}:{sample['__key__']}"
         _image_ext(sample)
         if CAPTION_MEMBER not in sample:
@@ -266,7 +286,7 @@ def load_retrieval_wds(spec: str) -> RetrievalSet:
             ids.append(len(keys))
         keys.append((sample["__url__"], sample["__key__"]))
     name = Path(urls[0]).parent.name or "wds"
-    return RetrievalSet(ImageSource.from_shards(urls, keys), captions, ids, name=name)
+    return RetrievalSet(ImageSource.from_shards(urls, keys, max_bytes=max_file_bytes), captions, ids, name=name)
 
 
 _IMAGE_COLUMNS = ("image", "filepath", "image_path", "filename", "file", "path", "url")
@@ -281,7 +301,9 @@ def _pick_column(fields: Sequence[str], choices: Sequence[str], what: str, path:
     raise ValueError(f"{path}: no {what} column (looked for {', '.join(choices)}; found {', '.join(fields)})")
 
 
-def load_retrieval_csv(path: str | Path, image_root: str | Path | None = None) -> RetrievalSet:
+def load_retrieval_csv(
+    path: str | Path, image_root: str | Path | None = None, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> RetrievalSet:
     """A CSV (``.tsv``: tab-separated) with a header, an image column (``image``, ``filepath``, ...) and a
     caption column (``caption``, ``text``, ...); rows of the same image are its captions. Relative image
     paths are resolved against ``image_root``, by default the CSV's directory."""
@@ -307,10 +329,12 @@ def load_retrieval_csv(path: str | Path, image_root: str | Path | None = None) -
     if not order:
         raise ValueError(f"{path}: no rows")
     files = _resolve_images([[root / p] for p in order], str(path))
-    return RetrievalSet(ImageSource.from_files(files), captions, ids, name=path.stem)
+    return RetrievalSet(ImageSource.from_files(files, max_bytes=max_file_bytes), captions, ids, name=path.stem)
 
 
-def load_retrieval(spec: str, images: str | Path | None = None, split: str = "test") -> RetrievalSet:
+def load_retrieval(
+    spec: str, images: str | Path | None = None, split: str = "test", *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> RetrievalSet:
     """``karpathy:FILE.json`` or ``coco:captions.json`` (both need ``images``), ``csv:FILE`` or
     ``wds:SHARDS``; without a prefix the format follows the suffix (.json: Karpathy, .csv/.tsv, .tar)."""
     kind, _, rest = spec.partition(":")
@@ -323,10 +347,12 @@ def load_retrieval(spec: str, images: str | Path | None = None, split: str = "te
     if kind in ("karpathy", "coco"):
         if images is None:
             raise ValueError(f"a {kind} caption file needs the image root directory (images) for {rest}")
-        return load_karpathy(rest, images, split) if kind == "karpathy" else load_coco_captions(rest, images)
+        if kind == "karpathy":
+            return load_karpathy(rest, images, split, max_file_bytes=max_file_bytes)
+        return load_coco_captions(rest, images, max_file_bytes=max_file_bytes)
     if kind == "csv":
-        return load_retrieval_csv(rest, images)
-    return load_retrieval_wds(rest)
+        return load_retrieval_csv(rest, images, max_file_bytes=max_file_bytes)
+    return load_retrieval_wds(rest, max_file_bytes=max_file_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,7 +411,11 @@ def _detect_layout(folders: list[str], classnames: list[str] | None, root: Path)
 
 
 def load_class_folders(
-    root: str | Path, layout: str = "auto", classnames: str | Path | None = None
+    root: str | Path,
+    layout: str = "auto",
+    classnames: str | Path | None = None,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> ClassificationSet:
     """Images in one folder per class.
 
@@ -445,7 +475,8 @@ def load_class_folders(
         labels += [index[cid]] * len(scan.images)
         skipped += [str(p) for p in scan.other]
     name = _subset_name(layout, class_ids) or root.name
-    return ClassificationSet(name, names, class_ids, labels, ImageSource.from_files(files), skipped)
+    images = ImageSource.from_files(files, max_bytes=max_file_bytes)
+    return ClassificationSet(name, names, class_ids, labels, images, skipped)
 
 
 def _subset_name(layout: str, class_ids: list[str]) -> str | None:
@@ -458,7 +489,13 @@ def _subset_name(layout: str, class_ids: list[str]) -> str | None:
     return None
 
 
-def load_classification_wds(spec: str, classnames: str | Path | None = None, layout: str = "auto") -> ClassificationSet:
+def load_classification_wds(
+    spec: str,
+    classnames: str | Path | None = None,
+    layout: str = "auto",
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> ClassificationSet:
     """WebDataset shards whose samples hold an image and ``cls`` (the label as text). Class names come from
     ``classnames`` (one per line), from a ``classnames.txt`` beside the shards, or, with layout imagenet /
     imagenet-r / imagenet-a / imagenet-v2, from the ImageNet list (``cls`` indexing that benchmark's classes)."""
@@ -475,7 +512,7 @@ def load_classification_wds(spec: str, classnames: str | Path | None = None, lay
     else:
         raise ValueError(f"{spec}: WebDataset classification needs a class names file (or layout imagenet)")
     keys, labels = [], []
-    for sample in _read_shards(urls):
+    for sample in _read_shards(urls, max_file_bytes):
         where = f"{sample['__url__']}:{sample['__key__']}"
         _image_ext(sample)
         raw = sample.get("cls")
@@ -490,13 +527,20 @@ def load_classification_wds(spec: str, classnames: str | Path | None = None, lay
         keys.append((sample["__url__"], sample["__key__"]))
         labels.append(label)
     name = layout if layout in SUBSETS else (Path(urls[0]).parent.name or "wds")
-    return ClassificationSet(name, names, class_ids, labels, ImageSource.from_shards(urls, keys))
+    images = ImageSource.from_shards(urls, keys, max_bytes=max_file_bytes)
+    return ClassificationSet(name, names, class_ids, labels, images)
 
 
-def load_classification(spec: str, layout: str = "auto", classnames: str | Path | None = None) -> ClassificationSet:
+def load_classification(
+    spec: str,
+    layout: str = "auto",
+    classnames: str | Path | None = None,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> ClassificationSet:
     """``wds:SHARDS`` or a ``.tar`` spec: WebDataset; otherwise a directory of class folders."""
     if spec.startswith("wds:"):
-        return load_classification_wds(spec[4:], classnames, layout)
+        return load_classification_wds(spec[4:], classnames, layout, max_file_bytes=max_file_bytes)
     if ".tar" in spec and not Path(spec).is_dir():
-        return load_classification_wds(spec, classnames, layout)
-    return load_class_folders(spec, layout, classnames)
+        return load_classification_wds(spec, classnames, layout, max_file_bytes=max_file_bytes)
+    return load_class_folders(spec, layout, classnames, max_file_bytes=max_file_bytes)

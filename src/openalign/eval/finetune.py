@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm import tqdm
 
 from openalign.config import from_dict
+from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
 from openalign.eval.linear_probe import classification_metrics
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
 
@@ -354,6 +355,7 @@ class LabelledImages(Dataset):
         from pathlib import Path
 
         names = list(getattr(images, "names", []))
+        self.max_bytes: int = getattr(images, "max_bytes", DEFAULT_MAX_FILE_BYTES)
         if len(names) == len(labels) and names and all(Path(n).is_file() for n in names):
             self.paths: list[str] | None = names
             self.images: list[Any] = []
@@ -383,7 +385,7 @@ class LabelledImages(Dataset):
             from openalign.eval.datasets import open_image
 
             try:
-                image = open_image(self.paths[i])
+                image = open_image(self.paths[i], max_bytes=self.max_bytes)
             except (OSError, ValueError):
                 if not self.skip_unreadable:
                     raise

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
+
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer
@@ -125,8 +127,10 @@ def run_multilingual(
     batch_size: int = 64,
     device: str | torch.device = "cpu",
     progress: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> dict[str, Any]:
-    """Embed the split's images once and each language's captions, then score every language."""
+    """Embed the split's images once (a file over ``max_file_bytes`` is an error) and each language's
+    captions, then score every language."""
     from openalign.embed import embed_images, embed_texts
     from openalign.eval.datasets import ImageSource
 
@@ -136,7 +140,11 @@ def run_multilingual(
     if missing:
         raise FileNotFoundError(f"{missing[0]}: image not found ({len(missing)} of {len(files)} missing)")
     image_emb = embed_images(
-        model, ImageSource.from_files(files), batch_size=batch_size, device=device, progress=progress
+        model,
+        ImageSource.from_files(files, max_bytes=max_file_bytes),
+        batch_size=batch_size,
+        device=device,
+        progress=progress,
     )
     text_embs = {
         lang: embed_texts(model, tokenizer, caps, device=device, progress=progress)
@@ -150,6 +158,8 @@ def run_multilingual(
 
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
+    from openalign.eval.tasks import max_file_bytes
+
     metrics = run_multilingual(
         model,
         tokenizer,
@@ -161,6 +171,7 @@ def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) 
         batch_size=options["batch_size"],
         device=options["device"],
         progress=True,
+        max_file_bytes=max_file_bytes(options),
     )
     return {"dataset": f"multi30k-{options['split']}", **metrics}
 

@@ -84,6 +84,12 @@ COMMON_OPTIONS: tuple[Option, ...] = (
     Option("name", help="dataset name shown in reports (default: inferred from the data)"),
     Option("device", default="cpu", help="torch device to embed on (default cpu)"),
     Option("batch_size", int, 64, help="images per embedding batch (default 64)"),
+    Option(
+        "max_file_mb",
+        float,
+        64.0,
+        help="an image file or shard member larger than this many MB is an error, never read (default 64)",
+    ),
 )
 
 TASKS: dict[str, Task] = {}
@@ -163,7 +169,16 @@ def resolve_options(task: Task, options: Mapping[str, Any], where: str = "") -> 
         out[name] = value
     if out["batch_size"] < 1:
         raise ConfigError(f"{prefix}{task.name}.batch_size must be at least 1, got {out['batch_size']}")
+    if not out["max_file_mb"] > 0:
+        raise ConfigError(f"{prefix}{task.name}.max_file_mb must be positive, got {out['max_file_mb']}")
     return out
+
+
+def max_file_bytes(options: Mapping[str, Any]) -> int:
+    """The ``max_file_mb`` option of resolved task options, in bytes."""
+    from openalign.data.sources import file_limit
+
+    return file_limit(options["max_file_mb"])
 
 
 @dataclass

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from openalign.config import ConfigError, to_dict
 from openalign.data.augment import AugmentConfig, augment_views, image_array, jpeg_round_trip, to_pixels
-from openalign.data.sources import Source, decode_records, open_source
+from openalign.data.sources import Source, decode_records, file_limit, open_source
 from openalign.loss import contrastive_loss
 from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
 from openalign.model.io import save_model
@@ -78,6 +78,9 @@ class CopyDetectorTrainConfig:
     max_images: int = 20_000  # train on at most this many distinct images (the first ones)
     seed: int = 0  # weights, batches, views and JPEG qualities
     image_root: str | None = None  # a table source's image_path values start here (default the table's folder)
+    max_file_mb: float = 64.0  # larger image files (and shard members) are skipped unread as too_large_file
+    # table source: also read image paths that resolve outside the image root (else skipped as outside_root)
+    allow_outside_root: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
     def detector(self) -> CopyDetectorConfig:
@@ -103,6 +106,10 @@ class CopyDetectorTrainConfig:
             raise ConfigError(f"copy detector max_images must be at least 2, got {self.max_images}")
         if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
             raise ConfigError("copy detector lr must be positive, weight_decay and warmup_steps 0 or more")
+        try:
+            file_limit(self.max_file_mb)
+        except ValueError as err:
+            raise ConfigError(f"copy detector {err}") from None
 
 
 @dataclass
@@ -303,7 +310,16 @@ def train_copy_detector_from_source(
     """
     cfg = config or CopyDetectorTrainConfig()
     cfg.validate()
-    opened = source if isinstance(source, Source) else open_source(source, image_root=cfg.image_root)
+    opened = (
+        source
+        if isinstance(source, Source)
+        else open_source(
+            source,
+            image_root=cfg.image_root,
+            max_file_bytes=file_limit(cfg.max_file_mb),
+            allow_outside_root=cfg.allow_outside_root,
+        )
+    )
     skipped: Counter[str] = Counter()
 
     def skip(reason: str, detail: str) -> None:

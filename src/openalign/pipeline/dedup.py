@@ -43,7 +43,7 @@ from openalign.data.dedup import (
     remove_from_table,
     write_outputs,
 )
-from openalign.data.sources import BadInput, Source, open_source, read_file
+from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, Source, file_limit, open_source, read_file
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -79,6 +79,9 @@ class DedupRunConfig(DedupConfig):
     train_keys: str | None = None  # npy: keys of the train rows (.txt one per line, .json list, or table)
     test_keys: str | None = None  # npy: keys of the test rows, same formats
     image_root: str | None = None  # a table input's image_path values start here (default the table's folder)
+    max_file_mb: float = 64.0  # larger image files (and shard members) are skipped unread as too_large_file
+    # table input: also read image paths that resolve outside the image root (else skipped as outside_root)
+    allow_outside_root: bool = False
     metadata: str | None = None  # train metadata table (.parquet/.csv/.jsonl) to write without the duplicates
     metadata_out: str | None = None  # where that table goes (default OUT/<metadata name>_dedup.parquet)
     key_column: str = "key"  # metadata column matching the train keys
@@ -91,6 +94,10 @@ class DedupRunConfig(DedupConfig):
         parse_embedder(self.embedder, check_dir=False)
         if self.batch_size < 1:
             raise ConfigError(f"dedup.batch_size must be at least 1, got {self.batch_size}")
+        try:
+            file_limit(self.max_file_mb)
+        except ValueError as err:
+            raise ConfigError(f"dedup.{err}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,13 +178,16 @@ class ImageFiles:
         if len(self.keys) != len(self.paths):
             raise ValueError(f"ImageFiles: {len(self.keys)} keys for {len(self.paths)} files")
 
-    def images(self, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, Image.Image]]:
-        """(key, RGB image) of every file that reads and decodes; the others go to ``on_skip(reason, detail)``."""
+    def images(
+        self, on_skip: Callable[[str, str], None], *, max_bytes: int = DEFAULT_MAX_FILE_BYTES
+    ) -> Iterator[tuple[str, Image.Image]]:
+        """(key, RGB image) of every file that reads (at most ``max_bytes``) and decodes; the others go to
+        ``on_skip(reason, detail)``."""
         from openalign.data.transforms import decode_image
 
         for key, path in zip(self.keys, self.paths, strict=True):
             try:
-                yield key, decode_image(read_file(path))
+                yield key, decode_image(read_file(path, max_bytes=max_bytes))
             except BadInput as err:
                 on_skip(err.reason, f"{path}: {err.detail}")
 
@@ -190,7 +200,14 @@ def _is_npy(side: Side) -> bool:
 
 
 def _embed_side(
-    side: Side, embedder: Embedder, *, batch_size: int, progress: bool, image_root: str | None = None
+    side: Side,
+    embedder: Embedder,
+    *,
+    batch_size: int,
+    progress: bool,
+    image_root: str | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    allow_outside_root: bool = False,
 ) -> tuple[np.ndarray, list[str], dict[str, int]]:
     keys: list[str] = []
     skipped: Counter[str] = Counter()
@@ -199,9 +216,15 @@ def _embed_side(
         skipped[reason] += 1
 
     if isinstance(side, ImageFiles):
-        pairs = side.images(skip)
+        pairs = side.images(skip, max_bytes=max_file_bytes)
     else:
-        opened = side if isinstance(side, Source) else open_source(side, image_root=image_root)
+        opened = (
+            side
+            if isinstance(side, Source)
+            else open_source(
+                side, image_root=image_root, max_file_bytes=max_file_bytes, allow_outside_root=allow_outside_root
+            )
+        )
         pairs = iter_source_images(opened, skip)
 
     def images() -> Iterator[Image.Image]:
@@ -313,7 +336,15 @@ def run_dedup(
         model: Embedder = loaded
 
         def embed(side: Side) -> tuple[np.ndarray, list[str], dict[str, int]]:
-            return _embed_side(side, model, batch_size=cfg.batch_size, progress=progress, image_root=cfg.image_root)
+            return _embed_side(
+                side,
+                model,
+                batch_size=cfg.batch_size,
+                progress=progress,
+                image_root=cfg.image_root,
+                max_file_bytes=file_limit(cfg.max_file_mb),
+                allow_outside_root=cfg.allow_outside_root,
+            )
 
         train_emb, train_list, skipped["train"] = embed(train)
         test_emb, test_list, skipped["test"] = embed(test)

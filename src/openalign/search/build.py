@@ -31,7 +31,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from openalign.config import ConfigError, from_dict, to_dict
-from openalign.data.sources import BadInput, Record, batched, open_source
+from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, Record, batched, file_limit, open_source
 from openalign.data.transforms import decode_image, model_transform
 from openalign.search.catalog import (
     FORMAT,
@@ -76,6 +76,9 @@ class BuildConfig:
     batch_size: int = 64  # images per forward pass (captions use 4× this)
     thumbnail_size: int = 256  # longest side of stored JPEG thumbnails; 0 stores none
     max_pixels: int = 64_000_000  # larger images are skipped as "too_large"
+    max_file_mb: float = 64.0  # larger image files (and shard members) are skipped unread as too_large_file
+    # table input: also read image paths that resolve outside the table's folder (else skipped as outside_root)
+    allow_outside_root: bool = False
     device: str = "cpu"
     ann: AnnConfig = field(default_factory=AnnConfig)
 
@@ -87,6 +90,10 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> BuildC
         raise ConfigError("chunk_size and batch_size must be at least 1")
     if cfg.thumbnail_size < 0:
         raise ConfigError(f"thumbnail_size must be ≥ 0, got {cfg.thumbnail_size}")
+    try:
+        file_limit(cfg.max_file_mb)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     cfg.ann = ann_config(cfg.ann)
     return cfg
 
@@ -125,11 +132,18 @@ def _item(record: Record, on_error: Callable[[str, str], None]) -> Item:
     return Item(record.key, record.origin, record.read, record.caption or "", str(meta.get("url") or ""))
 
 
-def iter_source(source: str | Path, on_error: Callable[[str, str], None]) -> Iterator[Item]:
+def iter_source(
+    source: str | Path,
+    on_error: Callable[[str, str], None],
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    allow_outside_root: bool = False,
+) -> Iterator[Item]:
     """Every item of an image folder (recursive; ``foo.txt`` beside ``foo.jpg`` is its caption), a table or
-    WebDataset shards (``openalign.data.sources.open_source``); skipped items go to ``on_error``.
+    WebDataset shards (``openalign.data.sources.open_source``, which skips files over ``max_file_bytes`` and a
+    table's image paths outside its folder unless ``allow_outside_root``); skipped items go to ``on_error``.
     Recognising the input happens here, so a missing one raises before the first item."""
-    opened = open_source(source)
+    opened = open_source(source, max_file_bytes=max_file_bytes, allow_outside_root=allow_outside_root)
     return (_item(record, on_error) for record in opened.records(on_error))
 
 
@@ -344,7 +358,12 @@ def build_index(
     if cfg.captions and tokenizer is None:
         raise ValueError("a caption store needs the model's tokenizer to embed captions")
     errors: Counter = Counter()
-    source_items = iter_source(source, lambda reason, detail: errors.update([reason]))  # checks it exists
+    source_items = iter_source(  # checks that the source exists
+        source,
+        lambda reason, detail: errors.update([reason]),
+        max_file_bytes=file_limit(cfg.max_file_mb),
+        allow_outside_root=cfg.allow_outside_root,
+    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _commit(out)  # a previous run that died while moving files into place

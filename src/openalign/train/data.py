@@ -53,6 +53,7 @@ from openalign.data.sources import (
     IMAGE_MEMBERS,
     METADATA_MEMBER,
     expand_urls,
+    file_limit,
     image_member,
     read_samples,
 )
@@ -103,6 +104,7 @@ class DataConfig:
     seed: int | None = None  # None = the run's seed
     max_pixels: int = 64_000_000  # larger images are skipped from their header (decompression-bomb guard)
     min_side: int = 2  # images with a shorter side are skipped
+    max_file_mb: float = 64.0  # larger shard members are skipped unread (counted as shard_too_large_member)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
     def validate(self) -> None:
@@ -112,6 +114,10 @@ class DataConfig:
         for name in ("batch_size", "max_text_length", "prefetch_factor", "max_pixels", "min_side"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be at least 1, got {getattr(self, name)}")
+        try:
+            file_limit(self.max_file_mb)
+        except ValueError as err:
+            raise ConfigError(f"data.{err}") from None
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must leave room for [CLS] and [SEP], got {self.max_text_length}")
         if self.workers < 0 or self.shuffle_buffer < 0:
@@ -276,7 +282,8 @@ class _ShardSource:
 
     def fingerprint(self) -> str:
         c = self.cfg
-        return json.dumps(["shards", self.urls, c.caption_key, list(c.image_keys), c.max_pixels, c.min_side])
+        limits = [c.max_pixels, c.min_side, c.max_file_mb]
+        return json.dumps(["shards", self.urls, c.caption_key, list(c.image_keys), *limits])
 
     def describe(self) -> str:
         urls = self.urls
@@ -284,7 +291,11 @@ class _ShardSource:
 
     def read(self, url: str) -> Iterator[Event]:
         errors: list[str] = []
-        for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"shard_{reason}")):
+        for sample in read_samples(
+            url,
+            on_error=lambda reason, detail: errors.append(f"shard_{reason}"),
+            max_member_bytes=file_limit(self.cfg.max_file_mb),
+        ):
             yield from errors
             errors.clear()
             yield self._record(sample)
