@@ -219,7 +219,13 @@ def run_serve(args: argparse.Namespace) -> int:
         searcher = load_searcher(index)
     else:
         searcher = load_searcher(index, args.model, args.tokenizer)
-    app = create_app(searcher, max_upload_bytes=int(cfg.max_upload_mb * 2**20))
+    app = create_app(
+        searcher,
+        max_upload_bytes=int(cfg.max_upload_mb * 2**20),
+        body_timeout_s=cfg.body_timeout_s,
+        decode_budget_bytes=int(cfg.decode_budget_mb * 2**20),
+        request_memory_bytes=int(cfg.request_memory_mb * 2**20),
+    )
     print(f"openalign search on http://{cfg.host}:{cfg.port}/  (API docs at /docs)", file=sys.stderr)
     serve(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     return 0
