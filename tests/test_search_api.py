@@ -202,6 +202,51 @@ def test_health_names_the_model_the_server_was_started_with(demo_index, searcher
     assert client.get("/health").json()["model"] == str(served)
 
 
+def test_results_link_images_on_this_server_never_paths(http, demo_index):
+    root = str(Path(demo_index).resolve())
+    for body in ({"text": "a red circle", "k": 10}, {"image_id": 3, "k": 10, "modality": "text"}, {"image": png_b64()}):
+        response = http.post("/search", json=body)
+        assert response.status_code == 200 and root not in response.text and str(demo_index) not in response.text
+        for result in response.json()["results"]:
+            assert result["url"] == f"/image/{result['image_id']}" and result["source_url"] is None
+    served = http.get("/image/7")
+    assert served.status_code == 200 and Image.open(io.BytesIO(served.content)).format == "JPEG"
+    missing = http.get("/image/40")
+    assert missing.status_code == 404 and "no image with id 40" in missing.json()["detail"]
+
+
+def test_source_urls_are_only_web_addresses_and_files_serve_without_thumbnails(searcher, tmp_path):
+    """Shard samples are recorded with their shard's path; table and shard metadata may put a path in "url"."""
+    from openalign.data.shards import write_shards
+    from openalign.search import Searcher, open_index
+    from openalign.search.build import BuildConfig, build_index
+
+    urls = ["https://example.org/0.jpg", "/srv/private/photos/1.jpg", "file:///etc/2.jpg", "", "http://x/4.png"]
+    samples = [
+        {"key": f"{i:05d}", "jpg": Image.new("RGB", (48, 40), (40 * i, 90, 200)), "txt": f"a picture {i}",
+         "json": {"url": url}}
+        for i, url in enumerate(urls)
+    ]  # fmt: skip
+    write_shards(samples, tmp_path / "shards", samples_per_shard=5)
+    build_index(searcher.model, searcher.tokenizer, str(tmp_path / "shards"), tmp_path / "idx", progress=False)
+    client = TestClient(create_app(Searcher(open_index(tmp_path / "idx"), searcher.model, searcher.tokenizer)))
+    response = client.post("/search", json={"text": "a picture", "k": 5})
+    assert response.status_code == 200 and str(tmp_path) not in response.text and "/srv/private" not in response.text
+    by_id = {r["id"]: r for r in response.json()["results"]}
+    assert {i: r["source_url"] for i, r in by_id.items()} == {0: urls[0], 1: None, 2: None, 3: None, 4: urls[4]}
+    assert all(r["url"] == f"/image/{i}" for i, r in by_id.items())
+
+    # Without stored thumbnails a folder image is decoded from its recorded file, within the decode budget.
+    (tmp_path / "folder").mkdir()
+    Image.new("RGB", (900, 700), (10, 200, 30)).save(tmp_path / "folder" / "a.png")
+    build_index(
+        searcher.model, None, tmp_path / "folder", tmp_path / "plain", BuildConfig(thumbnail_size=0), progress=False
+    )
+    plain = TestClient(create_app(Searcher(open_index(tmp_path / "plain"), searcher.model), thumbnail_size=128))
+    thumb = Image.open(io.BytesIO(plain.get("/image/0").content))
+    assert thumb.size == (128, 100) and thumb.getpixel((60, 50)) == pytest.approx((10, 200, 30), abs=6)
+
+
 # --------------------------------------------------------------------------------------------------
 # `openalign serve` in its own process, its address space capped so that a regression fails the test
 # rather than exhausting the machine.

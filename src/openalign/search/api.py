@@ -3,7 +3,8 @@
 ``POST /search`` takes text, a base64 image, "+"/"−" texts and a modality, and answers with scored
 results; ``GET /image/{id}`` serves an indexed image's thumbnail; ``GET /health`` reports what is served.
 Every bad request gets a 4xx with a JSON ``detail`` and never takes the server down: bodies are bounded in
-size, time and number (``guard``), and query images are decoded within a memory budget (``uploads``).
+size, time and number (``guard``), query images are decoded within a memory budget (``uploads``), and
+results name images by this server's ``/image/{id}``, never by a path on its disk.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class SearchResult(BaseModel):
     id: int = Field(description="id in the searched store (image id, or caption id for modality=text)")
     score: float = Field(description="cosine similarity to the query")
     caption: str | None = None
-    url: str | None = Field(None, description="the image's source url or path, when known")
+    url: str = Field(description="the image on this server (/image/{image_id})")
+    source_url: str | None = Field(None, description="the http(s) address the image was collected from, when known")
     key: str | None = None
     image_id: int = Field(description="the image this result shows (its own id for images)")
     thumbnail: str = Field(description="path of the thumbnail on this server")
@@ -176,12 +178,14 @@ def create_app(
         for hit in hits:
             row = hit.row
             image_id = int(row["image_id"]) if request.modality == "text" else hit.id
+            source = row.get("url") or ""
             results.append(
                 {
                     "id": hit.id,
                     "score": round(hit.score, 6),
                     "caption": row.get("caption") or None,
-                    "url": row.get("url") or row.get("path") or None,
+                    "url": f"/image/{image_id}",
+                    "source_url": source if source.lower().startswith(("http://", "https://")) else None,
                     "key": row.get("key"),
                     "image_id": image_id,
                     "thumbnail": f"/image/{image_id}",
