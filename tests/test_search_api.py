@@ -25,8 +25,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from openalign.cli import main
 from openalign.search.api import background_server, create_app, load_searcher
 from openalign.search.demo import build_demo_index
+from openalign.search.guard import exposure_warning
 
 MAX_UPLOAD = 200_000
 
@@ -248,6 +250,92 @@ def test_source_urls_are_only_web_addresses_and_files_serve_without_thumbnails(s
 
 
 # --------------------------------------------------------------------------------------------------
+# The API key
+
+
+KEY = "k3y-for-tests"
+
+
+@pytest.fixture(scope="module")
+def keyed(searcher):
+    return TestClient(create_app(searcher, api_key=KEY, max_upload_bytes=MAX_UPLOAD))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Authorization": f"Bearer {KEY}"}, {"authorization": f"bearer {KEY}"}, {"X-API-Key": KEY}],
+)
+def test_the_api_key_opens_every_route(keyed, headers):
+    assert keyed.post("/search", json={"text": "red", "k": 2}, headers=headers).status_code == 200
+    for path in ("/image/1", "/", "/openapi.json", "/docs", "/static/app.js"):
+        assert keyed.get(path, headers=headers).status_code == 200, path
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"X-API-Key": KEY[:-1]}, {"Authorization": KEY}, {"X-API-Key": ""}],
+)
+def test_requests_without_the_api_key_get_401(keyed, headers):
+    for response in (
+        keyed.post("/search", json={"text": "red"}, headers=headers),
+        keyed.get("/image/1", headers=headers),
+        keyed.get("/", headers=headers),
+        keyed.get("/openapi.json", headers=headers),
+    ):
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+        assert "API key" in response.json()["detail"]
+    # The key is checked before the body is read: an oversized body without it is a 401, not a 413.
+    huge = keyed.post("/search", content=b"x" * (MAX_UPLOAD * 2), headers=headers)
+    assert huge.status_code == 401
+    assert keyed.get("/health", headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "key", "warns"),
+    [
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("::1", None, False),
+        ("[::1]", None, False),
+        ("127.0.0.2", None, False),
+        ("0.0.0.0", None, True),
+        ("::", None, True),
+        ("192.168.1.20", None, True),
+        ("search.example.org", None, True),
+        ("0.0.0.0", "secret", False),
+    ],
+)
+def test_exposure_warning(host, key, warns):
+    warning = exposure_warning(host, key)
+    assert (warning is not None) == warns
+    if warning:
+        assert host in warning and "OPENALIGN_API_KEY" in warning and "\n" not in warning
+
+
+def test_serve_warns_beyond_loopback_and_reads_the_key_from_the_environment(demo_index, monkeypatch, capsys):
+    import openalign.search.api as api
+
+    started = []
+    monkeypatch.setattr(api, "serve", lambda app, **kw: started.append((app, kw)))
+    monkeypatch.delenv("OPENALIGN_API_KEY", raising=False)
+    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0"]) == 0
+    assert "without an API key" in capsys.readouterr().err
+    assert TestClient(started[-1][0]).post("/search", json={"text": "red"}).status_code == 200
+
+    monkeypatch.setenv("OPENALIGN_API_KEY", "from-env")
+    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0", "--body-timeout-s", "5"]) == 0
+    assert "without an API key" not in capsys.readouterr().err
+    client = TestClient(started[-1][0])
+    assert client.post("/search", json={"text": "red"}).status_code == 401
+    assert client.post("/search", json={"text": "red"}, headers={"X-API-Key": "from-env"}).status_code == 200
+
+    # --print-config never shows the key.
+    assert main(["serve", "--api-key", "on-the-line", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "on-the-line" not in printed and "from-env" not in printed and "api_key: '***'" in printed
+
+
+# --------------------------------------------------------------------------------------------------
 # `openalign serve` in its own process, its address space capped so that a regression fails the test
 # rather than exhausting the machine.
 
@@ -268,7 +356,7 @@ def served(demo_index, tmp_path_factory):
 
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if k != "OPENALIGN_API_KEY" and not k.startswith("MALLOC_")}
     cmd = [sys.executable, "-m", "openalign.cli", "serve", "--index", str(demo_index), "--port", str(port),
            "--log-level", "warning", "--body-timeout-s", str(BODY_TIMEOUT_S),
            "--decode-budget-mb", str(DECODE_BUDGET_MB)]  # fmt: skip

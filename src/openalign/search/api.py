@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from openalign.data.sources import BadInput, read_file
 from openalign.data.transforms import BadImage
 from openalign.search.build import make_thumbnail
-from openalign.search.guard import BodyGuard, MemoryBudget, StrictJSONRoute, printable
+from openalign.search.guard import ApiKeyGuard, BodyGuard, MemoryBudget, StrictJSONRoute, printable
 from openalign.search.query import MAX_K, Query, Searcher
 from openalign.search.uploads import (
     Busy,
@@ -119,13 +119,15 @@ def create_app(
     decode_budget_bytes: int = DEFAULT_DECODE_BUDGET,
     decode_wait_s: float = 60.0,
     request_memory_bytes: int = DEFAULT_REQUEST_MEMORY,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The search app over ``searcher``.
 
     Uploads over ``max_upload_bytes`` (decoded) are refused (413), as are request bodies that take longer
     than ``body_timeout_s`` to arrive (408). Decoded query images hold at most ``decode_budget_bytes`` at
     once (a decode waits up to ``decode_wait_s`` for its share) and request bodies about
-    ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503.
+    ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503. With ``api_key`` every
+    route but ``/health`` needs it.
     """
     index = searcher.index
     app = FastAPI(
@@ -136,7 +138,7 @@ def create_app(
     app.router.route_class = StrictJSONRoute
     decode_budget = DecodeBudget(decode_budget_bytes, wait_s=decode_wait_s)
     side = decode_side(searcher.model)
-    errors: dict[int | str, dict[str, Any]] = {code: {"model": Error} for code in (400, 408, 413, 422, 503)}
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": Error} for code in (400, 401, 408, 413, 422, 503)}
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Any, err: Exception) -> JSONResponse:
@@ -224,13 +226,16 @@ def create_app(
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # base64 grows data by 4/3, and the JSON around it is small.
+    # base64 grows data by 4/3, and the JSON around it is small. The last middleware added runs first:
+    # a request without the key is turned away before its body is read.
     app.add_middleware(
         BodyGuard,
         limit=max_upload_bytes * 4 // 3 + 64 * 1024,
         timeout_s=body_timeout_s,
         budget=MemoryBudget(request_memory_bytes),
     )
+    if api_key:
+        app.add_middleware(ApiKeyGuard, key=api_key)
     return app
 
 
@@ -248,11 +253,14 @@ class ServeConfig:
     body_timeout_s: float = 30.0  # a request body not fully arrived after this many seconds gets 408
     decode_budget_mb: float = 256.0  # decoded query-image pixels held at once; more uploads wait their turn
     request_memory_mb: float = 256.0  # request bodies (and parsed copies) held at once; more wait, then 503
+    api_key: str | None = None  # key every route but /health requires (default: $OPENALIGN_API_KEY)
 
     def validate(self) -> None:
         for name in ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty")
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -1,5 +1,5 @@
-"""Guards in front of the search app: request bodies that are too big, too slow or too many at once
-(ASGI middleware), and JSON bodies holding numbers that are not finite (a route class).
+"""Guards in front of the search app: an API key, request bodies that are too big, too slow or too many
+at once (ASGI middleware), and JSON bodies holding numbers that are not finite (a route class).
 
 Everything a client can make the server hold is bounded here before a route runs: a body over the size
 limit is refused (413) from its declared length or as soon as it grows past it; a body that has not fully
@@ -13,6 +13,8 @@ a body gets a one-line 422 and leaves the connection usable.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import math
 import threading
@@ -26,6 +28,7 @@ from fastapi.routing import APIRoute
 
 # A JSON body is held as bytes, then as the text json.loads decodes, then as the parsed image string.
 BODY_COPIES = 3
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
 async def reply(
@@ -154,6 +157,68 @@ def _replay(body: bytes, receive: Any) -> Any:
         return message
 
     return replay
+
+
+class ApiKeyGuard:
+    """Lets a request through only with ``Authorization: Bearer KEY`` or ``X-API-Key: KEY`` (ASGI
+    middleware); paths in ``open_paths`` need none. Keys are compared in constant time."""
+
+    def __init__(self, app: Any, key: str, open_paths: tuple[str, ...] = ("/health",)):
+        if not key:
+            raise ValueError("the API key is empty")
+        self.app = app
+        self.key = key.encode()
+        self.open_paths = open_paths
+
+    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        offered = []
+        for name, value in headers:
+            if name == b"x-api-key":
+                offered.append(value.strip())
+            elif name == b"authorization" and value[:7].lower() == b"bearer ":
+                offered.append(value[7:].strip())
+        # Every offered key is compared, so the time taken does not depend on which one was right.
+        matches = [hmac.compare_digest(value, self.key) for value in offered]
+        return any(matches)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if self.allowed(scope.get("headers") or []):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await reply(
+            scope,
+            send,
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-API-Key: KEY'",
+            headers={"www-authenticate": "Bearer"},
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    name = host.strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A one-line warning when ``host`` lets other machines reach a server that has no API key."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"warning: serving on {host} without an API key lets anyone who can reach this machine query the index "
+        "and fetch its images; set OPENALIGN_API_KEY (or --api-key), or bind 127.0.0.1"
+    )
 
 
 class NonFiniteNumber(ValueError):
