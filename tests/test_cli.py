@@ -111,7 +111,7 @@ def test_print_config_is_yaml_plus_flags(tmp_path: Path, capsys: pytest.CaptureF
             ["index", "build", "--model", "m", "--images", "i", "--out", "o", "--ann.nprobes", "3"],
             "valid keys in ann: ",
         ),
-        (["serve", "--prot", "80"], "unknown config key 'prot'; valid keys: demo_dir, demo_images, host,"),
+        (["serve", "--prot", "80"], "unknown config key 'prot'; valid keys: api_key, body_timeout_s,"),
         (["vocab", "a", "b", "--vocab-size", "many"], "vocab_size: expected an integer, got 'many'"),
         (["bench", "search", "--kind", "fast"], "kind: 'fast' is not one of 'auto', 'exact'"),
         (["train", "--config", "nano_cpu", "--train.steps", "x"], "train.steps: expected an integer, got 'x'"),

@@ -1,11 +1,23 @@
-"""The HTTP API against a real uvicorn server on 127.0.0.1: queries, thumbnails, bad input, fuzzing."""
+"""The HTTP API against a real uvicorn server on 127.0.0.1: queries, thumbnails, bad input, fuzzing; and the
+``openalign serve`` process under hostile load (huge-pixel uploads, stalled bodies, non-finite numbers)."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import resource
 import shutil
 import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
+from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -13,8 +25,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from openalign.cli import main
 from openalign.search.api import background_server, create_app, load_searcher
 from openalign.search.demo import build_demo_index
+from openalign.search.guard import exposure_warning
 
 MAX_UPLOAD = 200_000
 
@@ -188,3 +202,298 @@ def test_health_names_the_model_the_server_was_started_with(demo_index, searcher
     served = shutil.copytree(searcher.index.info["model"], tmp_path / "served-model")
     client = TestClient(create_app(load_searcher(demo_index, served)))
     assert client.get("/health").json()["model"] == str(served)
+
+
+def test_results_link_images_on_this_server_never_paths(http, demo_index):
+    root = str(Path(demo_index).resolve())
+    for body in ({"text": "a red circle", "k": 10}, {"image_id": 3, "k": 10, "modality": "text"}, {"image": png_b64()}):
+        response = http.post("/search", json=body)
+        assert response.status_code == 200 and root not in response.text and str(demo_index) not in response.text
+        for result in response.json()["results"]:
+            assert result["url"] == f"/image/{result['image_id']}" and result["source_url"] is None
+    served = http.get("/image/7")
+    assert served.status_code == 200 and Image.open(io.BytesIO(served.content)).format == "JPEG"
+    missing = http.get("/image/40")
+    assert missing.status_code == 404 and "no image with id 40" in missing.json()["detail"]
+
+
+def test_source_urls_are_only_web_addresses_and_files_serve_without_thumbnails(searcher, tmp_path):
+    """Shard samples are recorded with their shard's path; table and shard metadata may put a path in "url"."""
+    from openalign.data.shards import write_shards
+    from openalign.search import Searcher, open_index
+    from openalign.search.build import BuildConfig, build_index
+
+    urls = ["https://example.org/0.jpg", "/srv/private/photos/1.jpg", "file:///etc/2.jpg", "", "http://x/4.png"]
+    samples = [
+        {"key": f"{i:05d}", "jpg": Image.new("RGB", (48, 40), (40 * i, 90, 200)), "txt": f"a picture {i}",
+         "json": {"url": url}}
+        for i, url in enumerate(urls)
+    ]  # fmt: skip
+    write_shards(samples, tmp_path / "shards", samples_per_shard=5)
+    build_index(searcher.model, searcher.tokenizer, str(tmp_path / "shards"), tmp_path / "idx", progress=False)
+    client = TestClient(create_app(Searcher(open_index(tmp_path / "idx"), searcher.model, searcher.tokenizer)))
+    response = client.post("/search", json={"text": "a picture", "k": 5})
+    assert response.status_code == 200 and str(tmp_path) not in response.text and "/srv/private" not in response.text
+    by_id = {r["id"]: r for r in response.json()["results"]}
+    assert {i: r["source_url"] for i, r in by_id.items()} == {0: urls[0], 1: None, 2: None, 3: None, 4: urls[4]}
+    assert all(r["url"] == f"/image/{i}" for i, r in by_id.items())
+
+    # Without stored thumbnails a folder image is decoded from its recorded file, within the decode budget.
+    (tmp_path / "folder").mkdir()
+    Image.new("RGB", (900, 700), (10, 200, 30)).save(tmp_path / "folder" / "a.png")
+    build_index(
+        searcher.model, None, tmp_path / "folder", tmp_path / "plain", BuildConfig(thumbnail_size=0), progress=False
+    )
+    plain = TestClient(create_app(Searcher(open_index(tmp_path / "plain"), searcher.model), thumbnail_size=128))
+    thumb = Image.open(io.BytesIO(plain.get("/image/0").content))
+    assert thumb.size == (128, 100) and thumb.getpixel((60, 50)) == pytest.approx((10, 200, 30), abs=6)
+
+
+# --------------------------------------------------------------------------------------------------
+# The API key
+
+
+KEY = "k3y-for-tests"
+
+
+@pytest.fixture(scope="module")
+def keyed(searcher):
+    return TestClient(create_app(searcher, api_key=KEY, max_upload_bytes=MAX_UPLOAD))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Authorization": f"Bearer {KEY}"}, {"authorization": f"bearer {KEY}"}, {"X-API-Key": KEY}],
+)
+def test_the_api_key_opens_every_route(keyed, headers):
+    assert keyed.post("/search", json={"text": "red", "k": 2}, headers=headers).status_code == 200
+    for path in ("/image/1", "/", "/openapi.json", "/docs", "/static/app.js"):
+        assert keyed.get(path, headers=headers).status_code == 200, path
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"X-API-Key": KEY[:-1]}, {"Authorization": KEY}, {"X-API-Key": ""}],
+)
+def test_requests_without_the_api_key_get_401(keyed, headers):
+    for response in (
+        keyed.post("/search", json={"text": "red"}, headers=headers),
+        keyed.get("/image/1", headers=headers),
+        keyed.get("/", headers=headers),
+        keyed.get("/openapi.json", headers=headers),
+    ):
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+        assert "API key" in response.json()["detail"]
+    # The key is checked before the body is read: an oversized body without it is a 401, not a 413.
+    huge = keyed.post("/search", content=b"x" * (MAX_UPLOAD * 2), headers=headers)
+    assert huge.status_code == 401
+    assert keyed.get("/health", headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "key", "warns"),
+    [
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("::1", None, False),
+        ("[::1]", None, False),
+        ("127.0.0.2", None, False),
+        ("0.0.0.0", None, True),
+        ("::", None, True),
+        ("192.168.1.20", None, True),
+        ("search.example.org", None, True),
+        ("0.0.0.0", "secret", False),
+    ],
+)
+def test_exposure_warning(host, key, warns):
+    warning = exposure_warning(host, key)
+    assert (warning is not None) == warns
+    if warning:
+        assert host in warning and "OPENALIGN_API_KEY" in warning and "\n" not in warning
+
+
+def test_serve_warns_beyond_loopback_and_reads_the_key_from_the_environment(demo_index, monkeypatch, capsys):
+    import openalign.search.api as api
+
+    started = []
+    monkeypatch.setattr(api, "serve", lambda app, **kw: started.append((app, kw)))
+    monkeypatch.delenv("OPENALIGN_API_KEY", raising=False)
+    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0"]) == 0
+    assert "without an API key" in capsys.readouterr().err
+    assert TestClient(started[-1][0]).post("/search", json={"text": "red"}).status_code == 200
+
+    monkeypatch.setenv("OPENALIGN_API_KEY", "from-env")
+    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0", "--body-timeout-s", "5"]) == 0
+    assert "without an API key" not in capsys.readouterr().err
+    client = TestClient(started[-1][0])
+    assert client.post("/search", json={"text": "red"}).status_code == 401
+    assert client.post("/search", json={"text": "red"}, headers={"X-API-Key": "from-env"}).status_code == 200
+
+    # --print-config never shows the key.
+    assert main(["serve", "--api-key", "on-the-line", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "on-the-line" not in printed and "from-env" not in printed and "api_key: '***'" in printed
+
+
+# --------------------------------------------------------------------------------------------------
+# `openalign serve` in its own process, its address space capped so that a regression fails the test
+# rather than exhausting the machine.
+
+SERVER_ADDRESS_SPACE = 6 * 2**30
+BODY_TIMEOUT_S = 2.0
+# A quarter of the default 256 MB, for PNGs a quarter of the 36 Mpx the JPEGs have: the same ratio of
+# budget to what the uploads ask for, at a quarter of the decoding time.
+DECODE_BUDGET_MB = 64
+
+
+def _cap_address_space() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (SERVER_ADDRESS_SPACE, SERVER_ADDRESS_SPACE))
+
+
+@pytest.fixture(scope="module")
+def served(demo_index, tmp_path_factory):
+    from openalign.bench.search import free_port, wait_for_server
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "OPENALIGN_API_KEY" and not k.startswith("MALLOC_")}
+    cmd = [sys.executable, "-m", "openalign.cli", "serve", "--index", str(demo_index), "--port", str(port),
+           "--log-level", "warning", "--body-timeout-s", str(BODY_TIMEOUT_S),
+           "--decode-budget-mb", str(DECODE_BUDGET_MB)]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_cap_address_space)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, proc, 120)
+        yield SimpleNamespace(url=url, port=port, pid=proc.pid, log=log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """VmRSS (now) and VmHWM (peak since start or the last ``reset_peak``) of a process, in MB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            out[name] = int(value.split()[0]) / 1024
+    return out
+
+
+def reset_peak(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def flat_image_b64(fmt: str, side: int) -> str:
+    """A side×side image of flat colour: a few hundred KB that decode to side² pixels."""
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (180, 60, 30)).save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize(("fmt", "side"), [("JPEG", 6000), ("PNG", 3000)])
+def test_concurrent_huge_pixel_uploads_keep_server_memory_bounded(served, fmt, side):
+    """16 concurrent uploads of 36-Mpx JPEGs (decoded at 1/8 scale) or 9-Mpx PNGs (decoded in full, 36 MB
+    each, against a 64 MB decode budget), twice: the peak stays bounded and the second round adds nothing."""
+    body = {"image": flat_image_b64(fmt, side), "k": 3}
+    assert httpx.post(f"{served.url}/search", json=body, timeout=60).status_code == 200  # warm up
+    reset_peak(served.pid)
+    idle = memory_mb(served.pid)
+    rounds = []
+    for _ in range(2):
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda _: httpx.post(f"{served.url}/search", json=body, timeout=120), range(16)))
+        assert [s.status_code for s in statuses] == [200] * 16
+        rounds.append(memory_mb(served.pid))
+    peak = rounds[-1]["VmHWM"]
+    print(
+        f"\n{fmt} {side}x{side} x16 concurrent x2 rounds: idle {idle['VmRSS']:.0f} MB, peak {peak:.0f} MB "
+        f"(round peaks {rounds[0]['VmHWM']:.0f}/{rounds[1]['VmHWM']:.0f}), "
+        f"resident after rounds {rounds[0]['VmRSS']:.0f}/{rounds[1]['VmRSS']:.0f} MB"
+    )
+    assert peak <= 1536
+    assert peak - idle["VmRSS"] <= 400
+    assert rounds[1]["VmHWM"] <= rounds[0]["VmHWM"] + 64
+    assert rounds[1]["VmRSS"] <= rounds[0]["VmRSS"] + 64
+
+
+def test_a_stalled_upload_gets_408_and_its_connection_closed(served):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=BODY_TIMEOUT_S + 20) as sock:
+        head = b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+        sock.sendall(head + b'{"image": "' + b"A" * 50_000)
+        start = time.monotonic()
+        # Reading to the end returns only because the server closes the connection.
+        raw = b"".join(iter(lambda: sock.recv(65536), b""))
+        waited = time.monotonic() - start
+    assert raw.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in raw
+    assert BODY_TIMEOUT_S - 0.5 <= waited <= BODY_TIMEOUT_S + 5
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_many_stalled_uploads_are_dropped_and_their_memory_freed(served):
+    """Uploads that stall at 9 of 10 MB: those admitted get 408 at the timeout, those past the budget of
+    bodies held at once 503, and the memory the bodies took is back afterwards."""
+    idle = memory_mb(served.pid)["VmRSS"]
+    head = b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n\r\n"
+    statuses: list[int] = []
+
+    def stall() -> None:
+        with socket.create_connection(("127.0.0.1", served.port), timeout=BODY_TIMEOUT_S + 20) as sock:
+            sock.sendall(head + b'{"image": "' + b"A" * 9_000_000)
+            statuses.append(int(sock.recv(65536).split(b" ", 2)[1]))
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=stall) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.monotonic() - start
+    assert len(statuses) == 12 and set(statuses) <= {408, 503} and 408 in statuses, statuses
+    assert took <= BODY_TIMEOUT_S + 8
+    time.sleep(0.5)
+    assert memory_mb(served.pid)["VmRSS"] <= idle + 64
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e400", "-1e999"]
+PLACES = [
+    '{"text": "red", "text_weight": %s}',
+    '{"image_id": %s}',
+    '{"text": "red", "dedup": %s}',
+    '{"text": "red", "plus": ["blue", %s]}',
+    '{"text": "red", "k": 3, "extra": {"deep": [1, %s]}}',
+]
+
+
+@pytest.mark.parametrize("number", NON_FINITE)
+def test_non_finite_numbers_get_a_one_line_422_and_the_connection_stays_open(served, number):
+    conn = HTTPConnection("127.0.0.1", served.port, timeout=30)
+    try:
+        for place in PLACES:
+            conn.request("POST", "/search", body=place % number, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            detail = json.loads(response.read())["detail"]
+            sock = conn.sock
+            assert response.status == 422 and isinstance(detail, str) and "\n" not in detail, detail
+            assert number in detail and sock is not None
+            conn.request(
+                "POST", "/search", body='{"text": "red", "k": 2}', headers={"Content-Type": "application/json"}
+            )
+            ok = conn.getresponse()
+            assert ok.status == 200 and len(json.loads(ok.read())["results"]) == 2
+            assert conn.sock is sock  # the same keep-alive connection
+    finally:
+        conn.close()
+    log = served.log.read_text()
+    assert "Traceback" not in log and "Exception" not in log, log[-2000:]
+
+
+def test_validation_errors_do_not_echo_a_whole_upload(http):
+    response = http.post("/search", json={"text": "red", "colour": "x" * 100_000})
+    assert response.status_code == 422 and "colour" in response.text and len(response.content) < 2000

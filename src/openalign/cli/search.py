@@ -186,13 +186,14 @@ def _serve(parser: Parser) -> None:
     parser.description = (
         "Serve POST /search, GET /image/{id}, GET /health (OpenAPI at /docs) and a search page at /. Without "
         "--index a demo index of synthetic scenes is built on first use (cached) with --model, or with an "
-        "untrained nano model when none is given."
+        "untrained nano model when none is given. With an API key (--api-key or $OPENALIGN_API_KEY) every route "
+        "but /health needs 'Authorization: Bearer KEY' or 'X-API-Key: KEY'."
     )
     parser.epilog = (
         "examples:\n"
         "  openalign serve                                  # demo index, http://127.0.0.1:8000/\n"
         "  openalign serve --model runs/nano/final          # demo index embedded with a trained model\n"
-        "  openalign serve --index photos.index --host 0.0.0.0 --port 8080"
+        "  OPENALIGN_API_KEY=... openalign serve --index photos.index --host 0.0.0.0 --port 8080"
     )
     parser.add_argument("--index", help="index directory (default: the demo index)")
     parser.add_argument("--model", help="model checkpoint (default: the index's; for the demo, an untrained nano)")
@@ -202,14 +203,22 @@ def _serve(parser: Parser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import os
+
     from openalign.config import from_dict, to_dict
     from openalign.search.api import ServeConfig, create_app, load_searcher, serve
+    from openalign.search.guard import exposure_warning
 
     cfg = from_dict(ServeConfig, data(args))
+    if cfg.api_key is None and os.environ.get("OPENALIGN_API_KEY"):
+        cfg.api_key = os.environ["OPENALIGN_API_KEY"]
     cfg.validate()
     if args.print_config:
-        print_config(to_dict(cfg))
+        print_config({**to_dict(cfg), "api_key": "***" if cfg.api_key else None})
         return 0
+    warning = exposure_warning(cfg.host, cfg.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     index = args.index
     if index is None:
         from openalign.search.demo import build_demo_index, default_demo_dir
@@ -220,7 +229,14 @@ def run_serve(args: argparse.Namespace) -> int:
         searcher = load_searcher(index)
     else:
         searcher = load_searcher(index, args.model, args.tokenizer)
-    app = create_app(searcher, max_upload_bytes=int(cfg.max_upload_mb * 2**20))
+    app = create_app(
+        searcher,
+        max_upload_bytes=int(cfg.max_upload_mb * 2**20),
+        body_timeout_s=cfg.body_timeout_s,
+        decode_budget_bytes=int(cfg.decode_budget_mb * 2**20),
+        request_memory_bytes=int(cfg.request_memory_mb * 2**20),
+        api_key=cfg.api_key,
+    )
     print(f"openalign search on http://{cfg.host}:{cfg.port}/  (API docs at /docs)", file=sys.stderr)
     serve(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     return 0

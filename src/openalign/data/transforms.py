@@ -34,6 +34,17 @@ def decode_image(data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2
     (a small file declaring 20000×20000 pixels) costs nothing. Alpha is composited on white, as a
     browser would show a transparent alt-text image; 16-bit and float images are rescaled to 8 bits.
     """
+    return to_rgb(load_pixels(open_image(data, max_pixels=max_pixels, min_side=min_side)))
+
+
+def open_image(
+    data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2, draft: tuple[int, int] | None = None
+) -> Image.Image:
+    """Read and check an image's header without decoding its pixels (``load_pixels`` does that).
+
+    ``draft`` lets a JPEG decode straight at 1/2, 1/4 or 1/8 scale, as long as both sides stay at least
+    that large: the pixels a big photo would take at full size are never allocated. Other formats ignore it.
+    """
     if not data:
         raise BadImage("empty", "zero bytes")
     try:
@@ -45,13 +56,32 @@ def decode_image(data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2
                 raise BadImage("too_large", f"{width}x{height} exceeds {max_pixels} pixels")
             if min(width, height) < min_side:
                 raise BadImage("too_small", f"{width}x{height} has a side under {min_side} pixels")
-            image.load()
+            if draft is not None:
+                image.draft(image.mode, draft)
     except BadImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise BadImage("too_large", str(err)) from err
     except Exception as err:  # PIL raises many types (OSError, SyntaxError, ValueError...) for broken files
         raise BadImage("corrupt", f"{type(err).__name__}: {err}") from err
+    return image
+
+
+def load_pixels(image: Image.Image) -> Image.Image:
+    """Decode the pixels of an image from ``open_image``; BadImage("corrupt") when the data is broken."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise BadImage("too_large", str(err)) from err
+    except Exception as err:
+        raise BadImage("corrupt", f"{type(err).__name__}: {err}") from err
+    return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """A decoded image in 8-bit RGB; BadImage("unsupported") for a mode that cannot be converted."""
     try:
         return _to_rgb(image)
     except Exception as err:

@@ -2,13 +2,13 @@
 
 ``POST /search`` takes text, a base64 image, "+"/"−" texts and a modality, and answers with scored
 results; ``GET /image/{id}`` serves an indexed image's thumbnail; ``GET /health`` reports what is served.
-Every bad request gets a 4xx with a JSON ``detail`` and never takes the server down.
+Every bad request gets a 4xx with a JSON ``detail`` and never takes the server down: bodies are bounded in
+size, time and number (``guard``), query images are decoded within a memory budget (``uploads``), and
+results name images by this server's ``/image/{id}``, never by a path on its disk.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import threading
 import time
 from collections.abc import Iterator
@@ -19,17 +19,30 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException
 from fastapi import Path as PathParam
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 from openalign.data.sources import BadInput, read_file
-from openalign.data.transforms import BadImage, decode_image
+from openalign.data.transforms import BadImage
 from openalign.search.build import make_thumbnail
+from openalign.search.guard import ApiKeyGuard, BodyGuard, MemoryBudget, StrictJSONRoute, printable
 from openalign.search.query import MAX_K, Query, Searcher
+from openalign.search.uploads import (
+    Busy,
+    DecodeBudget,
+    decode_base64,
+    decode_bounded,
+    decode_side,
+    unmap_large_frees,
+)
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_UPLOAD = 8 * 2**20
+DEFAULT_DECODE_BUDGET = 256 * 2**20
+DEFAULT_REQUEST_MEMORY = 256 * 2**20
 ShortText = Annotated[str, Field(max_length=1000)]
 
 
@@ -54,7 +67,8 @@ class SearchResult(BaseModel):
     id: int = Field(description="id in the searched store (image id, or caption id for modality=text)")
     score: float = Field(description="cosine similarity to the query")
     caption: str | None = None
-    url: str | None = Field(None, description="the image's source url or path, when known")
+    url: str = Field(description="the image on this server (/image/{image_id})")
+    source_url: str | None = Field(None, description="the http(s) address the image was collected from, when known")
     key: str | None = None
     image_id: int = Field(description="the image this result shows (its own id for images)")
     thumbnail: str = Field(description="path of the thumbnail on this server")
@@ -79,63 +93,20 @@ class Error(BaseModel):
     detail: Any
 
 
-class BodyLimit:
-    """Rejects request bodies over ``limit`` bytes with 413 before the app parses them (ASGI middleware)."""
-
-    def __init__(self, app: Any, limit: int):
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(scope, receive, send)
-            return
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                await self._reject(scope, receive, send)
-                return
-        sent = False
-
-        async def replay() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            message: dict = await receive()
-            return message
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
-        response = JSONResponse({"detail": f"request body over {self.limit} bytes"}, status_code=413)
-        await response(scope, receive, send)
-
-
-def decode_upload(data: str, max_bytes: int, max_pixels: int) -> Any:
-    """A base64 string (or data: URL) → RGB image; HTTPException 400/413 on bad input."""
-    if data.startswith("data:"):
-        _, _, data = data.partition(",")
+def decode_upload(data: str, budget: DecodeBudget, *, side: int, max_bytes: int, max_pixels: int) -> Any:
+    """A base64 string (or data: URL) → RGB image of about ``side`` a side; HTTPException 400/413/503."""
     try:
-        raw = base64.b64decode("".join(data.split()), validate=True)
-    except (binascii.Error, ValueError) as err:
+        raw = decode_base64(data, max_bytes)
+    except ValueError as err:
         raise HTTPException(400, f"image is not valid base64: {err}") from err
-    if len(raw) > max_bytes:
-        raise HTTPException(413, f"image is {len(raw)} bytes; the limit is {max_bytes}")
+    except OverflowError as err:
+        raise HTTPException(413, str(err)) from err
     try:
-        return decode_image(raw, max_pixels=max_pixels)
+        return decode_bounded(raw, budget, side=side, max_pixels=max_pixels)
     except BadImage as err:
         raise HTTPException(400, f"image could not be decoded ({err.reason})") from err
+    except Busy as err:
+        raise HTTPException(503, f"{err}; retry later", headers={"Retry-After": "5"}) from err
 
 
 def create_app(
@@ -144,19 +115,38 @@ def create_app(
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD,
     max_pixels: int = 40_000_000,
     thumbnail_size: int = 256,
+    body_timeout_s: float = 30.0,
+    decode_budget_bytes: int = DEFAULT_DECODE_BUDGET,
+    decode_wait_s: float = 60.0,
+    request_memory_bytes: int = DEFAULT_REQUEST_MEMORY,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The search app over ``searcher``; uploads over ``max_upload_bytes`` (decoded) are refused."""
+    """The search app over ``searcher``.
+
+    Uploads over ``max_upload_bytes`` (decoded) are refused (413), as are request bodies that take longer
+    than ``body_timeout_s`` to arrive (408). Decoded query images hold at most ``decode_budget_bytes`` at
+    once (a decode waits up to ``decode_wait_s`` for its share) and request bodies about
+    ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503. With ``api_key`` every
+    route but ``/health`` needs it.
+    """
     index = searcher.index
     app = FastAPI(
         title="openalign search",
         version="1",
         description="Text → image, image → image, image → text and image ± text search over ALIGN embeddings.",
     )
-    errors: dict[int | str, dict[str, Any]] = {400: {"model": Error}, 413: {"model": Error}, 422: {"model": Error}}
+    app.router.route_class = StrictJSONRoute
+    decode_budget = DecodeBudget(decode_budget_bytes, wait_s=decode_wait_s)
+    side = decode_side(searcher.model)
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": Error} for code in (400, 401, 408, 413, 422, 503)}
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Any, err: Exception) -> JSONResponse:
         return JSONResponse({"detail": f"internal error: {type(err).__name__}"}, status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Any, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": printable(jsonable_encoder(err.errors()))}, status_code=422)
 
     @app.get("/health", response_model=Health)
     def health() -> dict:
@@ -165,7 +155,11 @@ def create_app(
     @app.post("/search", response_model=SearchResponse, responses=errors)
     def search(request: SearchRequest) -> dict:
         start = time.perf_counter()
-        image = decode_upload(request.image, max_upload_bytes, max_pixels) if request.image else None
+        image = None
+        if request.image:
+            image = decode_upload(
+                request.image, decode_budget, side=side, max_bytes=max_upload_bytes, max_pixels=max_pixels
+            )
         query = Query(
             text=request.text,
             image=image,
@@ -186,12 +180,14 @@ def create_app(
         for hit in hits:
             row = hit.row
             image_id = int(row["image_id"]) if request.modality == "text" else hit.id
+            source = row.get("url") or ""
             results.append(
                 {
                     "id": hit.id,
                     "score": round(hit.score, 6),
                     "caption": row.get("caption") or None,
-                    "url": row.get("url") or row.get("path") or None,
+                    "url": f"/image/{image_id}",
+                    "source_url": source if source.lower().startswith(("http://", "https://")) else None,
                     "key": row.get("key"),
                     "image_id": image_id,
                     "thumbnail": f"/image/{image_id}",
@@ -202,7 +198,7 @@ def create_app(
 
     @app.get(
         "/image/{image_id}",
-        responses={200: {"content": {"image/jpeg": {}}}, 404: {"model": Error}},
+        responses={200: {"content": {"image/jpeg": {}}}, 404: {"model": Error}, 503: {"model": Error}},
         response_class=Response,
     )
     def thumbnail(image_id: Annotated[int, PathParam(ge=0, le=2**62)]) -> Response:
@@ -215,9 +211,14 @@ def create_app(
             if not path.is_file():
                 raise HTTPException(404, f"image {image_id} has no thumbnail and its file is not readable")
             try:
-                data = make_thumbnail(decode_image(read_file(path), max_pixels=max_pixels), thumbnail_size)
+                image = decode_bounded(
+                    read_file(path), decode_budget, side=thumbnail_size, max_pixels=max_pixels, keep_aspect=True
+                )
             except BadInput as err:
                 raise HTTPException(404, f"image {image_id} could not be read") from err
+            except Busy as err:
+                raise HTTPException(503, f"{err}; retry later", headers={"Retry-After": "5"}) from err
+            data = make_thumbnail(image, thumbnail_size)
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "public, max-age=86400"})
 
     @app.get("/", include_in_schema=False)
@@ -225,8 +226,16 @@ def create_app(
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # base64 grows data by 4/3, and the JSON around it is small.
-    app.add_middleware(BodyLimit, limit=max_upload_bytes * 4 // 3 + 64 * 1024)
+    # base64 grows data by 4/3, and the JSON around it is small. The last middleware added runs first:
+    # a request without the key is turned away before its body is read.
+    app.add_middleware(
+        BodyGuard,
+        limit=max_upload_bytes * 4 // 3 + 64 * 1024,
+        timeout_s=body_timeout_s,
+        budget=MemoryBudget(request_memory_bytes),
+    )
+    if api_key:
+        app.add_middleware(ApiKeyGuard, key=api_key)
     return app
 
 
@@ -241,16 +250,24 @@ class ServeConfig:
     demo_images: int = 500  # demo: number of synthetic images
     demo_dir: str | None = None  # demo: where to build and cache the index (default: the user cache)
     seed: int = 0  # demo: synthetic world seed
+    body_timeout_s: float = 30.0  # a request body not fully arrived after this many seconds gets 408
+    decode_budget_mb: float = 256.0  # decoded query-image pixels held at once; more uploads wait their turn
+    request_memory_mb: float = 256.0  # request bodies (and parsed copies) held at once; more wait, then 503
+    api_key: str | None = None  # key every route but /health requires (default: $OPENALIGN_API_KEY)
 
     def validate(self) -> None:
-        if self.max_upload_mb <= 0:
-            raise ValueError(f"--max-upload-mb must be positive, got {self.max_upload_mb}")
+        for name in ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty")
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until interrupted."""
+    """Run ``app`` with uvicorn until interrupted; freed image buffers go back to the system at once."""
     import uvicorn
 
+    unmap_large_frees()
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level in ("debug", "info"))
 
 

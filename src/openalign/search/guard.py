@@ -1,0 +1,275 @@
+"""Guards in front of the search app: an API key, request bodies that are too big, too slow or too many
+at once (ASGI middleware), and JSON bodies holding numbers that are not finite (a route class).
+
+Everything a client can make the server hold is bounded here before a route runs: a body over the size
+limit is refused (413) from its declared length or as soon as it grows past it; a body that has not fully
+arrived within the read timeout is dropped (408), so a client that stalls mid-upload frees its memory;
+and the bodies held at once (with the copies parsing makes) stay within a budget, new ones waiting for
+room and then refused (503). A body that stalls has its connection closed with the 408. Python's JSON
+parser accepts NaN, Infinity and 1e400 (as inf), which no validation error can then print as JSON; such
+a body gets a one-line 422 and leaves the connection usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+
+# A JSON body is held as bytes, then as the text json.loads decodes, then as the parsed image string.
+BODY_COPIES = 3
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+async def reply(
+    scope: dict, send: Any, status: int, detail: str, *, close: bool = False, headers: dict[str, str] | None = None
+) -> None:
+    """Send a JSON ``{"detail": ...}`` response; ``close`` ends the connection after it.
+
+    Without ``close`` the server reads and drops whatever is left of the body, holding none of it, and
+    the connection stays usable; closing while a client is still sending would reset the connection
+    before the client reads why.
+    """
+    extra = dict(headers or {})
+    if close:
+        extra["connection"] = "close"
+    response = JSONResponse({"detail": detail}, status_code=status, headers=extra)
+    await response(scope, _no_body, send)
+
+
+async def _no_body() -> dict:
+    return {"type": "http.disconnect"}
+
+
+class MemoryBudget:
+    """Bytes that request bodies may hold across all requests; ``take`` waits (polling) for room.
+
+    Polling rather than an asyncio condition keeps it usable from any event loop (test clients run one
+    per request), and waiting only happens when the server is already overloaded.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def try_take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.used and self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            return True
+
+    async def take(self, nbytes: int, deadline: float) -> bool:
+        """Reserve ``nbytes`` (one request bigger than the budget runs alone); False at ``deadline``."""
+        while not self.try_take(nbytes):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
+class BodyGuard:
+    """Reads a POST/PUT/PATCH body in full within ``timeout_s`` and ``limit`` bytes, holding its share of
+    ``budget``, before the app sees it (ASGI middleware); other requests pass straight through."""
+
+    def __init__(self, app: Any, limit: int, timeout_s: float, budget: MemoryBudget):
+        self.app = app
+        self.limit = limit
+        self.timeout_s = timeout_s
+        self.budget = budget
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        if size is not None and size > self.limit:
+            await reply(scope, send, 413, f"request body over {self.limit} bytes")
+            return
+        deadline = time.monotonic() + self.timeout_s
+        # A body of unknown length may grow to the limit, so it reserves that much.
+        share = BODY_COPIES * (self.limit if size is None else size)
+        if not await self.budget.take(share, deadline):
+            await reply(
+                scope, send, 503, "the server is busy with other uploads; retry later", headers={"retry-after": "5"}
+            )
+            return
+        try:
+            body = await self._read(scope, receive, send, deadline)
+            if body is None:
+                return
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.budget.give(share)
+
+    async def _read(self, scope: dict, receive: Any, send: Any, deadline: float) -> bytes | None:
+        """The whole body, or None once a 408/413 has been sent (or the client has gone)."""
+        chunks: list[bytes] = []
+        received, more = 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await reply(
+                    scope, send, 408, f"the request body did not arrive within {self.timeout_s:g} s", close=True
+                )
+                return None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.limit:
+                await reply(scope, send, 413, f"request body over {self.limit} bytes")
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """An ASGI ``receive`` that yields the body read ahead, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        message: dict = await receive()
+        return message
+
+    return replay
+
+
+class ApiKeyGuard:
+    """Lets a request through only with ``Authorization: Bearer KEY`` or ``X-API-Key: KEY`` (ASGI
+    middleware); paths in ``open_paths`` need none. Keys are compared in constant time."""
+
+    def __init__(self, app: Any, key: str, open_paths: tuple[str, ...] = ("/health",)):
+        if not key:
+            raise ValueError("the API key is empty")
+        self.app = app
+        self.key = key.encode()
+        self.open_paths = open_paths
+
+    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        offered = []
+        for name, value in headers:
+            if name == b"x-api-key":
+                offered.append(value.strip())
+            elif name == b"authorization" and value[:7].lower() == b"bearer ":
+                offered.append(value[7:].strip())
+        # Every offered key is compared, so the time taken does not depend on which one was right.
+        matches = [hmac.compare_digest(value, self.key) for value in offered]
+        return any(matches)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if self.allowed(scope.get("headers") or []):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await reply(
+            scope,
+            send,
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-API-Key: KEY'",
+            headers={"www-authenticate": "Bearer"},
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    name = host.strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A one-line warning when ``host`` lets other machines reach a server that has no API key."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"warning: serving on {host} without an API key lets anyone who can reach this machine query the index "
+        "and fetch its images; set OPENALIGN_API_KEY (or --api-key), or bind 127.0.0.1"
+    )
+
+
+class NonFiniteNumber(ValueError):
+    """A JSON number that is not a finite float: NaN, Infinity or one too large for a double."""
+
+
+def _reject_constant(name: str) -> float:
+    raise NonFiniteNumber(f"request body: {name} is not a JSON number; send finite numbers only")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFiniteNumber(f"request body: the number {text[:40]} is too large for a double")
+    return value
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body may hold only finite numbers (Python's parser accepts NaN and Infinity)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+            except NonFiniteNumber as err:
+                raise HTTPException(422, str(err)) from None
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route that parses its body with ``StrictJSONRequest``: non-finite numbers get a one-line 422."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
+
+
+def printable(value: Any) -> Any:
+    """``value`` (validation errors) with non-finite floats as text and long strings cut, so that the
+    error itself is valid JSON and does not echo a whole upload back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str) and len(value) > 200:
+        return value[:200] + "…"
+    if isinstance(value, dict):
+        return {k: printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable(v) for v in value]
+    return value
