@@ -8,10 +8,16 @@
   garments), which get a distinguishing name. The WordNet lemmas are kept in the last column.
 - ``imagenet_r_wnids.txt`` / ``imagenet_a_wnids.txt``: the 200-class subsets of ImageNet-R and
   ImageNet-A, in ImageNet order.
+- ``flowers102_classes.txt`` / ``pets_classes.txt``: CLIP's published class names of Oxford Flowers-102
+  and Oxford-IIIT Pets (as CLIP_benchmark ships them), in the label order of the released annotations;
+  Flowers' release has no names file at all.
+- ``vtab1k_classes.json``: CLIP's names for the VTAB-1k tasks whose label order they follow, keyed by the
+  task folder of the VTAB-1k releases (``caltech101``, ``eurosat``, ...).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -86,3 +92,20 @@ def load_templates(spec: str = "imagenet") -> list[str]:
         if template.count("{}") != 1:
             raise ValueError(f"{spec}:{n}: template {template!r} must contain exactly one '{{}}'")
     return templates
+
+
+SHIPPED_CLASSNAMES = ("flowers102", "pets")
+
+
+@cache
+def shipped_classnames(dataset: str) -> tuple[str, ...]:
+    """CLIP's class names of ``flowers102`` or ``pets``, in label order."""
+    if dataset not in SHIPPED_CLASSNAMES:
+        raise ValueError(f"no shipped class names for {dataset!r}; shipped: {', '.join(SHIPPED_CLASSNAMES)}")
+    return tuple(line for line in _data(f"{dataset}_classes.txt").splitlines() if line.strip())
+
+
+@cache
+def vtab1k_classnames() -> dict[str, tuple[str, ...]]:
+    """CLIP's class names of the VTAB-1k tasks that have them, by task folder name."""
+    return {task: tuple(names) for task, names in json.loads(_data("vtab1k_classes.json")).items()}
