@@ -538,7 +538,15 @@ def load_classification(
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> ClassificationSet:
-    """``wds:SHARDS`` or a ``.tar`` spec: WebDataset; otherwise a directory of class folders."""
+    """``wds:SHARDS`` or a ``.tar`` spec: WebDataset; ``NAME:DIR[:SPLIT]`` (``flowers102``, ``pets``, ``cars``,
+    ``food101``, ``imagenet``, ``vtab1k``; see ``openalign.eval.released``): a dataset in its released
+    layout; otherwise a directory of class folders."""
+    from openalign.eval.released import load_released, parse_spec
+
+    if parse_spec(spec) is not None:
+        if layout != "auto":
+            raise ValueError(f"{spec}: layout {layout!r} applies to class folders, not to a dataset spec")
+        return load_released(spec, classnames, max_file_bytes=max_file_bytes)
     if spec.startswith("wds:"):
         return load_classification_wds(spec[4:], classnames, layout, max_file_bytes=max_file_bytes)
     if ".tar" in spec and not Path(spec).is_dir():
