@@ -119,7 +119,12 @@ register(
         _run,
         "KNN classification on image embeddings (the paper's ImageNet KNN R@1 ablation metric)",
         options=(
-            Option("train", required=True, metavar="PATH", help="labelled index set: class folders or wds:SHARDS"),
+            Option(
+                "train",
+                required=True,
+                metavar="PATH",
+                help="labelled index set: class folders, wds:SHARDS or NAME:DIR[:SPLIT] (flowers102:DIR:train)",
+            ),
             Option("val", required=True, metavar="PATH", help="query set in the same form"),
             Option("k", int, 1, help="neighbours that vote (default 1: R@1 by label)"),
             Option(

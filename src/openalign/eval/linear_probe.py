@@ -306,7 +306,12 @@ def classification_options() -> tuple[Any, ...]:
     from openalign.eval.tasks import Option
 
     return (
-        Option("train", required=True, metavar="PATH", help="labelled training set: class folders or wds:SHARDS"),
+        Option(
+            "train",
+            required=True,
+            metavar="PATH",
+            help="labelled training set: class folders, wds:SHARDS or NAME:DIR[:SPLIT] (pets:DIR:trainval)",
+        ),
         Option("val", required=True, metavar="PATH", help="labelled evaluation set in the same form"),
         Option(
             "layout",

@@ -146,7 +146,10 @@ register(
         "zero-shot classification with prompt ensembles (ImageNet, -R, -A, -V2, class folders, WebDataset)",
         options=(
             Option(
-                "dataset", required=True, metavar="PATH", help="class-folder directory, or wds:SHARDS with a cls member"
+                "dataset",
+                required=True,
+                metavar="PATH",
+                help="class-folder directory, wds:SHARDS with a cls member, or a released dataset NAME:DIR[:SPLIT]",
             ),
             Option(
                 "layout",
