@@ -412,3 +412,21 @@ def test_eval_tasks_on_flowers102_spec(checkpoint: Path, tmp_path: Path, capsys:
     assert main(["eval", "knn", *common]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(root / "setid.mat") in err and "Traceback" not in err
+
+
+def test_suite_entry_takes_a_spec(checkpoint: Path, tmp_path: Path) -> None:
+    import yaml
+
+    root = write_pets(tmp_path / "pets")
+    out = tmp_path / "res"
+    suite = {
+        "model": str(checkpoint),
+        "out": str(out),
+        "tasks": [{"task": "zeroshot", "dataset": f"pets:{root}:test", "ensemble": False}],
+    }
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    assert main(["eval", "suite", str(path)]) == 0
+    metrics = json.loads((out / "zeroshot-pets.json").read_text())["metrics"]
+    assert metrics["num_images"] == 2 and metrics["num_classes"] == 37
+    assert "Abyssinian" not in metrics["empty_classes"] and "Beagle" in metrics["empty_classes"]
