@@ -273,7 +273,9 @@ def test_imagenet_flat_validation(tmp_path: Path, labels: str) -> None:
     assert val.images.names == [str(root / "val" / f"ILSVRC2012_val_{n:08d}.JPEG") for n in range(1, 5)]
     train = load_classification(f"imagenet1k:{root}:train")
     assert train.labels == [index["n01440764"], index["n02119789"]] and train.class_ids == val.class_ids
-    assert len(val.classnames) == 1000 and val.classnames[0] == imagenet_classes()[0].name and val.name == "imagenet"
+    # CLIP's names (index 7, n01514668, is "rooster" there; the WordNet lemma is "cock")
+    assert len(val.classnames) == 1000 and val.classnames[7] == "rooster" and val.name == "imagenet"
+    assert val.classnames == list(shipped_classnames("imagenet"))
 
 
 def test_imagenet_val_class_folders(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@
 CLIP_benchmark's names ``flowers``, ``cars``, ``imagenet1k`` (and ``pets``, ``food101``) are accepted too.
 Labels in the ``.mat`` files and list files are 1-based, as released (VTAB-1k's are 0-based); every class
 keeps its released index as its id, so a train and a test split line up class by class. Class names are
-CLIP's published lists where they exist (Flowers, Pets, ImageNet's shipped list, some VTAB tasks),
+CLIP's published lists where they exist (Flowers, Pets, ImageNet, some VTAB tasks),
 otherwise the release's own (Cars' ``class_names``, Food-101's ``labels.txt``); ``classnames`` replaces them.
 
 Every metadata file is read through ``read_file`` (so the same size limit holds as for images), and a file
@@ -308,10 +308,9 @@ def _food101(root: Path, split: str, max_bytes: int) -> Read:
 
 
 def _imagenet(root: Path, split: str, max_bytes: int) -> Read:
-    from openalign.eval.templates import imagenet_classes
+    from openalign.eval.templates import imagenet_wnids, shipped_classnames
 
-    classes = imagenet_classes()
-    wnids, names = [c.wnid for c in classes], [c.name for c in classes]
+    wnids, names = imagenet_wnids(), shipped_classnames("imagenet")
     index = {w: i for i, w in enumerate(wnids)}
     folder = _first(root, [split, f"ILSVRC/Data/CLS-LOC/{split}"], f"ImageNet {split} folder")
     subdirs = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))

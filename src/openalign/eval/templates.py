@@ -8,9 +8,11 @@
   garments), which get a distinguishing name. The WordNet lemmas are kept in the last column.
 - ``imagenet_r_wnids.txt`` / ``imagenet_a_wnids.txt``: the 200-class subsets of ImageNet-R and
   ImageNet-A, in ImageNet order.
-- ``flowers102_classes.txt`` / ``pets_classes.txt``: CLIP's published class names of Oxford Flowers-102
-  and Oxford-IIIT Pets (as CLIP_benchmark ships them), in the label order of the released annotations;
-  Flowers' release has no names file at all.
+- ``flowers102_classes.txt`` / ``pets_classes.txt`` / ``imagenet_clip_classes.txt``: CLIP's published
+  class names of Oxford Flowers-102, Oxford-IIIT Pets and ImageNet (as CLIP_benchmark ships them), in the
+  label order of the released annotations; Flowers' release has no names file at all. The ``imagenet``
+  dataset spec names its classes with CLIP's list; class folders read with layout ``imagenet`` keep
+  ``imagenet_classes.tsv``'s names.
 - ``vtab1k_classes.json``: CLIP's names for the VTAB-1k tasks whose label order they follow, keyed by the
   task folder of the VTAB-1k releases (``caltech101``, ``eurosat``, ...).
 """
@@ -94,15 +96,19 @@ def load_templates(spec: str = "imagenet") -> list[str]:
     return templates
 
 
-SHIPPED_CLASSNAMES = ("flowers102", "pets")
+SHIPPED_CLASSNAMES = {
+    "flowers102": "flowers102_classes.txt",
+    "pets": "pets_classes.txt",
+    "imagenet": "imagenet_clip_classes.txt",
+}
 
 
 @cache
 def shipped_classnames(dataset: str) -> tuple[str, ...]:
-    """CLIP's class names of ``flowers102`` or ``pets``, in label order."""
+    """CLIP's class names of ``flowers102``, ``pets`` or ``imagenet``, in label order."""
     if dataset not in SHIPPED_CLASSNAMES:
         raise ValueError(f"no shipped class names for {dataset!r}; shipped: {', '.join(SHIPPED_CLASSNAMES)}")
-    return tuple(line for line in _data(f"{dataset}_classes.txt").splitlines() if line.strip())
+    return tuple(line.strip() for line in _data(SHIPPED_CLASSNAMES[dataset]).splitlines() if line.strip())
 
 
 @cache
