@@ -122,6 +122,8 @@ def test_pets_malformed_line(tmp_path: Path) -> None:
     path = root / "annotations" / "test.txt"
     path.write_text("Abyssinian_201 1 1 1\nAbyssinian_202 one 1 1\n")
     _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:2", "'one' is not a number")
+    path.write_text("Abyssinian_201 1 1 1\nbeagle_3 1 2 1\n")
+    _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:2", "beagle_3 has class 1", "abyssinian")
     path.write_text("Abyssinian_201 38 1 1\n")
     _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:1", "outside 1..37")
     (root / "annotations" / "trainval.txt").unlink()

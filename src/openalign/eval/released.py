@@ -245,11 +245,17 @@ def _pets(root: Path, split: str, max_bytes: int) -> Read:
     names = shipped_classnames("pets")
     path = root / "annotations" / f"{split}.txt"
     files, labels = [], []
+    breed_of: dict[int, str] = {}  # the file-name breed each class number was first seen with
     for n, line in _lines(path, max_bytes):
         parts = line.split()
         if len(parts) < 2:
             raise ValueError(f"{path}:{n}: expected 'IMAGE CLASS-ID SPECIES BREED-ID', got {line!r}")
-        labels.append(_label(parts[1], len(names), f"{path}:{n}"))
+        label = _label(parts[1], len(names), f"{path}:{n}")
+        # The file name carries the breed, so a shifted or mistyped class number shows as a second breed.
+        breed = parts[0].rsplit("_", 1)[0].lower()
+        if breed_of.setdefault(label, breed) != breed:
+            raise ValueError(f"{path}:{n}: {parts[0]} has class {label + 1}, the class of {breed_of[label]} images")
+        labels.append(label)
         files.append(root / "images" / f"{parts[0]}.jpg")
     return Read("pets", names, _numbered(len(names)), files, labels, str(path))
 
