@@ -42,7 +42,7 @@ from typing import Any
 from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, read_file, scan_folder
 from openalign.eval.datasets import ClassificationSet, ImageSource, _resolve_images, read_classnames
 
-# CLIP_benchmark's dataset names that are one of these layouts.
+# Spec names, CLIP_benchmark's names for the same datasets among them (flowers, cars, imagenet1k, pets, food101).
 ALIASES = {
     "flowers102": "flowers102",
     "flowers": "flowers102",
