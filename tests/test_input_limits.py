@@ -150,7 +150,11 @@ def test_shard_skips_devices_fifos_and_huge_files_under_a_memory_limit(crawl: Pa
     assert "wrote 2 samples" in run.stdout and "not_a_file 2" in run.stdout and "too_large_file 1" in run.stdout
     assert _failures(out) == {"not_a_file": 2, "too_large_file": 1}
     assert _tar_keys(out) == ["a", "b"]
-    assert sorted(p.name for p in out.iterdir()) == ["00000.parquet", "00000.tar", "00000_stats.json"]  # no .tmp left behind
+    assert sorted(p.name for p in out.iterdir()) == [
+        "00000.parquet",
+        "00000.tar",
+        "00000_stats.json",
+    ]  # no .tmp left behind
 
 
 def test_shard_max_file_mb_is_what_skips_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
