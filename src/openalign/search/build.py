@@ -354,6 +354,30 @@ def build_index(
     Creates the index, resumes an interrupted build, or appends new items to an existing index.
     Returns what was added, the index's new size and the items skipped by reason.
     """
+    created = not Path(out).exists()
+    try:
+        return _build_into(
+            model, tokenizer, source, out, config, model_path=model_path, tokenizer_path=tokenizer_path,
+            progress=progress,
+        )  # fmt: skip
+    except BaseException:
+        # A new index that failed before its first chunk leaves nothing a rerun could resume from.
+        if created and Path(out).is_dir() and not any((Path(out) / PENDING).glob("chunk-*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _build_into(
+    model: DualEncoder,
+    tokenizer: TextTokenizer | None,
+    source: str | Path,
+    out: str | Path,
+    config: BuildConfig | None = None,
+    *,
+    model_path: str | None = None,
+    tokenizer_path: str | None = None,
+    progress: bool = True,
+) -> IndexBuildResult:
     cfg = config or BuildConfig()
     if cfg.captions and tokenizer is None:
         raise ValueError("a caption store needs the model's tokenizer to embed captions")
@@ -365,113 +389,105 @@ def build_index(
         allow_outside_root=cfg.allow_outside_root,
     )
     out = Path(out)
-    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        _commit(out)  # a previous run that died while moving files into place
-        info: dict[str, Any] = json.loads((out / INFO).read_text()) if (out / INFO).is_file() else {}
-        dim = model.embed_dim
-        if info and info.get("embed_dim") != dim:
-            raise ValueError(f"{out} holds {info.get('embed_dim')}-d embeddings but the model makes {dim}-d ones")
-        if info and bool(info.get("captions")) != cfg.captions:
-            want = "with" if info.get("captions") else "without"
-            raise ValueError(f"{out} was built {want} captions; pass the same --captions setting to add to it")
-        pending = out / PENDING
-        manifest = {
-            "source": os.fspath(source),
-            "captions": cfg.captions,
-            "chunk_size": cfg.chunk_size,
-            "base_images": info.get("counts", {}).get("image", 0),
-            "thumbnail_size": cfg.thumbnail_size,
-        }
-        if (pending / "manifest.json").is_file():
-            previous = json.loads((pending / "manifest.json").read_text())
-            if previous != manifest:
-                diff = sorted(k for k in manifest if previous.get(k) != manifest[k])
-                raise ValueError(
-                    f"{pending} holds an unfinished build with different {', '.join(diff)}; "
-                    "rerun it with the same arguments or delete that directory"
-                )
-        pending.mkdir(exist_ok=True)
-        (pending / "manifest.json").write_text(json.dumps(manifest))
-
-        known = _existing_keys(out)
-        duplicates: Counter = Counter()
-
-        def fresh(items: Iterable[Item]) -> Iterator[Item]:
-            for item in items:
-                if item.key in known:
-                    duplicates["already_indexed"] += 1
-                    continue
-                known.add(item.key)
-                yield item
-
-        items = fresh(source_items)
-        transform = model_transform(model.config, train=False)
-        model.to(cfg.device).eval()
-        skipped: Counter = Counter()
-        chunks: list[Path] = []
-        with tqdm(unit="img", desc="index", disable=not progress) as bar:
-            for number, chunk in enumerate(batched(items, cfg.chunk_size)):
-                directory = pending / f"chunk-{number:06d}"
-                if directory.is_dir():
-                    skipped.update(json.loads((directory / "stats.json").read_text())["skipped"])
-                else:
-                    skipped.update(_embed_chunk(chunk, model, tokenizer, cfg, transform, directory))
-                chunks.append(directory)
-                bar.update(len(chunk))
-
-        skipped.update(errors)
-        old_counts = info.get("counts", {})
-        if info and not chunks:
-            shutil.rmtree(pending)  # nothing new: leave the index as it is
-            return IndexBuildResult(
-                added_images=0,
-                added_captions=0,
-                images=old_counts.get("image", 0),
-                captions=old_counts.get("text", 0),
-                skipped=dict(skipped),
-                already_indexed=duplicates["already_indexed"],
+    _commit(out)  # a previous run that died while moving files into place
+    info: dict[str, Any] = json.loads((out / INFO).read_text()) if (out / INFO).is_file() else {}
+    dim = model.embed_dim
+    if info and info.get("embed_dim") != dim:
+        raise ValueError(f"{out} holds {info.get('embed_dim')}-d embeddings but the model makes {dim}-d ones")
+    if info and bool(info.get("captions")) != cfg.captions:
+        want = "with" if info.get("captions") else "without"
+        raise ValueError(f"{out} was built {want} captions; pass the same --captions setting to add to it")
+    pending = out / PENDING
+    manifest = {
+        "source": os.fspath(source),
+        "captions": cfg.captions,
+        "chunk_size": cfg.chunk_size,
+        "base_images": info.get("counts", {}).get("image", 0),
+        "thumbnail_size": cfg.thumbnail_size,
+    }
+    if (pending / "manifest.json").is_file():
+        previous = json.loads((pending / "manifest.json").read_text())
+        if previous != manifest:
+            diff = sorted(k for k in manifest if previous.get(k) != manifest[k])
+            raise ValueError(
+                f"{pending} holds an unfinished build with different {', '.join(diff)}; "
+                "rerun it with the same arguments or delete that directory"
             )
-        stage = pending / "final"
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir()
-        base = {"image": manifest["base_images"]}
-        counts: dict[str, int] = {}
-        if cfg.captions:
-            counts["text"] = _merge_modality(out, stage, "text", chunks, base, cfg.ann, dim)
-        counts["image"] = _merge_modality(out, stage, "image", chunks, base, cfg.ann, dim)
-        total_skipped = Counter(info.get("skipped", {}))
-        total_skipped.update(skipped)
-        new_info = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "embed_dim": dim,
-            "model": model_path if model_path is not None else info.get("model"),
-            "tokenizer": tokenizer_path if tokenizer_path is not None else info.get("tokenizer"),
-            "captions": cfg.captions,
-            "counts": counts,
-            "ann": to_dict(cfg.ann),
-            "sources": [*info.get("sources", []), os.fspath(source)],
-            "skipped": dict(total_skipped),
-        }
-        (stage / INFO).write_text(json.dumps(new_info, indent=2) + "\n")
-        (stage / "ready").write_text("")
-        _commit(out)
+    pending.mkdir(exist_ok=True)
+    (pending / "manifest.json").write_text(json.dumps(manifest))
+
+    known = _existing_keys(out)
+    duplicates: Counter = Counter()
+
+    def fresh(items: Iterable[Item]) -> Iterator[Item]:
+        for item in items:
+            if item.key in known:
+                duplicates["already_indexed"] += 1
+                continue
+            known.add(item.key)
+            yield item
+
+    items = fresh(source_items)
+    transform = model_transform(model.config, train=False)
+    model.to(cfg.device).eval()
+    skipped: Counter = Counter()
+    chunks: list[Path] = []
+    with tqdm(unit="img", desc="index", disable=not progress) as bar:
+        for number, chunk in enumerate(batched(items, cfg.chunk_size)):
+            directory = pending / f"chunk-{number:06d}"
+            if directory.is_dir():
+                skipped.update(json.loads((directory / "stats.json").read_text())["skipped"])
+            else:
+                skipped.update(_embed_chunk(chunk, model, tokenizer, cfg, transform, directory))
+            chunks.append(directory)
+            bar.update(len(chunk))
+
+    skipped.update(errors)
+    old_counts = info.get("counts", {})
+    if info and not chunks:
+        shutil.rmtree(pending)  # nothing new: leave the index as it is
         return IndexBuildResult(
-            added_images=counts["image"] - old_counts.get("image", 0),
-            added_captions=counts.get("text", 0) - old_counts.get("text", 0),
-            images=counts["image"],
-            captions=counts.get("text", 0),
+            added_images=0,
+            added_captions=0,
+            images=old_counts.get("image", 0),
+            captions=old_counts.get("text", 0),
             skipped=dict(skipped),
             already_indexed=duplicates["already_indexed"],
         )
-
-    except BaseException:
-        # A new index that failed before its first chunk leaves nothing a rerun could resume from.
-        if created and not any((out / PENDING).glob("chunk-*")):
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    stage = pending / "final"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    base = {"image": manifest["base_images"]}
+    counts: dict[str, int] = {}
+    if cfg.captions:
+        counts["text"] = _merge_modality(out, stage, "text", chunks, base, cfg.ann, dim)
+    counts["image"] = _merge_modality(out, stage, "image", chunks, base, cfg.ann, dim)
+    total_skipped = Counter(info.get("skipped", {}))
+    total_skipped.update(skipped)
+    new_info = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "embed_dim": dim,
+        "model": model_path if model_path is not None else info.get("model"),
+        "tokenizer": tokenizer_path if tokenizer_path is not None else info.get("tokenizer"),
+        "captions": cfg.captions,
+        "counts": counts,
+        "ann": to_dict(cfg.ann),
+        "sources": [*info.get("sources", []), os.fspath(source)],
+        "skipped": dict(total_skipped),
+    }
+    (stage / INFO).write_text(json.dumps(new_info, indent=2) + "\n")
+    (stage / "ready").write_text("")
+    _commit(out)
+    return IndexBuildResult(
+        added_images=counts["image"] - old_counts.get("image", 0),
+        added_captions=counts.get("text", 0) - old_counts.get("text", 0),
+        images=counts["image"],
+        captions=counts.get("text", 0),
+        skipped=dict(skipped),
+        already_indexed=duplicates["already_indexed"],
+    )
 
 
 def open_index(path: str | Path, mmap: bool = True) -> SearchIndex:

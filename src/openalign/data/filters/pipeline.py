@@ -44,7 +44,7 @@ class FilterConfig:
     # the run stops with an error naming the line; JSON lines that do not parse are always skipped and counted
     max_malformed_rows: int = 0
     person_names: str | None = None  # names -> <PERSON> after filtering: demo or module:function
-    overwrite: bool = False  # replace OUTPUT if it exists
+    overwrite: bool = False  # replace OUTPUT if it exists (never an input: that is refused)
 
 
 @dataclass
