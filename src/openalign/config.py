@@ -262,8 +262,16 @@ def parse_yaml(text: str) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; a file that does not parse is a ``ConfigError`` naming the place."""
     with open(path) as f:
-        data = parse_yaml(f.read()) or {}
+        text = f.read()
+    try:
+        data = parse_yaml(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path}: not valid YAML{where}: {' '.join(str(problem).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data

@@ -32,14 +32,42 @@ def build_parser() -> Parser:
     return parser
 
 
+# Errors of libraries a command may have loaded (looked up only once loaded, so parsing imports none):
+# a damaged Parquet or CSV file, a malformed YAML file, a query DuckDB cannot run on the input.
+_LIBRARY_ERRORS = (("yaml", "YAMLError"), ("pyarrow", "ArrowException"), ("duckdb", "Error"))
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    known: list[type[BaseException]] = [ConfigError, OSError, ValueError, ImportError]
+    for module, name in _LIBRARY_ERRORS:
+        error = getattr(sys.modules.get(module), name, None)
+        if isinstance(error, type) and issubclass(error, BaseException):
+            known.append(error)
+    return tuple(known)
+
+
+def one_line(err: BaseException) -> str:
+    """The error as one line: an OSError names its file; an error re-raised from a DataLoader worker (whose
+    message carries the worker's traceback) is its last line."""
+    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+        text = f"{err.filename}: {err.strerror}"
+    else:
+        text = str(err) or type(err).__name__
+    if "Traceback (most recent call last)" in text:
+        text = [line for line in text.splitlines() if line.strip()][-1]
+    return " ".join(text.split())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
-        print(f"openalign {command}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        if not isinstance(err, _known_errors()):
+            raise
+        print(f"openalign {command}: error: {one_line(err)}", file=sys.stderr)
         return 2
 
 

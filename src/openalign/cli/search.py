@@ -84,12 +84,14 @@ def _search_model(
 
 def run_build(args: argparse.Namespace) -> int:
     from openalign.config import to_dict
+    from openalign.outputs import check_writable
     from openalign.search.build import build_config, build_index
 
     cfg = build_config(data(args))
     if args.print_config:
         print_config(to_dict(cfg))
         return 0
+    check_writable(args.out, what="index", directory=True)  # before the model loads and the images are embedded
     model, tokenizer, tokenizer_path = _search_model(args.model, args.tokenizer, cfg.captions)
     stats = build_index(
         model,
@@ -162,7 +164,7 @@ def run_search(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config({k: v for k, v in to_dict(query).items() if k != "image"})
         return 0
-    from openalign.data.sources import read_file
+    from openalign.data.sources import BadInput, read_file
     from openalign.data.transforms import decode_image
     from openalign.search.api import load_searcher
 
@@ -170,7 +172,10 @@ def run_search(args: argparse.Namespace) -> int:
         path = Path(args.image)
         if not path.exists():
             raise FileNotFoundError(f"{args.image}: no such image file")
-        query.image = decode_image(read_file(path))  # a device or a huge file is a one-line error, not a hang
+        try:  # a device or a huge file is a one-line error, not a hang
+            query.image = decode_image(read_file(path))
+        except BadInput as err:
+            raise ValueError(f"{args.image}: not a usable image ({err.reason})") from None
     searcher = load_searcher(args.index, args.model, args.tokenizer)
     hits = searcher.search(query)
     if args.json:
@@ -205,7 +210,7 @@ def _serve(parser: Parser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import os
 
-    from openalign.config import from_dict, to_dict
+    from openalign.config import ConfigError, from_dict, to_dict
     from openalign.search.api import ServeConfig, create_app, load_searcher, serve
     from openalign.search.guard import exposure_warning
 
@@ -213,6 +218,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if cfg.api_key is None and os.environ.get("OPENALIGN_API_KEY"):
         cfg.api_key = os.environ["OPENALIGN_API_KEY"]
     cfg.validate()
+    if not 0 <= cfg.port <= 65535:  # else uvicorn fails only once the app is up, with a traceback
+        raise ConfigError(f"port must be in 0..65535, got {cfg.port}")
     if args.print_config:
         print_config({**to_dict(cfg), "api_key": "***" if cfg.api_key else None})
         return 0

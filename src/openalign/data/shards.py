@@ -51,6 +51,7 @@ from openalign.data.sources import (
     split_member_name,
 )
 from openalign.data.transforms import BadImage, decode_image
+from openalign.outputs import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -480,6 +481,8 @@ def shard_input(
     ``out_dir``; returns the totals of the shards' stats files. Files over ``max_file_mb`` and anything
     that is not a regular file are skipped unread (``too_large_file``, ``too_large_member``, ``not_a_file``),
     as are a table's image paths outside ``image_root`` (``outside_root``) unless ``allow_outside_root``."""
+    out = Path(out_dir)
+    check_writable(out, directory=True)
     samples = samples_from_source(
         open_source(
             source,
@@ -492,16 +495,21 @@ def shard_input(
             allow_outside_root=allow_outside_root,
         )
     )
-    out = Path(out_dir)
     if out.is_dir() and any(out.glob(f"{glob.escape(prefix)}[0-9]*.tar")):
         raise ValueError(f"{out} already holds {prefix}NNNNN.tar shards; choose an empty folder or another --prefix")
-    write_shards(
-        samples,
-        out,
-        samples_per_shard=samples_per_shard,
-        prefix=prefix,
-        max_side=max_side,
-        jpeg_quality=jpeg_quality,
-        progress=progress,
-    )
+    created = not out.exists()
+    try:
+        write_shards(
+            samples,
+            out,
+            samples_per_shard=samples_per_shard,
+            prefix=prefix,
+            max_side=max_side,
+            jpeg_quality=jpeg_quality,
+            progress=progress,
+        )
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):  # an input that failed before its first shard
+            out.rmdir()
+        raise
     return read_stats(out, prefix=prefix)

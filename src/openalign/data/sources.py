@@ -377,7 +377,7 @@ def _split_alternatives(body: str) -> list[str]:
     return out
 
 
-def _is_remote(url: str) -> bool:
+def is_remote(url: str) -> bool:
     if url.startswith("pipe:"):
         return True
     return re.match(r"^[a-z][a-z0-9+.\-]*://", url) is not None and not url.startswith("file://")
@@ -407,7 +407,7 @@ def expand_urls(spec: str | Sequence[str]) -> list[str]:
             continue
         for item in _expand_braces(part):
             item = item.removeprefix("file://")
-            if _is_remote(item):
+            if is_remote(item):
                 urls.append(item)
             elif os.path.isdir(item):
                 shards = glob.glob(os.path.join(glob.escape(item), "*"))
@@ -550,7 +550,7 @@ def read_samples(
         yield from _read_pipe(url, report, max_member_bytes)
         return
     path = url.removeprefix("file://")
-    if _is_remote(path):
+    if is_remote(path):
         report("unsupported_url", f"{url}: only local paths and pipe: urls are read (try pipe:curl -s {url})")
         return
     try:
@@ -657,6 +657,36 @@ def _caption_text(value: Any) -> str:
 # Tables
 
 
+def open_parquet(path: str | os.PathLike) -> Any:
+    """``pyarrow.parquet.ParquetFile(path)``; a file that is not Parquet raises ``ValueError`` naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
+
+
+def parquet_batches(
+    path: str | os.PathLike, batch_size: int = 4096, columns: Sequence[str] | None = None
+) -> Iterator[Any]:
+    """The record batches of a Parquet file; a damaged data page raises ``ValueError`` naming the file, where
+    pyarrow's own error names neither the file nor the page."""
+    import pyarrow as pa
+
+    reader = open_parquet(path)
+    batches = reader.iter_batches(batch_size=batch_size, columns=columns)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as err:
+            raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
+        yield batch
+
+
 def read_table_batches(path: Path, batch_size: int = 4096) -> tuple[list[str], Iterator[list[dict]]]:
     """Column names and row batches of a Parquet, CSV/TSV or JSON-lines file, read incrementally where possible."""
     names, _, batches = _read_table(path, batch_size)
@@ -673,17 +703,15 @@ def _read_table(path: Path, batch_size: int = 4096) -> tuple[list[str], dict[str
     """
     import pyarrow as pa
     import pyarrow.json as pjson
-    import pyarrow.parquet as pq
 
     from openalign.data.tables import read_csv
 
     fmt = table_format(path)
     try:
         if fmt == "parquet":
-            pf = pq.ParquetFile(path)
-            schema = pf.schema_arrow
+            schema = open_parquet(path).schema_arrow
             types = {f.name: f.type for f in schema}
-            return schema.names, types, (b.to_pylist() for b in pf.iter_batches(batch_size=batch_size))
+            return schema.names, types, (b.to_pylist() for b in parquet_batches(path, batch_size))
         if fmt == "csv":
             names, records = read_csv(path)
             return names, dict.fromkeys(names, pa.string()), _csv_batches(names, records, batch_size)
@@ -959,7 +987,7 @@ def _chain(first: T, rest: Iterator[T]) -> Iterator[T]:
 
 
 def _looks_like_shards(text: str) -> bool:
-    return text.startswith("pipe:") or any(mark in text for mark in ("{", "*", "?", "[", ",", "::")) or _is_remote(text)
+    return text.startswith("pipe:") or any(mark in text for mark in ("{", "*", "?", "[", ",", "::")) or is_remote(text)
 
 
 def open_source(
@@ -1028,7 +1056,7 @@ def open_source(
     if table_options:
         raise ValueError("--caption-column/--image-column apply to a table input, not to shards")
     urls = expand_urls(text)
-    if not any(Path(u).exists() or _is_remote(u) for u in urls):
+    if not any(Path(u).exists() or is_remote(u) for u in urls):
         raise FileNotFoundError(
             f"{text}: no such shard" + (f" ({len(urls)} named, none exists)" if len(urls) > 1 else "")
         )

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openalign.outputs import atomic_write_text
+
 
 @dataclass(frozen=True)
 class PaperReference:
@@ -121,11 +123,7 @@ def write_result(result: Mapping[str, Any], out_dir: str | Path) -> Path:
     """Write one result JSON into ``out_dir`` (atomically, so an interrupted run never leaves half a file)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / result_filename(result)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(result), indent=2, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(out / result_filename(result), json.dumps(dict(result), indent=2, default=str) + "\n")
 
 
 def read_results(out_dir: str | Path) -> list[dict[str, Any]]:
@@ -183,6 +181,4 @@ def markdown(results: Iterable[Mapping[str, Any]]) -> str:
 
 def write_report(out_dir: str | Path) -> Path:
     """Regenerate ``results.md`` from every result JSON in ``out_dir``."""
-    path = Path(out_dir) / "results.md"
-    path.write_text(markdown(read_results(out_dir)))
-    return path
+    return atomic_write_text(Path(out_dir) / "results.md", markdown(read_results(out_dir)))

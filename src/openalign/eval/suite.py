@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from openalign.config import ConfigError, from_dict, load_yaml
 from openalign.eval.report import markdown, result_filename, write_report, write_result
 from openalign.eval.tasks import EvalResult, get_task, resolve_options, run_task
+from openalign.outputs import check_writable
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
@@ -75,6 +76,8 @@ def run_eval(
     """Evaluate checkpoint ``model`` on ``task``; with ``out`` write the result JSON and refresh results.md.
     Returns the result and its Markdown table."""
     resolve_options(get_task(task), options)  # fail on bad options before loading the model
+    if out:
+        check_writable(out, what="--out", directory=True)
     net, tok = load_checkpoint(model, tokenizer)
     result = run_task(task, net, tok, options, model_name=str(model))
     if out:
@@ -127,6 +130,8 @@ def run_suite(
     if resume and out_dir is None:
         raise ConfigError("resume needs a results directory (--out or 'out:' in the suite)")
     entries = _entries(cfg, where, device)
+    if out_dir is not None:
+        check_writable(out_dir, what="results directory", directory=True)
     net, tok = load_checkpoint(model_path, tokenizer or cfg.tokenizer or None)
 
     summary = SuiteSummary()

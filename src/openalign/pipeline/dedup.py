@@ -44,6 +44,7 @@ from openalign.data.dedup import (
     write_outputs,
 )
 from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, Source, file_limit, open_source, read_file
+from openalign.outputs import check_writable
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -318,6 +319,7 @@ def run_dedup(
     cfg = config or DedupRunConfig()
     cfg.validate()
     out = Path(out_dir)
+    check_writable(out, directory=True)
     spec = embedder.spec if embedder is not None else parse_embedder(cfg.embedder)
     skipped: dict[str, dict[str, int]] = {}
     if spec.kind == "npy":

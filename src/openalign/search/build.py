@@ -354,6 +354,30 @@ def build_index(
     Creates the index, resumes an interrupted build, or appends new items to an existing index.
     Returns what was added, the index's new size and the items skipped by reason.
     """
+    created = not Path(out).exists()
+    try:
+        return _build_into(
+            model, tokenizer, source, out, config, model_path=model_path, tokenizer_path=tokenizer_path,
+            progress=progress,
+        )  # fmt: skip
+    except BaseException:
+        # A new index that failed before its first chunk leaves nothing a rerun could resume from.
+        if created and Path(out).is_dir() and not any((Path(out) / PENDING).glob("chunk-*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _build_into(
+    model: DualEncoder,
+    tokenizer: TextTokenizer | None,
+    source: str | Path,
+    out: str | Path,
+    config: BuildConfig | None = None,
+    *,
+    model_path: str | None = None,
+    tokenizer_path: str | None = None,
+    progress: bool = True,
+) -> IndexBuildResult:
     cfg = config or BuildConfig()
     if cfg.captions and tokenizer is None:
         raise ValueError("a caption store needs the model's tokenizer to embed captions")

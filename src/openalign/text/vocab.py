@@ -25,9 +25,12 @@ from openalign.data.sources import (
     SHARD_SUFFIXES,
     expand_urls,
     iter_samples,
+    open_parquet,
+    parquet_batches,
     table_format,
 )
 from openalign.data.tables import read_csv
+from openalign.outputs import check_writable
 from openalign.text.tokenizer import Tokenizer, train_wordpiece
 
 
@@ -86,13 +89,10 @@ def _text_column(schema: pa.Schema, column: str, path: Path) -> pa.DataType:
 
 
 def _parquet(path: Path, column: str, batch_size: int, skipped: Counter[str]) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
     files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
     for f in files:
-        reader = pq.ParquetFile(f)
-        _text_column(reader.schema_arrow, column, f)
-        for batch in reader.iter_batches(batch_size=batch_size, columns=[column]):
+        _text_column(open_parquet(f).schema_arrow, column, f)
+        for batch in parquet_batches(f, batch_size, columns=[column]):
             for value in batch.column(0).to_pylist():
                 if (text := _decode(value, skipped)) is not None:
                     yield text
@@ -182,16 +182,12 @@ def iter_captions(
     shard_folder = path.is_dir() and any(p.name.endswith(SHARD_SUFFIXES) for p in path.iterdir())
     if path.is_dir() and not shard_folder and any(path.rglob("*.parquet")):
         first = next(path.rglob("*.parquet"))
-        import pyarrow.parquet as pq
-
-        _text_column(pq.ParquetFile(first).schema_arrow, column, first)
+        _text_column(open_parquet(first).schema_arrow, column, first)
         return _parquet(path, column, batch_size, skipped)
     if path.is_file():
         fmt = table_format(path) if suffix != ".gz" else None  # compressed tables are not streamed here
         if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            _text_column(pq.ParquetFile(path).schema_arrow, column, path)
+            _text_column(open_parquet(path).schema_arrow, column, path)
             return _parquet(path, column, batch_size, skipped)
         if fmt == "csv":
             _csv_header(path, column)
@@ -238,6 +234,7 @@ def build_vocab(
     """
     config = config or VocabConfig()
     config.validate()
+    check_writable(out_dir, directory=True)
     skipped: Counter[str] = Counter()
     counted: Counter[str] = Counter()
     # A first pass collects the characters, so the trainer numbers its pieces in a stable order and the

@@ -55,6 +55,7 @@ from openalign.data.sources import (
     expand_urls,
     file_limit,
     image_member,
+    is_remote,
     read_samples,
 )
 
@@ -732,6 +733,10 @@ def build_train_stream(
         urls = expand_urls(cfg.shards if isinstance(cfg.shards, str) else list(cfg.shards))
         if not urls:
             raise ValueError(f"data.shards {cfg.shards!r} names no shard")
+        # A missing shard among others is skipped and counted (shard_missing); with none there, every worker
+        # would only fail with nothing to train on.
+        if not any(is_remote(u) or os.path.exists(u) for u in urls):
+            raise FileNotFoundError(f"data.shards: none of the {len(urls)} shard(s) exists (first: {urls[0]})")
         source: TrainSource = _ShardSource(urls, cfg)
     else:
         source = _SyntheticSource(cfg, cfg.seed if cfg.seed is not None else seed)

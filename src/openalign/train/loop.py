@@ -33,6 +33,7 @@ from openalign.config import ConfigError, ModelConfig
 from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
+from openalign.outputs import check_writable
 from openalign.train import checkpoint as ckpt
 from openalign.train.config import TrainConfig
 from openalign.train.distributed import (
@@ -86,6 +87,8 @@ def train(
     """
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
+    if info.is_main:  # before any step, so that a run never trains for nothing
+        check_writable(cfg.train.run_dir, what="train.run_dir", directory=True)
     opened = _open_resume(cfg, resume, info) if resume else None
     if tokenizer is None:
         tokenizer = _load_tokenizer(cfg, opened.path if opened else None, info.is_main)

@@ -196,8 +196,16 @@ def run_duckdb(
     con = duckdb.connect()
     try:
         return _run(con, staged, plan, output, out_format, work_dir, settings, person_hook, log)
+    except duckdb.Error as err:  # DuckDB's message names no file: a damaged Parquet page reads "don't know what type"
+        inputs = ", ".join(str(p) for p in staged.paths[:3]) + (", ..." if len(staged.paths) > 3 else "")
+        raise ValueError(f"cannot filter {inputs}: {' '.join(str(err).split()) or type(err).__name__}") from None
     finally:
         con.close()
+        partial = output.with_name(output.name + ".partial")  # left by a COPY that failed half-way
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.unlink(missing_ok=True)
 
 
 def _cpu_seconds() -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 import sys
@@ -16,6 +17,7 @@ from openalign.data.filters.inputs import output_format, stage_input
 from openalign.data.filters.person import PersonHook, resolve_person_hook
 from openalign.data.filters.plan import build_plan
 from openalign.data.filters.rules import STEP_DESCRIPTIONS, FilterRules, load_rules
+from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
 
 
 @dataclass
@@ -42,7 +44,7 @@ class FilterConfig:
     # the run stops with an error naming the line; JSON lines that do not parse are always skipped and counted
     max_malformed_rows: int = 0
     person_names: str | None = None  # names -> <PERSON> after filtering: demo or module:function
-    overwrite: bool = False  # replace OUTPUT if it exists
+    overwrite: bool = False  # replace OUTPUT if it exists (never an input: that is refused)
 
 
 @dataclass
@@ -140,10 +142,16 @@ def filter_corpus(
     hook = resolve_person_hook(person_hook if person_hook is not None else rules.person_substitution)
     out = Path(output)
     out_fmt = output_format(out)
+    refuse_input_as_output(out, [input, *glob.glob(str(input))])
     if out.exists() and not overwrite:
         raise ValueError(f"output {out} exists; pass overwrite=True (--overwrite) to replace it")
     if not out.parent.exists():
         raise FileNotFoundError(f"output directory not found: {out.parent}")
+    # Checked before the run, so that a long filter never ends on an output it cannot write.
+    # A folder OUTPUT (Spark's part files) is replaced whole: then it is its folder that must be writable.
+    check_writable(out.parent if out.is_dir() else out, directory=out.is_dir())
+    if report_path is not None:
+        check_writable(report_path, what="report")
 
     def say(msg: str) -> None:
         if progress:
@@ -198,6 +206,5 @@ def filter_corpus(
     rate = report.rows_in / max(seconds, 1e-9)
     say(f"done: {report.rows_out:,} of {report.rows_in:,} rows kept ({rate:,.0f} rows/s)")
     if report_path is not None:
-        with open(report_path, "w") as f:
-            json.dump(report.to_dict(), f, indent=2)
+        atomic_write_text(report_path, json.dumps(report.to_dict(), indent=2))
     return report
