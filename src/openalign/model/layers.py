@@ -61,7 +61,7 @@ class _GhostBatchNorm(torch.autograd.Function):
     statistics, the mean over groups of each group's mean and unbiased variance."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         xg = x.unflatten(0, (groups, -1))
@@ -77,9 +77,7 @@ class _GhostBatchNorm(torch.autograd.Function):
         return out.flatten(0, 1), mean.flatten().view(groups, -1).mean(0), unbiased.view(groups, -1).mean(0)
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad: torch.Tensor, *_: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         x, weight, mean, invstd = ctx.saved_tensors
         g = grad.unflatten(0, (ctx.groups, -1)).float()
         xhat = (x.unflatten(0, (ctx.groups, -1)).float() - mean) * invstd
