@@ -17,7 +17,7 @@ from openalign.train import plan as P
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def run_limited(code: str, gib: float, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_limited(code: str, gib: float, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter whose address space is capped, so a plan that allocated real
     memory fails the test instead of the machine."""
     limit = int(gib * 2**30)

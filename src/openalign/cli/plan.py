@@ -124,7 +124,7 @@ def _table_row(args: argparse.Namespace, p: Plan, found: tuple[int | None, Plan 
         ]
     )
     if found is not None and found[1] is None:
-        return f"| `{command}` | none fits | {P.fmt_gib(p.peak)} | - |"
+        return f"| `{command}` | none fits | - | - |"
     chunk = "none" if p.chunk_size is None else str(p.chunk_size)
     rate = f"{p.pairs_per_second:,.0f}" if p.pairs_per_second else "-"
     return f"| `{command}` | {chunk} | {P.fmt_gib(p.peak)} | {rate} |"
