@@ -248,6 +248,19 @@ def test_bf16_autocast_runs_on_cpu_when_asked(tmp_path: Path) -> None:
     assert all(v.dtype in (torch.float32, torch.int64) for v in weights(result.final_dir).values())
 
 
+def test_bf16_autocast_with_ghost_batch_norm_and_gradient_caching(tmp_path: Path) -> None:
+    # pretrain_align_b7's combination on a GPU: ghost batch norm's group statistics arrive in bf16 and must
+    # still update the fp32 running buffers (this raised on the first step before).
+    virtual = {"image": {"batch_norm": "virtual", "virtual_batch_size": 4}}
+    cfg = tiny_config(tmp_path / "run", model=virtual, train={"precision": "bf16", "steps": 2, "chunk_size": 8})
+    result = train(cfg, stream_factory=factory())
+    assert result.step == 2 and result.skipped_steps == 0
+    state = weights(result.final_dir)
+    means = [v for k, v in state.items() if k.endswith("running_mean")]
+    assert means and all(m.dtype == torch.float32 and bool(m.isfinite().all()) for m in means)
+    assert any(bool(m.abs().sum() > 0) for m in means)  # the statistics moved
+
+
 def _transformers_align(path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(7)

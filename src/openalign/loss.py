@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from openalign.model.layers import has_values
+
 __all__ = ["contrastive_loss", "global_loss_value"]
 
 
@@ -59,10 +61,13 @@ def _local_logits(
     n = image_emb.shape[0]
     world, rank = _world()
     if gather and world > 1:
-        size = torch.tensor([n], device=image_emb.device)
-        sizes_list = [torch.empty_like(size) for _ in range(world)]
-        dist.all_gather(sizes_list, size)
-        sizes = [int(s) for s in sizes_list]
+        if has_values(image_emb):
+            size = torch.tensor([n], device=image_emb.device)
+            sizes_list = [torch.empty_like(size) for _ in range(world)]
+            dist.all_gather(sizes_list, size)
+            sizes = [int(s) for s in sizes_list]
+        else:  # a planned step (fake tensors, no values to exchange): every rank holds n rows
+            sizes = [n] * world
         # One collective for both modalities instead of two.
         both = _AllGatherRows.apply(torch.cat([image_emb, text_emb], dim=1), sizes, rank)
         all_images, all_texts = both.split(image_emb.shape[1], dim=1)

@@ -37,7 +37,7 @@ def _build(parser: Parser) -> None:
         "  openalign train --config nano_cpu --train.run_dir runs/nano\n"
         "  openalign train --config nano_cpu --train.run_dir runs/nano --resume latest\n"
         "  openalign train --config pretrain_align_b7 --data.shards 'shards/{00000..00999}.tar' \\\n"
-        "      --data.tokenizer vocab/ --train.chunk_size 512          # 16384 pairs on one GPU\n"
+        "      --data.tokenizer vocab/ --train.chunk_size 64           # 16384 pairs on one H100-80GB\n"
         "  torchrun --nproc-per-node 8 -m openalign.cli train --config pretrain_align \\\n"
         "      --data.shards 'shards/{00000..09999}.tar' --data.tokenizer vocab/\n"
         "  torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500 \\\n"

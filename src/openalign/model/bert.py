@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openalign.config import TextTowerConfig
-from openalign.model.layers import maybe_checkpointed
+from openalign.model.layers import has_values, maybe_checkpointed
 
 
 class BertEmbeddings(nn.Module):
@@ -90,7 +90,8 @@ class Bert(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        # Without values (a planned step) the mask is taken as all ones: full-length captions.
+        if attention_mask is not None and has_values(attention_mask) and not bool(attention_mask.all()):
             mask = attention_mask.bool()[:, None, None, :]
         x: torch.Tensor = self.embeddings(input_ids)
         checkpoint = self.gradient_checkpointing and self.training

@@ -11,6 +11,7 @@ from torch import nn
 from openalign.config import ModelConfig
 from openalign.model.bert import Bert
 from openalign.model.efficientnet import EfficientNet
+from openalign.model.layers import has_values
 
 
 class DualEncoder(nn.Module):
@@ -89,6 +90,12 @@ class DualEncoder(nn.Module):
                 f"input_ids has {input_ids.shape[1]} tokens per row; the model has "
                 f"{cfg.max_position_embeddings} positions"
             )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}"
+            )
+        if not has_values(input_ids):
+            return
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= cfg.vocab_size:
             bad = lo if lo < 0 else hi
@@ -96,13 +103,8 @@ class DualEncoder(nn.Module):
                 f"token id {bad} is outside the model's vocabulary [0, {cfg.vocab_size}); "
                 "was the text tokenised with this model's tokenizer?"
             )
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}"
-                )
-            if not bool(attention_mask[:, 0].all()):
-                raise ValueError("attention_mask must keep the first ([CLS]) token of every row")
+        if attention_mask is not None and not bool(attention_mask[:, 0].all()):
+            raise ValueError("attention_mask must keep the first ([CLS]) token of every row")
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Unnormalised image embeddings [B, embed_dim]."""
@@ -142,8 +144,11 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple
 
     Captions are padded to the maximum length (64) for fixed shapes, but most are far shorter; keys
     that are masked out contribute nothing, so cutting them changes no output and saves most of the
-    text tower's work. Left padding is left alone.
+    text tower's work. Left padding is left alone. A tensor without values (fake or meta, as when planning
+    a step's memory) is left at its full length: the plan assumes the longest captions.
     """
+    if not has_values(attention_mask):
+        return input_ids, attention_mask
     lengths = attention_mask.sum(1)
     keep = int(lengths.max())
     if keep == attention_mask.shape[1] or bool(attention_mask[:, keep:].any()):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
@@ -27,21 +28,66 @@ class BatchNorm2d(nn.BatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         vb = self.virtual_batch_size
-        if not (self.training and vb and x.shape[0] > vb):
+        if not (self.training and vb and x.shape[0] >= vb):
             return super().forward(x)
-        groups = x.split(vb)
-        out = torch.cat([F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups])
+        # One group of exactly vb rows goes through the same kernels as many, so a gradient-cached chunk of
+        # vb rows computes what the whole batch computes for those rows, to the last bit.
+        if x.shape[0] % vb:
+            groups = x.split(vb)
+            out = torch.cat([F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups])
+            with torch.no_grad():
+                mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)
+                var = torch.stack([g.var((0, 2, 3), correction=1 if g.numel() > g.shape[1] else 0) for g in groups])
+                var = var.mean(0)
+        else:
+            out, mean, var = _GhostBatchNorm.apply(x, self.weight, self.bias, x.shape[0] // vb, self.eps)
         if self.track_running_stats:
             running_mean, running_var, tracked = running_stats(self)
             momentum = self.momentum
             assert momentum is not None  # __init__ takes a float
             with torch.no_grad():
-                mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)
-                var = torch.stack([g.var((0, 2, 3), correction=1 if g.numel() > g.shape[1] else 0) for g in groups])
-                running_mean.lerp_(mean, momentum)
-                running_var.lerp_(var.mean(0), momentum)
+                # Under bf16 autocast the groups arrive in bf16; the running buffers stay fp32.
+                running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+                running_var.lerp_(var.to(running_var.dtype), momentum)
                 tracked.add_(1)
         return out
+
+
+class _GhostBatchNorm(torch.autograd.Function):
+    """Batch norm of ``groups`` equal slices of the batch, each with its own statistics, in a fixed number of
+    kernels: a loop over 1,024 groups of 16 (a 16k batch) would launch one batch norm per group and layer.
+    Saves only the input and the per-group statistics, as ``F.batch_norm`` does; statistics and the affine
+    transform are computed in fp32 whatever the input's precision. Returns the output and, for the running
+    statistics, the mean over groups of each group's mean and unbiased variance."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xg = x.unflatten(0, (groups, -1))
+        var, mean = torch.var_mean(xg.float(), dim=(1, 3, 4), correction=0, keepdim=True)
+        invstd = torch.rsqrt(var + eps)
+        scale = invstd * weight.float().view(1, 1, -1, 1, 1)
+        out = (xg.float() * scale + (bias.float().view(1, 1, -1, 1, 1) - mean * scale)).to(x.dtype)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.groups = groups
+        n = xg.numel() // (groups * xg.shape[2])
+        unbiased = var * (n / (n - 1)) if n > 1 else var
+        ctx.mark_non_differentiable(mean, unbiased)
+        return out.flatten(0, 1), mean.flatten().view(groups, -1).mean(0), unbiased.view(groups, -1).mean(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        g = grad.unflatten(0, (ctx.groups, -1)).float()
+        xhat = (x.unflatten(0, (ctx.groups, -1)).float() - mean) * invstd
+        dims = (0, 1, 3, 4)
+        grad_bias = g.sum(dims)
+        grad_weight = (g * xhat).sum(dims)
+        gw = g * weight.float().view(1, 1, -1, 1, 1)
+        inner = (1, 3, 4)
+        dx = (gw - gw.mean(inner, keepdim=True) - xhat * (gw * xhat).mean(inner, keepdim=True)) * invstd
+        return dx.flatten(0, 1).to(x.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None
 
 
 def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
@@ -104,3 +150,9 @@ def maybe_checkpointed(enabled: bool, module: nn.Module) -> Callable[..., Any]:
     if enabled and torch.is_grad_enabled():
         return lambda *args: checkpointed(module, *args)
     return module
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for tensors that carry shapes only (meta, or fake ones made by ``FakeTensorMode``), whose values
+    cannot be read: checks on values are skipped for them."""
+    return not (t.is_meta or is_fake(t))

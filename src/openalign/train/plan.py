@@ -1,0 +1,668 @@
+"""Plan a training step without the hardware: memory per device, FLOPs and time, for any recipe and device.
+
+The model, optimizer and one whole training step (forward, the paper's loss over the global batch,
+backward, gradient norm, optimizer step) run under PyTorch's ``FakeTensorMode``: every tensor has a shape,
+dtype and device but no storage, so the step of a 16k batch on EfficientNet-B7 allocates nothing. What is
+measured, not derived from formulas:
+
+- memory: ``LiveBytes``, a ``TorchDispatchMode`` that sees every tensor each op returns and holds a weak
+  reference to its storage, so live bytes rise when a storage appears and fall when the step lets go of
+  it; the peak is the most bytes alive at once. (PyTorch's ``MemTracker`` refuses a module called more
+  than once per step, which gradient caching does by design.)
+- FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` over the same step.
+
+With gradient caching the step repeats one chunk's work per chunk, so a plan of many chunks runs the step
+at two and three chunks and extends both measurements along the line through them (exact for FLOPs, and
+for memory outside the loss, whose batch-sized tensors grow by the same bytes per row); the loss over the
+global batch is measured at full size on its own. ``validate`` runs the same steps for real on the CPU and
+compares.
+
+Assumptions a plan makes, and says: captions at the full ``data.max_text_length`` (the loop trims padding
+the batch does not use), DDP's gradient buckets are one more copy of the gradients (its default without
+``gradient_as_bucket_view``), and time is FLOPs over (peak × utilisation), communication not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from openalign.config import ConfigError
+from openalign.loss import contrastive_loss
+from openalign.model.dual_encoder import DualEncoder
+from openalign.optim import build_optimizer
+from openalign.train.config import TrainConfig
+from openalign.train.grad_cache import cached_step, plain_step
+
+__all__ = ["DEVICES", "Device", "LiveBytes", "Plan", "StepMeasure", "device_spec", "largest_chunk", "measure", "plan"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a plan needs of a device: usable memory and peak dense matmul throughput."""
+
+    name: str
+    memory_gib: float  # what the framework can allocate (nvidia-smi's total), not the marketing figure
+    bf16_tflops: float | None  # dense peak with bf16 inputs
+    fp32_tflops: float | None  # dense peak for fp32 matmuls (TF32 tensor cores where the card has them)
+    mfu: float  # default fraction of that peak a training step reaches
+    cuda: bool = True
+
+
+# Peak figures: NVIDIA's datasheets (H100 SXM5, A100 SXM4 40/80 GB, L4), dense, i.e. half the "with
+# sparsity" figures. Memory: nvidia-smi's total (81559, 81920 MiB less ECC reserve, 40536, 23034 MiB).
+# Utilisation 0.35: below the 40-55 % reported for large transformers on A100/H100 (Megatron-LM,
+# Narayanan et al. 2021; PaLM's 46 % on TPUv4), because EfficientNet's depthwise convolutions and batch
+# norms are memory-bound; a measured figure should replace it (--mfu).
+DEVICES: dict[str, Device] = {
+    "h100-80gb": Device("h100-80gb", 79.6, 989.0, 494.5, 0.35),
+    "a100-80gb": Device("a100-80gb", 79.2, 312.0, 156.0, 0.35),
+    "a100-40gb": Device("a100-40gb", 39.4, 312.0, 156.0, 0.35),
+    "l4-24gb": Device("l4-24gb", 22.5, 121.0, 60.0, 0.35),
+}
+
+# A CUDA process holds its context and cuBLAS/cuDNN workspaces outside PyTorch's allocator, and the caching
+# allocator loses some memory to fragmentation; a plan fits when its peak leaves both.
+CUDA_RESERVE_GIB = 1.0
+FRAGMENTATION = 0.10
+
+
+def device_spec(name: str) -> Device:
+    """A device of ``DEVICES``, ``cpu`` (this machine's RAM), or a memory size in GB (``MEM_GB``)."""
+    if name in DEVICES:
+        return DEVICES[name]
+    if name == "cpu":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+        return Device("cpu", ram, None, None, 1.0, cuda=False)
+    try:
+        gb = float(name)
+    except ValueError:
+        raise ConfigError(
+            f"unknown device {name!r}; one of {', '.join([*DEVICES, 'cpu'])} or a memory size in GB"
+        ) from None
+    if not gb > 0:
+        raise ConfigError(f"device memory must be positive, got {name}")
+    return Device(f"{gb:g}gb", gb * 1e9 / GiB, None, None, 0.35)
+
+
+def with_tflops(device: Device, tflops: float) -> Device:
+    """``device`` with its peak throughput replaced (in both precisions: the one the step uses counts)."""
+    return dataclasses.replace(device, bf16_tflops=tflops, fp32_tflops=tflops)
+
+
+def load_plan_config(config: str, overrides: dict[str, Any]) -> TrainConfig:
+    """A recipe as ``openalign train`` loads it, less what only a run needs: training shards are not read,
+    and a fine-tuning recipe's ``model.init`` may be replaced by ``--model.preset``."""
+    from openalign.train.config import load_train_config
+
+    planned = {"data.shards": "planned", **overrides}
+    try:
+        return load_train_config(config, planned)
+    except ConfigError as err:
+        if not str(err).startswith("model.init is empty"):
+            raise
+        if "model.preset" not in overrides:
+            raise ConfigError(
+                f"{config} starts from a checkpoint: plan it with --model.init DIR or --model.preset NAME "
+                "(e.g. l2-large, b7-base)"
+            ) from None
+        return load_train_config(config, {**planned, "model.init": None})
+
+
+# ---------------------------------------------------------------------------------------------- tracking
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive, and the most alive at once, over the ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.phase_peaks: dict[str, int] = {}
+        self.phase = "step"
+        self._seen: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        size = storage.nbytes()
+        self._seen[storage] = size
+        self.live += size
+        weakref.finalize(storage, self._free, size)
+        self._update()
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def _update(self) -> None:
+        self.peak = max(self.peak, self.live)
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+
+def _nbytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+@dataclass
+class StepSetup:
+    """What one rank's step is made of, real or fake."""
+
+    model: DualEncoder
+    optimizer: torch.optim.Optimizer
+    batch: dict[str, torch.Tensor]
+    chunk_size: int | None
+    bf16: bool
+    loss_fn: Callable[..., torch.Tensor]
+    grad_clip: float | None
+
+
+def input_shapes(cfg: TrainConfig) -> tuple[int, int]:
+    """(image side, caption length) of the batches the training stream makes."""
+    model = cfg.model.resolve()
+    return cfg.data.image_size or model.image_size, cfg.data.max_text_length
+
+
+def build_step(cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | None = None) -> StepSetup:
+    """Model, optimizer (with its state, as after a first step) and a batch of ``rows`` on the CPU. Inside a
+    ``FakeTensorMode``, ``meta`` (the model built on the meta device) is given fake storage, so even
+    L2 + BERT-Large costs no memory."""
+    mc = cfg.model.resolve()
+    torch.manual_seed(cfg.train.seed)
+    model = meta.to_empty(device="cpu") if meta is not None else DualEncoder(mc)
+    model.set_grad_checkpointing(cfg.train.grad_checkpointing)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim)
+    # The optimizer's state exists from the first step on; a step on zero gradients creates it.
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    side, length = input_shapes(cfg)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, mc.text.vocab_size, (rows, length), generator=gen)
+    batch = {
+        "pixel_values": torch.randn(rows, 3, side, side, generator=gen),
+        "input_ids": ids,
+        "attention_mask": torch.ones(rows, length, dtype=torch.long),
+    }
+    t = cfg.train
+    loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
+    return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip)
+
+
+def run_step(s: StepSetup, loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """One training step as the loop takes it: forward and backward (gradient-cached or not), gradient norm,
+    optional clipping, optimizer step, gradients dropped."""
+    loss_fn = loss_fn or s.loss_fn
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if s.bf16 else contextlib.nullcontext()
+    temperature = lambda: s.model.temperature  # noqa: E731
+    with autocast:
+        if s.chunk_size is None:
+            loss = plain_step(s.model, s.batch, loss_fn, temperature)
+        else:
+            loss = cached_step(s.model, s.batch, s.chunk_size, loss_fn, temperature)
+    params = [p for p in s.model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if s.grad_clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, s.grad_clip, norm)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+@dataclass
+class StepMeasure:
+    """One fake step of ``rows`` rows on one rank."""
+
+    rows: int
+    peak: int  # most bytes alive at once
+    outside_loss_peak: int  # the same, leaving out the loss over the gathered batch
+    live_at_loss: int  # bytes alive when the loss over the gathered batch starts
+    flops: int
+    params: int
+    buffers: int
+    grads: int
+    optimizer: int
+    inputs: int
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A process group of ``world_size`` ranks in which this process is rank 0 and collectives move no data
+    (PyTorch's fake backend): the loss then gathers the global batch's shapes."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise ConfigError("planning with several ranks needs a process without a process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real tensors may enter: generator states that checkpointing and gradient caching save and restore.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
+    """Run one fake training step of ``rows`` per-rank rows (process group already set up) and measure it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        meta = DualEncoder(cfg.model.resolve())
+    with _fake_mode():
+        s = build_step(cfg, rows, bf16, meta=meta)
+        tracker = LiveBytes()
+        params = [p for p in s.model.parameters()]
+        state = [v for st in s.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        for t in [*params, *s.model.buffers(), *s.batch.values(), *state]:
+            tracker.add(t)
+        live_at_loss = 0
+
+        def loss_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+            nonlocal live_at_loss
+            live_at_loss = tracker.live
+            tracker.phase = "loss"
+            return s.loss_fn(*args, **kwargs)
+
+        def back_to_model(*_: Any) -> None:
+            tracker.phase = "step"
+
+        hook = s.model.register_forward_pre_hook(back_to_model)
+        grads = 0
+        original_step = s.optimizer.step
+
+        def step_and_count(*args: Any, **kwargs: Any) -> Any:
+            nonlocal grads
+            tracker.phase = "step"
+            grads = _nbytes(p.grad for p in params if p.grad is not None)
+            return original_step(*args, **kwargs)
+
+        s.optimizer.step = step_and_count  # type: ignore[method-assign]
+        counter = FlopCounterMode(display=False)
+        try:
+            with tracker, counter:
+                run_step(s, loss_fn if s.chunk_size is not None else None)
+        finally:
+            hook.remove()
+        return StepMeasure(
+            rows=rows,
+            peak=tracker.peak,
+            outside_loss_peak=tracker.phase_peaks.get("step", 0),
+            live_at_loss=live_at_loss,
+            flops=int(counter.get_total_flops()),
+            params=_nbytes(params),
+            buffers=_nbytes(s.model.buffers()),
+            grads=grads,
+            optimizer=_nbytes(state),
+            inputs=_nbytes(s.batch.values()),
+        )
+
+
+def measure_loss(cfg: TrainConfig, rows: int, width: int) -> tuple[int, int]:
+    """(bytes the loss over the gathered batch adds at its peak, its FLOPs) for ``rows`` cached embeddings
+    per rank: the loss and its gradient with respect to the embeddings and the temperature, as the cached
+    step computes them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    t = cfg.train
+    with _fake_mode():
+        image = torch.empty(rows, width).requires_grad_()
+        text = torch.empty(rows, width).requires_grad_()
+        temp = torch.ones(()).requires_grad_()
+        tracker = LiveBytes()
+        for x in (image, text, temp):
+            tracker.add(x)
+        start = tracker.live
+        counter = FlopCounterMode(display=False)
+        with tracker, counter:
+            loss = contrastive_loss(
+                image, text, temp, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction
+            )
+            grads = torch.autograd.grad(loss, [image, text, temp])
+            del loss, grads
+        return tracker.peak - start, int(counter.get_total_flops())
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """The predicted memory, FLOPs and time of one training step on each of ``world_size`` devices."""
+
+    device: str
+    world_size: int
+    global_batch: int
+    per_rank: int
+    chunk_size: int | None
+    precision: str
+    grad_checkpointing: bool
+    strategy: str
+    params: int  # bytes per device
+    buffers: int
+    grads: int
+    optimizer: int
+    inputs: int  # the per-rank batch
+    loss: int  # gathered embeddings, logits and their gradients, at the loss's peak
+    ddp_buckets: int
+    activations: int  # the rest of the peak: saved activations and temporaries
+    peak: int  # predicted peak per device
+    capacity: int  # bytes a step may use on the device
+    flops: int  # per device per step (recomputation included)
+    tflops: float | None  # the peak the time is computed from
+    mfu: float
+    step_seconds: float | None
+    pairs_per_second: float | None
+    extrapolated: bool  # measured at two and three chunks and extended to the per-rank batch
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+
+def capacity_bytes(device: Device) -> int:
+    if not device.cuda:
+        return int(device.memory_gib * GiB)
+    return int((device.memory_gib - CUDA_RESERVE_GIB) * (1 - FRAGMENTATION) * GiB)
+
+
+def resolve_bf16(cfg: TrainConfig, device: Device) -> bool:
+    p = cfg.train.precision
+    return p == "bf16" or (p == "auto" and device.cuda)
+
+
+def plan(cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | None = None) -> Plan:
+    """Predict one step of ``cfg`` on ``world_size`` devices like ``device`` (DDP, or one device)."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be positive, got {world_size}")
+    if world_size > 1 and cfg.train.strategy == "fsdp":
+        raise ConfigError("plans cover one device and DDP; FSDP2's sharded step is not planned (--train.strategy ddp)")
+    per_rank = cfg.per_rank_batch(world_size)
+    chunk = cfg.train.chunk_size
+    bf16 = resolve_bf16(cfg, device)
+    width = cfg.model.resolve().embed_dim
+    with fake_world(world_size):
+        if chunk is not None and per_rank > 3 * chunk:
+            a = measure(_with_batch(cfg, 2 * chunk * world_size), 2 * chunk, bf16)
+            b = measure(_with_batch(cfg, 3 * chunk * world_size), 3 * chunk, bf16)
+            loss_a, loss_b = (measure_loss(cfg, m.rows, width) for m in (a, b))
+            loss_n = measure_loss(cfg, per_rank, width)
+
+            def line(x_a: float, x_b: float) -> int:
+                return round(x_a + (x_b - x_a) * (per_rank - a.rows) / chunk)
+
+            inputs = line(a.inputs, b.inputs)
+            peak = max(line(a.outside_loss_peak, b.outside_loss_peak), line(a.live_at_loss, b.live_at_loss) + loss_n[0])
+            flops = line(a.flops - loss_a[1], b.flops - loss_b[1]) + loss_n[1]
+            base, extrapolated = a, True
+        else:
+            base = measure(cfg, per_rank, bf16)
+            inputs, peak, flops, extrapolated = base.inputs, base.peak, base.flops, False
+            loss_n = measure_loss(cfg, per_rank, width) if chunk is not None else (0, 0)
+    buckets = base.grads if world_size > 1 and cfg.train.strategy == "ddp" else 0
+    peak += buckets
+    persistent = base.params + base.buffers + base.optimizer + inputs + buckets
+    activations = max(0, peak - persistent - base.grads - loss_n[0])
+    tflops = device.bf16_tflops if bf16 else device.fp32_tflops
+    use_mfu = device.mfu if mfu is None else mfu
+    seconds = flops / (tflops * 1e12 * use_mfu) if tflops else None
+    return Plan(
+        device=device.name,
+        world_size=world_size,
+        global_batch=per_rank * world_size,
+        per_rank=per_rank,
+        chunk_size=chunk,
+        precision="bf16" if bf16 else "fp32",
+        grad_checkpointing=cfg.train.grad_checkpointing,
+        strategy=cfg.train.strategy if world_size > 1 else "single",
+        params=base.params,
+        buffers=base.buffers,
+        grads=base.grads,
+        optimizer=base.optimizer,
+        inputs=inputs,
+        loss=loss_n[0],
+        ddp_buckets=buckets,
+        activations=activations,
+        peak=peak,
+        capacity=capacity_bytes(device),
+        flops=flops,
+        tflops=tflops,
+        mfu=use_mfu,
+        step_seconds=seconds,
+        pairs_per_second=per_rank * world_size / seconds if seconds else None,
+        extrapolated=extrapolated,
+    )
+
+
+def _with_batch(cfg: TrainConfig, global_batch: int) -> TrainConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=global_batch))
+
+
+def _with_chunk(cfg: TrainConfig, chunk: int | None, checkpointing: bool | None = None) -> TrainConfig:
+    train = dataclasses.replace(cfg.train, chunk_size=chunk)
+    if checkpointing is not None:
+        train = dataclasses.replace(train, grad_checkpointing=checkpointing)
+    return dataclasses.replace(cfg, train=train)
+
+
+def chunk_candidates(cfg: TrainConfig, per_rank: int) -> list[int]:
+    """Chunk sizes that divide the per-rank batch; with ghost batch norm, multiples of its group size, so
+    gradient caching keeps the statistics groups of plain training."""
+    image = cfg.model.resolve().image
+    group = image.virtual_batch_size if image.batch_norm == "virtual" and image.virtual_batch_size else 1
+    return [c for c in range(1, per_rank + 1) if per_rank % c == 0 and c % group == 0]
+
+
+def largest_chunk(
+    cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | None = None
+) -> tuple[int | None, Plan | None]:
+    """The largest chunk size whose step fits (``None`` with a plan: the whole per-rank batch fits without
+    caching), found by bisection since memory grows with the chunk; ``(None, None)`` when none fits."""
+    per_rank = cfg.per_rank_batch(world_size)
+    whole = plan(_with_chunk(cfg, None), device, world_size, mfu=mfu)
+    if whole.fits:
+        return None, whole
+    sizes = [c for c in chunk_candidates(cfg, per_rank) if c < per_rank]
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = plan(_with_chunk(cfg, sizes[mid]), device, world_size, mfu=mfu)
+        if p.fits:
+            best, lo = (sizes[mid], p), mid + 1
+        else:
+            hi = mid - 1
+    return best if best is not None else (None, None)
+
+
+def suggestion(cfg: TrainConfig, device: Device, world_size: int, *, mfu: float | None = None) -> str:
+    """What makes a step fit that does not: gradient checkpointing, or sharding when the state alone is too big."""
+    if not cfg.train.grad_checkpointing:
+        chunk, p = largest_chunk(_with_chunk(cfg, cfg.train.chunk_size, True), device, world_size, mfu=mfu)
+        if p is not None:
+            size = "no chunking" if chunk is None else f"--train.chunk_size {chunk}"
+            return f"fits with --train.grad_checkpointing true and {size} (peak {p.peak / GiB:.1f} GiB)"
+    smallest = min(chunk_candidates(cfg, cfg.per_rank_batch(world_size)))
+    p = plan(_with_chunk(cfg, smallest, True), device, world_size, mfu=mfu)
+    state = p.params + p.buffers + p.grads + p.optimizer + p.ddp_buckets
+    if state > p.capacity:
+        return (
+            f"parameters, gradients and optimizer state alone take {state / GiB:.1f} GiB of "
+            f"{p.capacity / GiB:.1f}: shard them with --train.strategy fsdp over several devices"
+        )
+    return f"nothing fits: even chunks of {smallest} with checkpointing peak at {p.peak / GiB:.1f} GiB"
+
+
+def fmt_gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def fmt_flops(n: int) -> str:
+    return f"{n / 1e12:.1f} TFLOP" if n >= 1e12 else f"{n / 1e9:.2f} GFLOP"
+
+
+def describe(p: Plan) -> list[tuple[str, str]]:
+    """The plan as (label, value) rows."""
+    rows = [
+        ("device", f"{p.device} × {p.world_size} ({p.strategy})"),
+        ("batch", f"{p.global_batch} global, {p.per_rank} per device, chunk {p.chunk_size or 'none'}"),
+        ("precision", f"{p.precision}, gradient checkpointing {'on' if p.grad_checkpointing else 'off'}"),
+        ("parameters", fmt_gib(p.params)),
+        ("buffers", fmt_gib(p.buffers)),
+        ("gradients", fmt_gib(p.grads)),
+        ("optimizer state", fmt_gib(p.optimizer)),
+        ("batch inputs", fmt_gib(p.inputs)),
+        ("loss buffers", f"{fmt_gib(p.loss)} (gathered embeddings, logits and their gradients)"),
+    ]
+    if p.ddp_buckets:
+        rows.append(("DDP buckets", fmt_gib(p.ddp_buckets)))
+    rows += [
+        ("activations", f"{fmt_gib(p.activations)} (and temporaries, at the peak)"),
+        ("peak", f"{fmt_gib(p.peak)} of {fmt_gib(p.capacity)} usable: {'fits' if p.fits else 'does NOT fit'}"),
+        (
+            "FLOPs/step",
+            f"{fmt_flops(p.flops)} per device" + (" (extended from 2 and 3 chunks)" if p.extrapolated else ""),
+        ),
+    ]
+    if p.step_seconds is not None and p.tflops is not None:
+        rows.append(("step time", f"{p.step_seconds:.2f} s at {p.mfu:.0%} of {p.tflops:g} TFLOP/s"))
+        rows.append(("throughput", f"{p.pairs_per_second:,.0f} pairs/s"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+# Small steps the CPU runs for real: presets, batches and chunk sizes, checkpointing and precision varied.
+# (label, overrides of nano_cpu)
+VALIDATION_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("nano b32", {"train.batch_size": 32}),
+    ("nano b32 chunk 8", {"train.batch_size": 32, "train.chunk_size": 8}),
+    ("nano b32 chunk 8 ckpt", {"train.batch_size": 32, "train.chunk_size": 8, "train.grad_checkpointing": True}),
+    ("nano b16 ckpt", {"train.batch_size": 16, "train.grad_checkpointing": True}),
+    # bf16 at 64 rows: CPU bf16 kernels hold ~16 MiB of scratch no tensor owns (oneDNN's), which at 16 rows
+    # is a quarter of the step's peak; a plan counts tensors, and keeps a reserve for such workspaces on GPUs.
+    ("nano b64 bf16", {"train.batch_size": 64, "train.precision": "bf16"}),
+    (
+        "nano ghost-bn b32 chunk 16",
+        {
+            "train.batch_size": 32,
+            "train.chunk_size": 16,
+            "model.image.batch_norm": "virtual",
+            "model.image.virtual_batch_size": 8,
+        },
+    ),
+    (
+        "b0-mini 32px b8 chunk 4",
+        {
+            "model.preset": "b0-mini",
+            "model.image_size": 32,
+            "train.batch_size": 8,
+            "train.chunk_size": 4,
+            "data.max_text_length": 16,
+        },
+    ),
+)
+
+
+TOLERANCE = 0.20  # the largest relative error of a predicted peak that validation accepts
+
+
+@dataclass
+class Check:
+    """A planned step against the same step run for real on the CPU."""
+
+    label: str
+    predicted_peak: int
+    measured_peak: int
+    predicted_flops: int
+    measured_flops: int
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_peak - self.measured_peak) / self.measured_peak
+
+
+def measured_step(cfg: TrainConfig, rows: int, bf16: bool) -> tuple[int, int]:
+    """(peak bytes allocated, FLOPs) of one real step of ``rows`` rows on the CPU.
+
+    The peak comes from the CPU allocator itself, not from tensors: PyTorch's profiler with
+    ``profile_memory`` records every allocation and free the allocator makes (kernels' scratch buffers
+    included), and the running sum of those events is the bytes the process holds. Recording starts before
+    the model exists, so the sum is absolute; the peak is taken from the step's start on, as the plan's is
+    (building the model and the optimizer state is not part of a step). ``tracemalloc`` would see Python's
+    allocator, not torch's, and a dispatch-mode counter would count the way the plan does. FLOPs come from
+    the counter the plan uses, on real tensors.
+    """
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        s = build_step(cfg, rows, bf16)
+        counter = FlopCounterMode(display=False)
+        with counter, record_function("openalign.step"):
+            run_step(s)
+        del s
+    assert prof.profiler is not None
+    raw = prof.profiler.kineto_results.events()
+    start = min(e.start_ns() for e in raw if e.name() == "openalign.step")
+    events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
+    live = peak = 0
+    for at, delta in events:
+        live += delta
+        if at >= start:
+            peak = max(peak, live)
+    return peak, int(counter.get_total_flops())
+
+
+def validate(cases: tuple[tuple[str, dict[str, Any]], ...] = VALIDATION_CASES) -> list[Check]:
+    """Plan each case on the CPU, run it for real, compare peaks and FLOPs."""
+    from openalign.train.config import load_train_config
+
+    cpu = device_spec("cpu")
+    out = []
+    for label, overrides in cases:
+        cfg = load_train_config("nano_cpu", {"train.precision": "fp32", **overrides})
+        p = plan(cfg, cpu)
+        peak, flops = measured_step(cfg, p.per_rank, p.precision == "bf16")
+        out.append(Check(label, p.peak, peak, p.flops, flops))
+    return out

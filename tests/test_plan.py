@@ -1,0 +1,177 @@
+"""``openalign plan``: fake-tensor plans of a training step checked against the same step run for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from openalign.cli import main
+from openalign.train import plan as P
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_limited(code: str, gib: float, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter whose address space is capped, so a plan that allocated real
+    memory fails the test instead of the machine."""
+    limit = int(gib * 2**30)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, "-c", code], preexec_fn=cap, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+VALIDATE = """
+import json, sys
+from openalign.train import plan as P
+cases = tuple(c for c in P.VALIDATION_CASES if c[0] in sys.argv[1:])
+print(json.dumps([[c.label, c.predicted_peak, c.measured_peak, c.predicted_flops, c.measured_flops]
+                  for c in P.validate(cases)]))
+"""
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        ["nano b32", "nano b32 chunk 8 ckpt"],
+        ["nano b64 bf16", "nano ghost-bn b32 chunk 16"],
+        ["b0-mini 32px b8 chunk 4"],
+    ],
+)
+def test_planned_peak_and_flops_match_a_real_cpu_step(labels: list[str]) -> None:
+    # The measured peak comes from the CPU allocator's own events (the profiler), the prediction from a
+    # fake step; FLOPs must agree exactly, memory within the tolerance.
+    out = run_limited(VALIDATE.replace("sys.argv[1:]", repr(labels)), gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in rows] == labels
+    for label, predicted, measured, flops, real_flops in rows:
+        assert measured > 0
+        assert abs(predicted - measured) / measured <= P.TOLERANCE, (label, predicted, measured)
+        assert flops == real_flops > 0, label
+
+
+@pytest.mark.slow
+def test_the_papers_b7_batch_is_planned_without_allocating_it() -> None:
+    # 16,384 pairs at 289 px through B7 + BERT-Base would need terabytes; under a 3 GiB address space the plan
+    # must still finish, and say it does not fit one H100 without gradient caching.
+    code = (
+        "from openalign.train import plan as P\n"
+        "cfg = P.load_plan_config('pretrain_align_b7', {})\n"
+        "p = P.plan(cfg, P.device_spec('h100-80gb'))\n"
+        "print(p.peak, p.params, p.optimizer, p.flops, p.fits, p.precision, p.per_rank)\n"
+    )
+    out = run_limited(code, gib=3)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak, params, optimizer, flops, fits, precision, per_rank = out.stdout.split()[-7:]
+    assert per_rank == "16384" and precision == "bf16" and fits == "False"
+    assert int(peak) > 1000 * 2**30  # activations of 16k images dwarf an 80 GB card
+    assert int(optimizer) == 2 * int(params)  # LAMB keeps two moments per parameter
+    assert int(flops) > 1e15
+
+
+def test_chunked_plan_extends_two_measured_chunk_counts_to_the_batch() -> None:
+    # Memory outside the loss grows by the same bytes per row, so the plan of 8 chunks extended from 2 and 3
+    # must equal the plan of 8 chunks run in full (up to the loss, measured at full size in both).
+    code = (
+        "from openalign.train import plan as P\n"
+        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 4, "
+        "'train.precision': 'fp32'})\n"
+        "a = P.plan(cfg, P.device_spec('cpu'))\n"
+        "full = P.measure(cfg, 32, False)\n"
+        "print(a.extrapolated, a.peak, full.peak, a.flops, full.flops)\n"
+    )
+    out = run_limited(code, gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    extrapolated, peak, full_peak, flops, full_flops = out.stdout.split()[-5:]
+    assert extrapolated == "True"
+    assert flops == full_flops
+    assert abs(int(peak) - int(full_peak)) / int(full_peak) < 0.02
+
+
+@pytest.mark.slow
+def test_largest_chunk_is_the_boundary_of_fitting() -> None:
+    code = (
+        "import dataclasses\n"
+        "from openalign.train import plan as P\n"
+        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 16, 'train.precision': 'fp32'})\n"
+        "whole = P.plan(cfg, P.device_spec('cpu'))\n"
+        "c4 = P.plan(P._with_chunk(cfg, 4), P.device_spec('cpu'))\n"
+        "budget = (c4.peak + whole.peak) / 2 / 2**30\n"
+        "dev = P.Device('small', budget, None, None, 1.0, cuda=False)\n"
+        "chunk, p = P.largest_chunk(cfg, dev)\n"
+        "print(chunk, p.fits, P.plan(P._with_chunk(cfg, 8), dev).fits, whole.fits, P.plan(cfg, dev).fits)\n"
+    )
+    out = run_limited(code, gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    chunk, fits, eight_fits, _, whole_fits = out.stdout.split()[-5:]
+    assert whole_fits == "False" and fits == "True"
+    # 4 fits by construction; the answer is the largest size that does.
+    assert chunk == ("8" if eight_fits == "True" else "4")
+
+
+def test_data_parallel_plan_gathers_the_global_batch() -> None:
+    # Four ranks of 8 rows: the loss scores 8 rows against 32 columns, and DDP keeps a gradient bucket copy.
+    code = (
+        "from openalign.train import plan as P\n"
+        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 8, "
+        "'train.precision': 'fp32'})\n"
+        "one = P.plan(P._with_batch(cfg, 8), P.device_spec('cpu'))\n"
+        "four = P.plan(cfg, P.device_spec('cpu'), 4)\n"
+        "print(one.per_rank, four.per_rank, one.loss, four.loss, four.ddp_buckets, four.grads, one.ddp_buckets)\n"
+    )
+    out = run_limited(code, gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    one_rows, four_rows, one_loss, four_loss, buckets, grads, one_buckets = map(int, out.stdout.split()[-7:])
+    assert one_rows == four_rows == 8
+    assert four_loss > one_loss
+    assert buckets == grads > 0 and one_buckets == 0
+
+
+def test_device_table_and_sizes() -> None:
+    assert set(P.DEVICES) == {"h100-80gb", "a100-40gb", "a100-80gb", "l4-24gb"}
+    h100 = P.device_spec("h100-80gb")
+    assert h100.bf16_tflops == 989.0 and 0 < h100.mfu < 1
+    assert P.capacity_bytes(h100) < 80 * 2**30
+    assert P.device_spec("24").memory_gib == pytest.approx(24e9 / 2**30)
+    assert P.device_spec("cpu").memory_gib > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--config", "nano_cpu", "--device", "tpu"], "unknown device 'tpu'"),
+        (["plan", "--config", "nano_cpu", "--device", "-3"], "device memory must be positive"),
+        (["plan", "--config", "finetune_flickr30k"], "--model.preset NAME"),
+        (["plan", "--config", "nano_cpu", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
+        (["plan"], "--config is required"),
+        (["plan", "--config", "nano_cpu", "--train.chunk_size", "7", "--train.batch_size", "32"], "does not divide"),
+        (
+            ["plan", "--config", "pretrain_align", "--world-size", "8"],
+            "FSDP2's sharded step is not planned",
+        ),
+    ],
+)
+def test_plan_rejects_bad_input_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_plan_command_prints_the_breakdown(capsys: pytest.CaptureFixture) -> None:
+    argv = ["plan", "--config", "nano_cpu", "--device", "cpu", "--train.batch_size", "8", "--no-search"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("parameters", "gradients", "optimizer state", "activations", "loss buffers", "peak", "FLOPs"):
+        assert label in out
+    assert "fits" in out
