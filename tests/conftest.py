@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,18 @@ def tiny_overrides(**extra: object) -> dict[str, object]:
         "image_size": 32,
     }
     return merge(base, extra)
+
+
+def save_tiny_checkpoint(out: Path, captions: list[str], *, vocab_size: int, **wordpiece: Any) -> Path:
+    """A tiny model (seed 0) and a WordPiece vocabulary learnt from ``captions``, saved as a checkpoint in ``out``."""
+    from openalign.text import train_wordpiece
+
+    tokenizer = train_wordpiece(captions, vocab_size=vocab_size, **wordpiece)
+    torch.manual_seed(0)
+    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tokenizer.vocab_size}))
+    openalign.save_model(model, out)
+    tokenizer.save(out)
+    return out
 
 
 @pytest.fixture

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from PIL import Image
 
 import openalign
-from conftest import tiny_overrides
+from conftest import save_tiny_checkpoint
 from openalign.cli import main
 from openalign.config import ConfigError
 from openalign.embed import embed_images, embed_texts
@@ -20,7 +19,6 @@ from openalign.eval.datasets import load_karpathy
 from openalign.eval.report import markdown
 from openalign.eval.retrieval import recall_at_k
 from openalign.eval.tasks import Option, Task, get_task, register, resolve_options
-from openalign.text import train_wordpiece
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 
@@ -35,13 +33,7 @@ def _image(colour: str, seed: int) -> Image.Image:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     words = [f"a photo of a {c} square" for c in COLOURS] + ["a bad photo of the thing", "itap of my toy"]
-    tokenizer = train_wordpiece(words * 20, vocab_size=200, min_frequency=1)
-    torch.manual_seed(0)
-    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tokenizer.vocab_size}))
-    out = tmp_path_factory.mktemp("ckpt")
-    openalign.save_model(model, out)
-    tokenizer.save(out)
-    return out
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), words * 20, vocab_size=200, min_frequency=1)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 from scipy.io import savemat
 
-import openalign
 from openalign.cli import main
 from openalign.eval.datasets import load_classification
 from openalign.eval.released import parse_spec
@@ -370,16 +368,10 @@ def test_spec_parsing(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import tiny_overrides
-    from openalign.text import train_wordpiece
+    from conftest import save_tiny_checkpoint
 
-    tok = train_wordpiece(["a photo of a pink primrose", "a photo of a beagle"] * 20, vocab_size=101, min_frequency=1)
-    torch.manual_seed(0)
-    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tok.vocab_size}))
-    out = tmp_path_factory.mktemp("ckpt")
-    openalign.save_model(model, out)
-    tok.save(out)
-    return out
+    captions = ["a photo of a pink primrose", "a photo of a beagle"] * 20
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), captions, vocab_size=101, min_frequency=1)
 
 
 def test_eval_tasks_on_flowers102_spec(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

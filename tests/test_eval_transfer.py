@@ -315,16 +315,10 @@ def test_vtab_finetune_restarts_each_trial(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    from conftest import tiny_overrides
-    from openalign.text import train_wordpiece
+    from conftest import save_tiny_checkpoint
 
-    tok = train_wordpiece(["a photo of a red square", "a blue square"] * 20, vocab_size=101, min_frequency=1)
-    torch.manual_seed(0)
-    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tok.vocab_size}))
-    out = tmp_path_factory.mktemp("ckpt")
-    openalign.save_model(model, out)
-    tok.save(out)
-    return out
+    captions = ["a photo of a red square", "a blue square"] * 20
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), captions, vocab_size=101, min_frequency=1)
 
 
 def write_folders(root, per_class: int, classes=("red", "blue")) -> None:

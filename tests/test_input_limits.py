@@ -20,11 +20,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
 import openalign
-from conftest import tiny_overrides
+from conftest import save_tiny_checkpoint
 from openalign.cli import main
 from openalign.data.sources import BadInput, open_source, read_file, read_samples, resolve_image_path
 
@@ -298,15 +297,8 @@ def test_a_folder_source_carries_the_limit_to_its_records(tmp_path: Path) -> Non
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from openalign.text import train_wordpiece
-
-    out = tmp_path_factory.mktemp("model")
-    tokenizer = train_wordpiece(["caption a", "caption b", "a huge image"] * 5, vocab_size=60, min_frequency=1)
-    torch.manual_seed(0)
-    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tokenizer.vocab_size}))
-    openalign.save_model(model, out)
-    tokenizer.save(out)
-    return out
+    captions = ["caption a", "caption b", "a huge image"] * 5
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("model"), captions, vocab_size=60, min_frequency=1)
 
 
 def _index_keys(index: Path) -> list[str]:

@@ -8,11 +8,10 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
 import openalign
-from conftest import tiny_overrides
+from conftest import save_tiny_checkpoint
 from openalign.cli import main
 from openalign.data.transforms import model_transform
 from openalign.embed import embed_images, embed_texts
@@ -20,7 +19,6 @@ from openalign.search import build as build_mod
 from openalign.search.build import BuildConfig, build_index
 from openalign.search.catalog import SearchIndex
 from openalign.search.query import Query, Searcher
-from openalign.text import train_wordpiece
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 20)}
 
@@ -42,13 +40,8 @@ def write_folder(root, indices) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("model")
-    tokenizer = train_wordpiece([picture(i)[1] for i in range(40)] + ["red green blue yellow"], vocab_size=90)
-    torch.manual_seed(0)
-    model = openalign.create_model("nano", **tiny_overrides(text={"vocab_size": tokenizer.vocab_size}))
-    openalign.save_model(model, out)
-    tokenizer.save(out)
-    return out
+    captions = [picture(i)[1] for i in range(40)] + ["red green blue yellow"]
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("model"), captions, vocab_size=90)
 
 
 @pytest.fixture(scope="module")
