@@ -168,7 +168,7 @@ def _expand(spec: str) -> list[str]:
 # Retrieval
 
 
-def _resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
+def resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
     """The first existing candidate path of every image; every missing one is reported by its first candidate."""
     found, missing = [], []
     for candidates in paths:
@@ -226,7 +226,7 @@ def load_karpathy(
                 )
             captions.append(str(raw).strip())
             ids.append(i)
-    files = _resolve_images(candidates, str(path))
+    files = resolve_images(candidates, str(path))
     name = str(data.get("dataset") or path.stem.removeprefix("dataset_"))
     return RetrievalSet(ImageSource.from_files(files, max_bytes=max_file_bytes), captions, ids, name=name)
 
@@ -261,7 +261,7 @@ def load_coco_captions(
             )
         captions.append(str(ann.get("caption", "")).strip())
         ids.append(position[ann["image_id"]])
-    files = _resolve_images([[root / im["file_name"]] for im in images], str(path))
+    files = resolve_images([[root / im["file_name"]] for im in images], str(path))
     return RetrievalSet(ImageSource.from_files(files, max_bytes=max_file_bytes), captions, ids, name=path.stem)
 
 
@@ -328,7 +328,7 @@ def load_retrieval_csv(
             captions.append(caption)
     if not order:
         raise ValueError(f"{path}: no rows")
-    files = _resolve_images([[root / p] for p in order], str(path))
+    files = resolve_images([[root / p] for p in order], str(path))
     return RetrievalSet(ImageSource.from_files(files, max_bytes=max_file_bytes), captions, ids, name=path.stem)
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, read_file, scan_folder
-from openalign.eval.datasets import ClassificationSet, ImageSource, _resolve_images, read_classnames
+from openalign.eval.datasets import ClassificationSet, ImageSource, read_classnames, resolve_images
 
 # Spec names, CLIP_benchmark's names for the same datasets among them (flowers, cars, imagenet1k, pets, food101).
 ALIASES = {
@@ -109,7 +109,7 @@ def load_released(
         if len(override) != len(names):
             raise ValueError(f"{classnames}: {len(override)} class names for the {len(names)} classes of {name}")
         names = override
-    paths = _resolve_images([[f] for f in read.files], read.listed_in)
+    paths = resolve_images([[f] for f in read.files], read.listed_in)
     images = ImageSource.from_files(paths, max_bytes=max_file_bytes)
     return ClassificationSet(name, list(names), list(read.class_ids), read.labels, images, read.skipped)
 
