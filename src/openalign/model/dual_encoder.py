@@ -48,6 +48,43 @@ class DualEncoder(nn.Module):
             self.image.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
         if config.image.batch_norm == "sync":
             self.image = nn.SyncBatchNorm.convert_sync_batchnorm(self.image)
+        self.locked: set[str] = set()  # towers ("image", "text") frozen by lock_image / lock_text
+
+    # ------------------------------------------------------------------ locked towers (LiT)
+
+    def tower_modules(self, tower: str) -> list[nn.Module]:
+        """A tower and its projection: what locking it freezes and what ``init_image``/``init_text`` load."""
+        if tower == "image":
+            return [self.image] + ([self.image_proj] if self.image_proj is not None else [])
+        if tower == "text":
+            return [self.text, self.text_proj]
+        raise ValueError(f"tower must be 'image' or 'text', got {tower!r}")
+
+    @staticmethod
+    def tower_prefixes(tower: str) -> tuple[str, ...]:
+        """State-dict name prefixes of a tower and its projection."""
+        return {"image": ("image.", "image_proj."), "text": ("text.", "text_proj.")}[tower]
+
+    def lock_tower(self, tower: str) -> None:
+        """Freeze a tower as LiT does: no gradients for its weights (so no optimizer state either) and eval mode
+        for good, so its batch norm keeps its running statistics and dropout is off, whatever ``train()`` says."""
+        for module in self.tower_modules(tower):
+            module.requires_grad_(False)
+            module.eval()
+        self.locked.add(tower)
+
+    def lock_image(self) -> None:
+        self.lock_tower("image")
+
+    def lock_text(self) -> None:
+        self.lock_tower("text")
+
+    def train(self, mode: bool = True) -> DualEncoder:
+        super().train(mode)
+        for tower in self.locked:
+            for module in self.tower_modules(tower):
+                module.eval()
+        return self
 
     @property
     def embed_dim(self) -> int:

@@ -179,6 +179,13 @@ class _Run:
         model = DualEncoder(self.model_config)
         if cfg.model.init is not None:
             _load_init(model, cfg.model.init)
+        for tower in ("image", "text"):
+            source = getattr(cfg.model, f"init_{tower}")
+            if source is not None:
+                _load_tower(model, tower, source, info.is_main)
+            if getattr(cfg.model, f"lock_{tower}"):
+                # Before wrapping and before the optimizer: DDP and the optimizer see only trainable parameters.
+                model.lock_tower(tower)
         if t.grad_checkpointing:
             model.set_grad_checkpointing(True)
         model.to(info.device).train()
@@ -554,19 +561,19 @@ def _has_tokenizer(path: str | Path) -> bool:
 
 
 def _load_tokenizer(cfg: TrainConfig, resume: Path | None, is_main: bool) -> TextTokenizer | None:
-    """The run's tokenizer: ``data.tokenizer``, the ``model.init`` checkpoint's, or (synthetic data) a vocabulary
-    learnt from the world's captions. A learnt one is learnt once, by rank 0, and handed to every rank; a
-    resumed run takes the one saved with the checkpoint ``resume`` it continues from. Learning it again is not
-    safe: the WordPiece trainer breaks ties between equally frequent merges in hash-map order, so two learners
-    can disagree."""
+    """The run's tokenizer: ``data.tokenizer``, the ``model.init`` (else ``model.init_text``) checkpoint's, or
+    (synthetic data) a vocabulary learnt from the world's captions. A learnt one is learnt once, by rank 0, and
+    handed to every rank; a resumed run takes the one saved with the checkpoint ``resume`` it continues from.
+    Learning it again is not safe: the WordPiece trainer breaks ties between equally frequent merges in hash-map
+    order, so two learners can disagree."""
     from openalign.text import load_tokenizer
 
     length = cfg.data.max_text_length
     if cfg.data.tokenizer:
         return load_tokenizer(cfg.data.tokenizer, max_length=length)
-    init = cfg.model.init
-    if init is not None and _has_tokenizer(init):
-        return load_tokenizer(init, max_length=length)
+    for init in (cfg.model.init, cfg.model.init_text):
+        if init is not None and _has_tokenizer(init):
+            return load_tokenizer(init, max_length=length)
     if cfg.data.source != "synthetic":
         return None
     tokenizer = None
@@ -610,6 +617,29 @@ def _load_init(model: DualEncoder, init: str) -> None:
         model.load_state_dict(source.state_dict())
     except RuntimeError as err:
         raise ConfigError(f"model.init {init}: its weights do not fit the configured model: {str(err)[:300]}") from None
+
+
+def _load_tower(model: DualEncoder, tower: str, path: str, is_main: bool) -> None:
+    """One tower and its projection, weights and batch-norm statistics, from a checkpoint; the rest of ``model``
+    is left as it is. The tower's shapes must be the configured ones."""
+    from openalign.model.io import first_mismatch, load_model
+
+    source = load_model(path)
+    prefixes = DualEncoder.tower_prefixes(tower)
+    want = {k: v for k, v in model.state_dict().items() if k.startswith(prefixes)}
+    got = {k: v for k, v in source.state_dict().items() if k.startswith(prefixes)}
+    problem = first_mismatch(want, got)
+    if problem is not None:
+        raise ConfigError(f"model.init_{tower} {path}: its {tower} tower does not fit the configured model: {problem}")
+    model.load_state_dict(got, strict=False)
+    # Same shapes, different arithmetic: the features would not be the ones the tower was trained to give.
+    ours, theirs = (getattr(c, tower) for c in (model.config, source.config))
+    for key in ("padding", "pooling"):
+        if is_main and getattr(ours, key, None) != getattr(theirs, key, None):
+            _warn(
+                f"model.init_{tower} {path} uses {tower}.{key}={getattr(theirs, key)!r} but the model is configured "
+                f"with {getattr(ours, key)!r}; set --model.{tower}.{key} {getattr(theirs, key)} to keep its features"
+            )
 
 
 def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step: int) -> Any:
