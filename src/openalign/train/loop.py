@@ -85,6 +85,9 @@ def train(
     ``stream_factory`` replaces ``openalign.train.data.build_train_stream`` (same signature) and
     ``tokenizer`` the one loaded from ``data.tokenizer``. Under torchrun every process calls this.
     """
+    from openalign.train.logging import check_wandb
+
+    check_wandb(cfg.log.wandb)
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
     if info.is_main:  # before any step, so that a run never trains for nothing
@@ -645,7 +648,10 @@ def _load_tower(model: DualEncoder, tower: str, path: str, is_main: bool) -> Non
 def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step: int) -> Any:
     from openalign.train.logging import RunLogger
 
-    return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **cfg.log.logger_kwargs(start_step))
+    kwargs = cfg.log.logger_kwargs(start_step)
+    if kwargs["wandb"] is not None:
+        kwargs["wandb"]["config"] = cfg.to_dict()
+    return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **kwargs)
 
 
 def _load_eval_set(cfg: TrainConfig) -> RetrievalSet:
