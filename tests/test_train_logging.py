@@ -237,3 +237,17 @@ def test_wandb_missing_is_one_line_before_the_run(tmp_path: Path, monkeypatch: p
         "(or set --log.wandb false)"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_wandb_init_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb = pytest.importorskip("wandb")
+
+    def refuse(**kwargs: Any) -> None:
+        raise wandb.errors.UsageError("api_key not configured (no-tty).\nCall wandb.login(key=...)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError) as caught:
+        RunLogger(tmp_path, True, total_steps=2, progress=False, wandb={"project": "p", "name": None, "tags": []})
+    assert str(caught.value) == (
+        "log.wandb: wandb.init failed: api_key not configured (no-tty). (wandb login, or WANDB_MODE=offline)"
+    )

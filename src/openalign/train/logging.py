@@ -133,7 +133,11 @@ class RunLogger:
                 # purge_step drops events a crashed run wrote after the checkpoint it resumes from.
                 self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step or None)
         if wandb is not None:
-            self._wandb = _start_wandb(self.run_dir, wandb)
+            try:
+                self._wandb = _start_wandb(self.run_dir, wandb)
+            except BaseException:
+                self.close()
+                raise
         if progress:
             from tqdm import tqdm
 
@@ -203,7 +207,11 @@ def _start_wandb(run_dir: Path, options: dict[str, Any]) -> Any:
     kwargs["name"] = kwargs.get("name") or run_dir.resolve().name
     if not os.environ.get("WANDB_DIR"):
         kwargs["dir"] = str(run_dir)  # W&B's files live with the run, not in the working directory
-    return wandb.init(**kwargs)
+    try:
+        return wandb.init(**kwargs)
+    except Exception as err:  # wandb raises its own types for a missing login, a bad project name, …
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"log.wandb: wandb.init failed: {first} (wandb login, or WANDB_MODE=offline)") from None
 
 
 def _truncate_after(path: Path, step: int) -> None:

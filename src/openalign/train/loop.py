@@ -295,7 +295,13 @@ class _Run:
                 self.model.load_state_dict(model_state)
             except RuntimeError as err:
                 raise ConfigError(f"{path}: checkpoint does not fit the configured model: {str(err)[:300]}") from None
-            self.optimizer.load_state_dict(trainer["optimizer"])
+            try:
+                self.optimizer.load_state_dict(trainer["optimizer"])
+            except ValueError as err:
+                raise ConfigError(
+                    f"{path}: the optimizer state does not fit the trainable parameters ({err}); was the run "
+                    "started with other model.lock_image / model.lock_text settings?"
+                ) from None
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.step = int(trainer["step"])
         self.skipped_steps = int(trainer.get("skipped_steps", 0))
@@ -651,7 +657,17 @@ def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step:
     kwargs = cfg.log.logger_kwargs(start_step)
     if kwargs["wandb"] is not None:
         kwargs["wandb"]["config"] = cfg.to_dict()
-    return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **kwargs)
+    logger, error = None, None
+    try:
+        logger = RunLogger(cfg.train.run_dir, info.is_main, total_steps, **kwargs)
+    except ConfigError as err:  # only the main rank logs, so only it can fail; the others must not wait for it
+        error = str(err)
+    error = broadcast_object(error)
+    if error is not None:
+        if logger is not None:
+            logger.close()
+        raise ConfigError(error)
+    return logger
 
 
 def _load_eval_set(cfg: TrainConfig) -> RetrievalSet:
