@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +25,10 @@ def test_log_config_is_strict() -> None:
         "tensorboard": True,
         "progress": True,
         "start_step": 7,
+        "wandb": None,
     }
+    wandb = from_dict(LogConfig, {"wandb": True, "wandb_tags": ["lit"]}).logger_kwargs()["wandb"]
+    assert wandb == {"project": "openalign", "name": None, "tags": ["lit"]}
     with pytest.raises(ConfigError, match="every"):
         from_dict(LogConfig, {"every": 0})
     with pytest.raises(ConfigError, match="evry"):
@@ -124,3 +130,124 @@ def test_plot_cli(tmp_path: Path, capsys) -> None:
     assert main(["plot", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("openalign plot: error:") and "metrics.jsonl" in err[0]
+
+
+# ------------------------------------------------------------------------------ Weights & Biases
+
+
+def _wandb_records(path: Path) -> list[Any]:
+    """The records of a W&B transaction log (``run-ID.wandb``), decoded by wandb's own protobuf classes.
+
+    wandb ships no Python reader of the file any more (its Go core writes it). The framing is LevelDB's log
+    format after a 7-byte header (":W&B", magic, version): 32 KiB blocks of chunks, each with a 7-byte header
+    (checksum, little-endian length, type 1 full / 2 first / 3 middle / 4 last), a block's tail under 7 bytes
+    left as padding.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, parts, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+        elif kind == 0:
+            break  # zero padding: the end of what was written
+    return records
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def _children_named(word: str) -> list[str]:
+    """Command lines of this process's live children that mention ``word`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and word in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_wandb_offline_run_holds_what_metrics_jsonl_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb = pytest.importorskip("wandb")
+    from openalign.train.loop import train
+    from test_train_loop import factory, tiny_config
+
+    for key in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb_dir").mkdir()
+    log = {"tensorboard": False, "progress": False, "every": 1, "wandb": True}
+    log |= {"wandb_project": "align-tests", "wandb_run_name": "tiny-lit", "wandb_tags": ["lit", "tiny"]}
+    cfg = tiny_config(tmp_path / "run", log=log, train={"steps": 3})
+    try:
+        train(cfg, stream_factory=factory())
+    finally:
+        wandb.teardown()  # stops the wandb-core service this process started
+    assert _children_named("wandb") == []
+
+    (run_file,) = (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.display_name, run.project, list(run.tags)) == ("tiny-lit", "align-tests", ["lit", "tiny"])
+    config = {_key(item): json.loads(item.value_json) for item in run.config.update}
+    assert config["train"]["steps"] == 3 and config["log"]["wandb"] is True
+    history: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            history[r.history.step.num] = {_key(item): json.loads(item.value_json) for item in r.history.item}
+    expected = {
+        r["step"]: {k: v for k, v in r.items() if k not in ("step", "time") and isinstance(v, int | float)}
+        for r in lines(tmp_path / "run")
+    }
+    assert sorted(expected) == [1, 2, 3] and "loss" in expected[1]
+    assert sorted(history) == sorted(expected)
+    for step, metrics in expected.items():
+        assert {k: history[step][k] for k in metrics} == metrics, step
+    assert not (tmp_path / "run" / "wandb").exists()  # WANDB_DIR wins over the run directory
+
+
+def test_wandb_missing_is_one_line_before_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from openalign.cli import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec and import both fail
+    argv = ["train", "--config", "nano_cpu", "--train.run_dir", str(tmp_path / "run"), "--log.wandb", "true"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "openalign train: error: log.wandb is on but wandb is not installed: pip install wandb "
+        "(or set --log.wandb false)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_wandb_init_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb = pytest.importorskip("wandb")
+
+    def refuse(**kwargs: Any) -> None:
+        raise wandb.errors.UsageError("api_key not configured (no-tty).\nCall wandb.login(key=...)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError) as caught:
+        RunLogger(tmp_path, True, total_steps=2, progress=False, wandb={"project": "p", "name": None, "tags": []})
+    assert str(caught.value) == (
+        "log.wandb: wandb.init failed: api_key not configured (no-tty). (wandb login, or WANDB_MODE=offline)"
+    )

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from dist_utils import run_gloo  # noqa: E402
 from openalign.cli import main as cli_main  # noqa: E402
+from openalign.model.dual_encoder import DualEncoder  # noqa: E402
 from openalign.train.checkpoint import CheckpointError, list_checkpoints, load_trainer_state  # noqa: E402
 from openalign.train.loop import train  # noqa: E402
 from test_train_loop import NO_DROPOUT, factory, tiny_config  # noqa: E402
@@ -134,9 +135,15 @@ def test_kill_9_and_resume_is_bitwise_equal_to_a_straight_run(tmp_path: Path) ->
 # ------------------------------------------------------------------------------ world size 2 -> 1
 
 
+def _locked_image(cfg: Any) -> Any:
+    cfg.model.lock_image = True
+    return cfg
+
+
 def _two_rank_run(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     make = factory()
-    result = train(ddp_config(run_dir, steps=4), stream_factory=make)
+    # A locked image tower under DDP: only the text tower and temperature get (all-reduced) gradients.
+    result = train(_locked_image(ddp_config(run_dir, steps=4)), stream_factory=make)
     return {"step": result.step, "position": make.built[0].position, "first": make.built[0].seen[:2]}
 
 
@@ -150,9 +157,16 @@ def test_resume_on_a_different_world_size_continues_at_the_right_sample(tmp_path
     assert all(r["step"] == 4 and r["position"] == 64 for r in results)
     state, _ = load_trainer_state(run_dir / "checkpoints" / "step_0000004")
     assert state["world_size"] == 2 and len(state["stream"]) == 2 and len(state["rng"]) == 2
+    torch.manual_seed(0)
+    start = DualEncoder(ddp_config(run_dir).model.resolve()).state_dict()
+    trained = _weights(run_dir / "checkpoints" / "step_0000004")
+    image = [k for k in start if k.startswith(("image.", "image_proj."))]
+    assert any(k.endswith("running_var") for k in image)
+    assert all(torch.equal(trained[k], start[k]) for k in image)
+    assert not torch.equal(trained["text_proj.weight"], start["text_proj.weight"])
 
     make = factory()
-    result = train(ddp_config(run_dir, steps=6), resume="latest", stream_factory=make)
+    result = train(_locked_image(ddp_config(run_dir, steps=6)), resume="latest", stream_factory=make)
     stream = make.built[0]
     assert result.step == 6
     assert stream.seen == [64, 80]  # one process now reads whole global batches, from sample 64 on

@@ -16,6 +16,8 @@ _LAZY = {
     "DualEncoder": "openalign.model",
     "ModelConfig": "openalign.config",
     "create_model": "openalign.model",
+    "create_model_and_transforms": "openalign.model.pretrained",
+    "get_tokenizer": "openalign.model.pretrained",
     "list_presets": "openalign.config",
     "load_model": "openalign.model.io",
     "load_tokenizer": "openalign.text",
@@ -28,6 +30,8 @@ __all__ = [
     "ModelConfig",
     "__version__",
     "create_model",
+    "create_model_and_transforms",
+    "get_tokenizer",
     "list_presets",
     "load_model",
     "load_tokenizer",
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from openalign.config import ModelConfig, list_presets, model_config
     from openalign.model import DualEncoder, create_model
     from openalign.model.io import load_model, save_model
+    from openalign.model.pretrained import create_model_and_transforms, get_tokenizer
     from openalign.text import load_tokenizer
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,9 @@ from openalign.config import ModelConfig
 from openalign.model.bert import Bert
 from openalign.model.efficientnet import EfficientNet
 from openalign.model.layers import has_values
+
+if TYPE_CHECKING:
+    from openalign.text.tokenizer import TextTokenizer
 
 
 class DualEncoder(nn.Module):
@@ -43,6 +48,43 @@ class DualEncoder(nn.Module):
             self.image.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
         if config.image.batch_norm == "sync":
             self.image = nn.SyncBatchNorm.convert_sync_batchnorm(self.image)
+        self.locked: set[str] = set()  # towers ("image", "text") frozen by lock_image / lock_text
+
+    # ------------------------------------------------------------------ locked towers (LiT)
+
+    def tower_modules(self, tower: str) -> list[nn.Module]:
+        """A tower and its projection: what locking it freezes and what ``init_image``/``init_text`` load."""
+        if tower == "image":
+            return [self.image] + ([self.image_proj] if self.image_proj is not None else [])
+        if tower == "text":
+            return [self.text, self.text_proj]
+        raise ValueError(f"tower must be 'image' or 'text', got {tower!r}")
+
+    @staticmethod
+    def tower_prefixes(tower: str) -> tuple[str, ...]:
+        """State-dict name prefixes of a tower and its projection."""
+        return {"image": ("image.", "image_proj."), "text": ("text.", "text_proj.")}[tower]
+
+    def lock_tower(self, tower: str) -> None:
+        """Freeze a tower as LiT does: no gradients for its weights (so no optimizer state either) and eval mode
+        for good, so its batch norm keeps its running statistics and dropout is off, whatever ``train()`` says."""
+        for module in self.tower_modules(tower):
+            module.requires_grad_(False)
+            module.eval()
+        self.locked.add(tower)
+
+    def lock_image(self) -> None:
+        self.lock_tower("image")
+
+    def lock_text(self) -> None:
+        self.lock_tower("text")
+
+    def train(self, mode: bool = True) -> DualEncoder:
+        super().train(mode)
+        for tower in self.locked:
+            for module in self.tower_modules(tower):
+                module.eval()
+        return self
 
     @property
     def embed_dim(self) -> int:
@@ -61,6 +103,26 @@ class DualEncoder(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.image.gradient_checkpointing = enable
         self.text.gradient_checkpointing = enable
+
+    # ------------------------------------------------------------------ saving and loading
+
+    def save_pretrained(self, path: str | Path, tokenizer: TextTokenizer | None = None) -> Path:
+        """Write this model (and ``tokenizer``, if given) as an openalign checkpoint directory."""
+        from openalign.model.io import save_model
+
+        out = save_model(self, path)
+        if tokenizer is not None:
+            tokenizer.save(out)
+        return out
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
+        """An openalign or transformers AlignModel directory, or a hub id (``org/name``, ``hf-hub:org/name``)
+        from the local Hugging Face cache; in eval mode."""
+        from openalign.model.hub import resolve
+        from openalign.model.io import load_model
+
+        return load_model(resolve(name_or_path), map_location=map_location)
 
     # ------------------------------------------------------------------ encoding
 
@@ -127,8 +189,14 @@ class DualEncoder(nn.Module):
     def encode_text(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
     ) -> torch.Tensor:
-        """L2-normalised text embeddings [B, embed_dim] from token ids and a 1/0 attention mask."""
+        """L2-normalised text embeddings [B, embed_dim] from token ids and a 1/0 attention mask.
+
+        Without a mask, every ``text.pad_token_id`` after the first position is padding (what
+        ``openalign.get_tokenizer``'s plain id tensors rely on); captions without padding attend to every token.
+        """
         self.check_tokens(input_ids, attention_mask)
+        if attention_mask is None:
+            attention_mask = padding_mask(input_ids, self.config.text.pad_token_id)
         x = self.text_features(input_ids, attention_mask)
         return F.normalize(x, dim=-1) if normalize else x
 
@@ -137,6 +205,13 @@ class DualEncoder(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both normalised embeddings, the inputs of ``openalign.loss.contrastive_loss``."""
         return self.encode_image(pixel_values), self.encode_text(input_ids, attention_mask)
+
+
+def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """1 for real tokens, 0 for ``pad_id``; the first ([CLS]) position always counts."""
+    mask = (input_ids != pad_id).long()
+    mask[:, 0] = 1
+    return mask
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,6 +119,19 @@ def load_checkpoint(
     return model.eval()
 
 
+def first_mismatch(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
+    """What first keeps ``given`` from loading into a model whose state is ``expected`` (names in order), or None."""
+    for name, tensor in expected.items():
+        if name not in given:
+            if name.endswith("num_batches_tracked"):
+                continue  # not saved by every transformers version; unused in eval
+            return f"{name} is missing"
+        if tuple(given[name].shape) != tuple(tensor.shape):
+            return f"{name} has shape {list(given[name].shape)}, the model expects {list(tensor.shape)}"
+    extra = [name for name in given if name not in expected]
+    return f"{extra[0]} is not a parameter of the model" if extra else None
+
+
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
     """Load an openalign checkpoint directory or a transformers AlignModel directory, in eval mode."""
     model = load_checkpoint(path, map_location, expect="dual_encoder")

@@ -1,5 +1,5 @@
 """WordPiece tokenizers: load a trained vocabulary (HF `tokenizers` JSON or BERT vocab.txt) or train one."""
 
-from openalign.text.tokenizer import TextTokenizer, Tokenizer, load_tokenizer, train_wordpiece
+from openalign.text.tokenizer import IdTokenizer, TextTokenizer, Tokenizer, load_tokenizer, train_wordpiece
 
-__all__ = ["TextTokenizer", "Tokenizer", "load_tokenizer", "train_wordpiece"]
+__all__ = ["IdTokenizer", "TextTokenizer", "Tokenizer", "load_tokenizer", "train_wordpiece"]

@@ -136,6 +136,38 @@ class Tokenizer:
         return out
 
 
+class IdTokenizer:
+    """Captions in, one LongTensor out: the tokenizer shape open_clip and CLIP_benchmark call.
+
+    ``tok(["a cat", "a dog"])`` is ``input_ids`` [B, max_length], each row [CLS] … [SEP] then [PAD] to the
+    full length (longer captions cut, keeping [SEP]). There is no separate attention mask: a dual encoder's
+    ``encode_text(ids)`` treats every [PAD] after the first position as padding, which is what the mask
+    would have said. ``with_mask`` gives the ``{"input_ids", "attention_mask"}`` pair of :class:`Tokenizer`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_id
+
+    @property
+    def max_length(self) -> int:
+        return self.tokenizer.max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def __call__(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
+        """``input_ids`` [len(texts), context_length or max_length], padded with [PAD]."""
+        return self.tokenizer(texts, max_length=context_length)["input_ids"]
+
+    def with_mask(self, texts: str | list[str], context_length: int | None = None) -> dict[str, torch.Tensor]:
+        return self.tokenizer(texts, max_length=context_length)
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        return self.tokenizer.decode(ids)
+
+
 def load_tokenizer(path: str | Path, max_length: int = 64) -> Tokenizer:
     """Load ``tokenizer.json`` or ``vocab.txt``, given as the file or a directory holding either
     (an openalign checkpoint, a vocabulary directory, or a transformers AlignModel directory)."""

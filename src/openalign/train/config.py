@@ -50,6 +50,10 @@ class ModelSection:
 
     preset: str = "nano"  # see openalign.list_presets(); ignored for the architecture when init is set
     init: str | None = None  # start from this checkpoint: an openalign model dir or a transformers AlignModel dir
+    init_image: str | None = None  # the image tower (and its projection) from this openalign/transformers dir
+    init_text: str | None = None  # the text tower (and its projection) from this openalign/transformers dir
+    lock_image: bool = False  # LiT: image tower frozen (no gradients, no optimizer state, batch norm in eval mode)
+    lock_text: bool = False  # text tower frozen the same way
     overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields, nested
 
     def resolve(self, vocab_size: int | None = None) -> ModelConfig:
@@ -176,7 +180,8 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = to_dict(self)
         model = out["model"]
-        out["model"] = {"preset": model["preset"], "init": model["init"], **model["overrides"]}
+        section = {k: v for k, v in model.items() if k != "overrides"}
+        out["model"] = {**section, **model["overrides"]}
         return out
 
 
@@ -231,17 +236,14 @@ def _from_mapping(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(sorted(sections))}")
     raw = dict(data)
     model_raw = dict(raw.pop("model", None) or {})
-    model = ModelSection(
-        preset=model_raw.pop("preset", "nano"),
-        init=model_raw.pop("init", None),
-        overrides=model_raw,
-    )
-    if not isinstance(model.preset, str):
-        raise ConfigError(f"model.preset: expected a preset name, got {model.preset!r}")
-    if model.init is not None and not isinstance(model.init, str):
-        raise ConfigError(f"model.init: expected a path, got {model.init!r}")
+    own = {f.name for f in dataclasses.fields(ModelSection)} - {"overrides"}
+    model = from_dict(ModelSection, {k: model_raw.pop(k) for k in own if k in model_raw}, "model")
+    model.overrides = model_raw
     if model.init == "":
         raise ConfigError("model.init is empty: this recipe starts from a checkpoint, give it as --model.init DIR")
+    for key in ("init_image", "init_text"):
+        if getattr(model, key) == "":
+            raise ConfigError(f"model.{key} is empty: give a checkpoint directory or leave it out")
     # Architecture keys are checked now, against ModelConfig, not when the model is built; so are their values
     # where the architecture is known without reading a checkpoint.
     from_dict(ModelConfig, merge({}, model_raw), "model")

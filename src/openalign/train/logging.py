@@ -1,9 +1,13 @@
-"""What a training run reports: a progress bar, ``metrics.jsonl``, TensorBoard events and a plot of them.
+"""What a training run reports: a progress bar, ``metrics.jsonl``, TensorBoard events, Weights & Biases and plots.
 
 Only the main rank writes. ``metrics.jsonl`` holds one JSON object per record, ``{"step": …, "time": …,
 <metric>: …}``; values that are not finite are written as null so every line stays valid JSON. A resumed
 run first drops the records (and TensorBoard events) after its checkpoint's step: those steps are about to
 be taken again, and the file should describe the run that actually produced the weights.
+
+With ``log.wandb`` the same numeric records go to a W&B run (``WANDB_MODE=offline`` writes it under
+``WANDB_DIR``, or the run directory, for a later ``wandb sync``, with no network). Each start or resume is a
+W&B run of its own; W&B only accepts increasing steps within one run, and a resume repeats steps.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,10 @@ class LogConfig:
     every: int = 10  # steps between metric records (JSONL, TensorBoard, progress-bar figures)
     tensorboard: bool = True  # also write TensorBoard events under run_dir/tensorboard (if installed)
     progress: bool = True  # a progress bar on stderr (main rank only)
+    wandb: bool = False  # also log to Weights & Biases (pip install wandb); WANDB_MODE=offline needs no network
+    wandb_project: str = "openalign"  # the W&B project
+    wandb_run_name: str | None = None  # the W&B run's name; None = the run directory's name
+    wandb_tags: list[str] = field(default_factory=list)  # W&B tags of the run, e.g. [lit, b7]
 
     def __post_init__(self) -> None:
         if isinstance(self.every, int) and self.every < 1:
@@ -42,7 +50,19 @@ class LogConfig:
 
     def logger_kwargs(self, start_step: int = 0) -> dict[str, Any]:
         """Keyword arguments of ``RunLogger`` beyond run_dir, is_main and total_steps."""
-        return {"tensorboard": self.tensorboard, "progress": self.progress, "start_step": start_step}
+        wandb = None
+        if self.wandb:
+            wandb = {"project": self.wandb_project, "name": self.wandb_run_name, "tags": list(self.wandb_tags)}
+        return {"tensorboard": self.tensorboard, "progress": self.progress, "start_step": start_step, "wandb": wandb}
+
+
+def check_wandb(enabled: bool) -> None:
+    """With ``log.wandb`` on, a missing wandb is one line before the run starts (every rank checks, so none is
+    left waiting for a rank that stopped). Only looked up, not imported: importing it takes a second."""
+    import importlib.util
+
+    if enabled and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("log.wandb is on but wandb is not installed: pip install wandb (or set --log.wandb false)")
 
 
 def _plain(value: Any) -> Any:
@@ -72,7 +92,8 @@ class RunLogger:
 
     ``log(step, metrics)`` takes any flat or nested mapping of numbers (tensors allowed; nested keys are
     joined with "/"); ``loss``, ``temperature``, ``lr`` and ``pairs_per_s`` also go into the progress bar,
-    which shows the steps done, their rate and the ETA. On other ranks every method does nothing.
+    which shows the steps done, their rate and the ETA. ``wandb`` holds ``wandb.init`` arguments (project,
+    name, tags, config) to log the numeric records to W&B as well. On other ranks every method does nothing.
     """
 
     def __init__(
@@ -84,6 +105,7 @@ class RunLogger:
         *,
         progress: bool = True,
         start_step: int = 0,
+        wandb: dict[str, Any] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
@@ -91,6 +113,7 @@ class RunLogger:
         self.start_time = time.time()
         self._file: Any = None
         self._writer: Any = None
+        self._wandb: Any = None
         self._bar: Any = None
         self._shown: dict[str, str] = {}
         if not is_main:
@@ -109,6 +132,12 @@ class RunLogger:
             else:
                 # purge_step drops events a crashed run wrote after the checkpoint it resumes from.
                 self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step or None)
+        if wandb is not None:
+            try:
+                self._wandb = _start_wandb(self.run_dir, wandb)
+            except BaseException:
+                self.close()
+                raise
         if progress:
             from tqdm import tqdm
 
@@ -128,6 +157,9 @@ class RunLogger:
             for key, value in flat.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self._writer.add_scalar(key, value, int(step))
+        if self._wandb is not None:
+            numbers = {k: v for k, v in flat.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            self._wandb.log(numbers, step=int(step))
         if self._bar is not None:
             if step > self._bar.n:
                 self._bar.update(step - self._bar.n)
@@ -152,6 +184,9 @@ class RunLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -161,6 +196,22 @@ class RunLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_wandb(run_dir: Path, options: dict[str, Any]) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("log.wandb is on but wandb is not installed: pip install wandb") from None
+    kwargs = dict(options)
+    kwargs["name"] = kwargs.get("name") or run_dir.resolve().name
+    if not os.environ.get("WANDB_DIR"):
+        kwargs["dir"] = str(run_dir)  # W&B's files live with the run, not in the working directory
+    try:
+        return wandb.init(**kwargs)
+    except Exception as err:  # wandb raises its own types for a missing login, a bad project name, …
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"log.wandb: wandb.init failed: {first} (wandb login, or WANDB_MODE=offline)") from None
 
 
 def _truncate_after(path: Path, step: int) -> None:

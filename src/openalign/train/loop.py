@@ -85,6 +85,9 @@ def train(
     ``stream_factory`` replaces ``openalign.train.data.build_train_stream`` (same signature) and
     ``tokenizer`` the one loaded from ``data.tokenizer``. Under torchrun every process calls this.
     """
+    from openalign.train.logging import check_wandb
+
+    check_wandb(cfg.log.wandb)
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
     if info.is_main:  # before any step, so that a run never trains for nothing
@@ -179,6 +182,13 @@ class _Run:
         model = DualEncoder(self.model_config)
         if cfg.model.init is not None:
             _load_init(model, cfg.model.init)
+        for tower in ("image", "text"):
+            source = getattr(cfg.model, f"init_{tower}")
+            if source is not None:
+                _load_tower(model, tower, source, info.is_main)
+            if getattr(cfg.model, f"lock_{tower}"):
+                # Before wrapping and before the optimizer: DDP and the optimizer see only trainable parameters.
+                model.lock_tower(tower)
         if t.grad_checkpointing:
             model.set_grad_checkpointing(True)
         model.to(info.device).train()
@@ -285,7 +295,13 @@ class _Run:
                 self.model.load_state_dict(model_state)
             except RuntimeError as err:
                 raise ConfigError(f"{path}: checkpoint does not fit the configured model: {str(err)[:300]}") from None
-            self.optimizer.load_state_dict(trainer["optimizer"])
+            try:
+                self.optimizer.load_state_dict(trainer["optimizer"])
+            except ValueError as err:
+                raise ConfigError(
+                    f"{path}: the optimizer state does not fit the trainable parameters ({err}); was the run "
+                    "started with other model.lock_image / model.lock_text settings?"
+                ) from None
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.step = int(trainer["step"])
         self.skipped_steps = int(trainer.get("skipped_steps", 0))
@@ -554,19 +570,19 @@ def _has_tokenizer(path: str | Path) -> bool:
 
 
 def _load_tokenizer(cfg: TrainConfig, resume: Path | None, is_main: bool) -> TextTokenizer | None:
-    """The run's tokenizer: ``data.tokenizer``, the ``model.init`` checkpoint's, or (synthetic data) a vocabulary
-    learnt from the world's captions. A learnt one is learnt once, by rank 0, and handed to every rank; a
-    resumed run takes the one saved with the checkpoint ``resume`` it continues from. Learning it again is not
-    safe: the WordPiece trainer breaks ties between equally frequent merges in hash-map order, so two learners
-    can disagree."""
+    """The run's tokenizer: ``data.tokenizer``, the ``model.init`` (else ``model.init_text``) checkpoint's, or
+    (synthetic data) a vocabulary learnt from the world's captions. A learnt one is learnt once, by rank 0, and
+    handed to every rank; a resumed run takes the one saved with the checkpoint ``resume`` it continues from.
+    Learning it again is not safe: the WordPiece trainer breaks ties between equally frequent merges in hash-map
+    order, so two learners can disagree."""
     from openalign.text import load_tokenizer
 
     length = cfg.data.max_text_length
     if cfg.data.tokenizer:
         return load_tokenizer(cfg.data.tokenizer, max_length=length)
-    init = cfg.model.init
-    if init is not None and _has_tokenizer(init):
-        return load_tokenizer(init, max_length=length)
+    for init in (cfg.model.init, cfg.model.init_text):
+        if init is not None and _has_tokenizer(init):
+            return load_tokenizer(init, max_length=length)
     if cfg.data.source != "synthetic":
         return None
     tokenizer = None
@@ -612,10 +628,46 @@ def _load_init(model: DualEncoder, init: str) -> None:
         raise ConfigError(f"model.init {init}: its weights do not fit the configured model: {str(err)[:300]}") from None
 
 
+def _load_tower(model: DualEncoder, tower: str, path: str, is_main: bool) -> None:
+    """One tower and its projection, weights and batch-norm statistics, from a checkpoint; the rest of ``model``
+    is left as it is. The tower's shapes must be the configured ones."""
+    from openalign.model.io import first_mismatch, load_model
+
+    source = load_model(path)
+    prefixes = DualEncoder.tower_prefixes(tower)
+    want = {k: v for k, v in model.state_dict().items() if k.startswith(prefixes)}
+    got = {k: v for k, v in source.state_dict().items() if k.startswith(prefixes)}
+    problem = first_mismatch(want, got)
+    if problem is not None:
+        raise ConfigError(f"model.init_{tower} {path}: its {tower} tower does not fit the configured model: {problem}")
+    model.load_state_dict(got, strict=False)
+    # Same shapes, different arithmetic: the features would not be the ones the tower was trained to give.
+    ours, theirs = (getattr(c, tower) for c in (model.config, source.config))
+    for key in ("padding", "pooling"):
+        if is_main and getattr(ours, key, None) != getattr(theirs, key, None):
+            _warn(
+                f"model.init_{tower} {path} uses {tower}.{key}={getattr(theirs, key)!r} but the model is configured "
+                f"with {getattr(ours, key)!r}; set --model.{tower}.{key} {getattr(theirs, key)} to keep its features"
+            )
+
+
 def _make_logger(cfg: TrainConfig, info: DistInfo, total_steps: int, start_step: int) -> Any:
     from openalign.train.logging import RunLogger
 
-    return RunLogger(cfg.train.run_dir, info.is_main, total_steps, **cfg.log.logger_kwargs(start_step))
+    kwargs = cfg.log.logger_kwargs(start_step)
+    if kwargs["wandb"] is not None:
+        kwargs["wandb"]["config"] = cfg.to_dict()
+    logger, error = None, None
+    try:
+        logger = RunLogger(cfg.train.run_dir, info.is_main, total_steps, **kwargs)
+    except ConfigError as err:  # only the main rank logs, so only it can fail; the others must not wait for it
+        error = str(err)
+    error = broadcast_object(error)
+    if error is not None:
+        if logger is not None:
+            logger.close()
+        raise ConfigError(error)
+    return logger
 
 
 def _load_eval_set(cfg: TrainConfig) -> RetrievalSet:

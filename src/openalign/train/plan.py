@@ -199,6 +199,9 @@ def build_step(cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | N
     torch.manual_seed(cfg.train.seed)
     model = meta.to_empty(device="cpu") if meta is not None else DualEncoder(mc)
     model.set_grad_checkpointing(cfg.train.grad_checkpointing)
+    for tower in ("image", "text"):
+        if getattr(cfg.model, f"lock_{tower}"):
+            model.lock_tower(tower)  # a locked tower keeps no gradients or optimizer state
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     # The optimizer's state exists from the first step on; a step on zero gradients creates it.
