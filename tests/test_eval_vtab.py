@@ -240,3 +240,18 @@ def test_cli_vtab_paper_sweep(
     [result] = [json.loads(p.read_text()) for p in out.glob("vtab-*.json")]
     assert result["metrics"]["sweep"] == "paper" and result["metrics"]["trials_per_task"] == 3
     assert "_wd" in result["metrics"]["dtd_best"]
+
+
+def test_cli_vtab_root_finetune_mode(checkpoint: Path, tmp_path: Path, one_thread: None) -> None:
+    root = write_vtab1k(tmp_path / "v", ["dtd", "svhn"])
+    out = tmp_path / "res"
+    argv = ["eval", "vtab", "--model", str(checkpoint), "--root", str(root), "--mode", "finetune"]
+    argv += ["--lrs", "0.1", "--steps", "1", "--image-size", "16", "--trials-dir", str(tmp_path / "t")]
+    assert main([*argv, "--out", str(out)]) == 0
+    [result] = [json.loads(p.read_text()) for p in out.glob("vtab-*.json")]
+    m = result["metrics"]
+    assert m["mode"] == "finetune" and m["tasks_run"] == 2 and m["dtd"] in (0.0, 50.0, 100.0)
+    assert m["dtd_best"] == m["svhn_best"] == "lr0.1_steps1"
+    # each task's trial is recorded under a context that names the mode, so linear records never stand in
+    [line] = (tmp_path / "t" / "dtd.jsonl").read_text().splitlines()
+    assert json.loads(json.loads(line)["key"])["mode"] == "finetune"

@@ -478,7 +478,9 @@ def run_root(model: DualEncoder, options: dict[str, Any], cfg: VTABConfig) -> di
         print(f"eval vtab: {task.folder} ({task.name}) not under {root}, skipped", file=sys.stderr)
     trials = _sweep(options, cfg)
     image = model.image
-    pristine = copy.deepcopy(image.state_dict()) if options["mode"] == "finetune" else None
+    pristine = None
+    if options["mode"] == "finetune":
+        pristine = {k: v.detach().to("cpu", copy=True) for k, v in image.state_dict().items()}
     model_id = _fingerprint(image.state_dict().values())
     accuracy: dict[str, float] = {}
     details: dict[str, Any] = {}
@@ -492,6 +494,7 @@ def run_root(model: DualEncoder, options: dict[str, Any], cfg: VTABConfig) -> di
                 "model": model_id,
                 "seed": cfg.seed,
                 "batch_size": cfg.batch_size,
+                "image_size": options["image_size"],
             }
             log = TrialLog(Path(options["trials_dir"]) / f"{task.folder}.jsonl", context)
         try:
