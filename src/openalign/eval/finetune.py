@@ -433,6 +433,11 @@ def transfer_datasets(
     )
 
 
+def _given(value: Any, default: Any) -> Any:
+    """A flag's value when it was given (0 included), else the recipe's."""
+    return default if value is None else value
+
+
 def resolve_finetune(options: dict[str, Any], n_train: int) -> tuple[FinetuneConfig, int, Recipe | None]:
     """The fine-tuning config, the number of runs and the paper recipe (if any) that ``options`` select;
     flags that are set override the recipe's values."""
@@ -441,15 +446,15 @@ def resolve_finetune(options: dict[str, Any], n_train: int) -> tuple[FinetuneCon
         from openalign.eval.recipes import get_recipe
 
         recipe = get_recipe(options["recipe"], "finetune")
-    batch = options["finetune_batch_size"] or (recipe.batch_size if recipe else 256)
+    batch = _given(options["finetune_batch_size"], recipe.batch_size if recipe else 256)
     steps_per_epoch = max(1, math.ceil(n_train / batch))
     if recipe is not None:
         cfg = recipe.finetune_config(steps_per_epoch, steps=options["steps"], epochs=options["epochs"], batch=batch)
     elif options["recipe"] == "imagenet":
-        cfg = imagenet_recipe(steps_per_epoch, options["epochs"] or 100, batch)
+        cfg = imagenet_recipe(steps_per_epoch, _given(options["epochs"], 100), batch)
     else:
-        cfg = fine_grained_recipe(options["steps"] or 20_000, batch)
-    runs = options["runs"] or (recipe.runs if recipe else 1)
+        cfg = fine_grained_recipe(_given(options["steps"], 20_000), batch)
+    runs = _given(options["runs"], recipe.runs if recipe else 1)
     if runs < 1:
         raise ValueError(f"--runs must be at least 1, got {runs}")
     return cfg, runs, recipe

@@ -377,9 +377,9 @@ def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) 
     base = recipe.probe_config() if recipe is not None else LinearProbeConfig()
     cfg = LinearProbeConfig(
         method=method,
-        epochs=options["epochs"] or base.epochs,
-        lr=options["lr"] or base.lr,
-        batch_size=options["probe_batch_size"] or base.batch_size,
+        epochs=base.epochs if options["epochs"] is None else options["epochs"],
+        lr=base.lr if options["lr"] is None else options["lr"],
+        batch_size=base.batch_size if options["probe_batch_size"] is None else options["probe_batch_size"],
         C=options["C"],
         standardize=options["standardize"],
         momentum=base.momentum,

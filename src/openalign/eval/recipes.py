@@ -44,9 +44,13 @@ class Recipe:
     ) -> FinetuneConfig:
         """The two-stage config; ``steps_per_epoch`` sizes the ImageNet schedule's epochs."""
         if self.schedule == "imagenet":
-            return imagenet_recipe(steps_per_epoch, epochs or self.epochs, batch or self.batch_size)
+            return imagenet_recipe(
+                steps_per_epoch, self.epochs if epochs is None else epochs, self.batch_size if batch is None else batch
+            )
         if self.schedule == "fine-grained":
-            return fine_grained_recipe(steps or self.steps, batch or self.batch_size)
+            return fine_grained_recipe(
+                self.steps if steps is None else steps, self.batch_size if batch is None else batch
+            )
         raise ValueError(f"recipe {self.name!r} is a linear-probe recipe, not a fine-tuning one")
 
     def probe_config(self) -> LinearProbeConfig:
