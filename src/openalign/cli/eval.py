@@ -97,7 +97,11 @@ def suite_parser() -> Parser:
         "    - {task: zeroshot, dataset: imagenet/val, layout: imagenet}\n\n"
         "examples:\n"
         "  openalign eval suite suite.yaml\n"
-        "  openalign eval suite suite.yaml --model runs/b0-tiny/final --out results/b0 --resume",
+        "  openalign eval suite suite.yaml --model runs/b0-tiny/final --out results/b0 --resume\n"
+        "  openalign eval suite paper-transfer.yaml --root DATA --model runs/b7-base/final  # Tables 4-6\n\n"
+        "packaged suites (a bare name that is not a file): paper-transfer.yaml runs ImageNet, VTAB-1k and the\n"
+        "fine-grained sets with the paper's recipes, for each folder present under --root DATA: imagenet/,\n"
+        "vtab-1k/, flowers102/, pets/, cars/, food101/ (each as released); absent ones are skipped.",
     )
     parser.add_argument("suite", metavar="SUITE.yaml")
     parser.add_argument("--model", help="checkpoint directory (overrides the YAML's model)")
@@ -105,6 +109,16 @@ def suite_parser() -> Parser:
     parser.add_argument("--out", help="results directory (overrides the YAML's out)")
     parser.add_argument("--device", help="torch device for every task (overrides the YAML)")
     parser.add_argument("--resume", action="store_true", help="skip tasks whose results are already in --out")
+    parser.add_argument(
+        "--root", help="data folder: {root} in entries stands for it; entries whose 'needs:' folder is absent skip"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set an option in every entry whose task has it (repeatable), e.g. --option steps=200",
+    )
     return parser
 
 
@@ -143,10 +157,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_suite(ns: argparse.Namespace) -> int:
-    from openalign.eval.suite import run_suite
+    from openalign.eval.suite import parse_options, run_suite
 
     summary = run_suite(
-        ns.suite, model=ns.model, tokenizer=ns.tokenizer, out=ns.out, device=ns.device, resume=ns.resume
+        ns.suite,
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        out=ns.out,
+        device=ns.device,
+        resume=ns.resume,
+        root=ns.root,
+        options=parse_options(ns.option),
     )
     print(summary.markdown)
     if summary.failed:

@@ -7,6 +7,7 @@ short reason, so a data pipeline can skip the sample and count why.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -165,6 +166,81 @@ def eval_transform(
     def apply(image: Image.Image) -> torch.Tensor:
         image = _resize(image, resize)
         image = image.crop((offset, offset, offset + image_size, offset + image_size))
+        return to_tensor(image, mean, std)
+
+    return apply
+
+
+# The paper's evaluation crop for classification transfer: a single central crop of 0.875 of the image.
+CROP_RATIO = 0.875
+
+
+def center_crop_transform(
+    image_size: int,
+    crop_ratio: float = CROP_RATIO,
+    mean: Sequence[float] = (0.5, 0.5, 0.5),
+    std: Sequence[float] = (0.5, 0.5, 0.5),
+) -> Transform:
+    """Resize to ``image_size / crop_ratio`` square and take the central ``image_size`` crop (crop_ratio of
+    each side): 0.875 at 360 resizes to 411 and keeps the middle 360."""
+    if not 0.0 < crop_ratio <= 1.0:
+        raise ValueError(f"crop_ratio must be in (0, 1], got {crop_ratio}")
+    return eval_transform(image_size, max(image_size, round(image_size / crop_ratio)), mean=mean, std=std)
+
+
+def inception_crop_box(
+    width: int,
+    height: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    attempts: int = 10,
+) -> tuple[int, int, int, int]:
+    """A random (left, top, right, bottom) box covering a uniform ``scale`` fraction of the image area with a
+    log-uniform aspect ratio in ``ratio`` (Szegedy et al. 2015, the paper's training crop); after
+    ``attempts`` boxes that do not fit, the central box of the clamped aspect ratio. Uses torch's generator."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(attempts):
+        target = area * float(torch.empty(()).uniform_(scale[0], scale[1]))
+        aspect = math.exp(float(torch.empty(()).uniform_(log_lo, log_hi)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(torch.randint(0, width - w + 1, ()).item())
+            top = int(torch.randint(0, height - h + 1, ()).item())
+            return left, top, left + w, top + h
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif aspect > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
+
+
+def inception_crop_transform(
+    image_size: int,
+    mean: Sequence[float] = (0.5, 0.5, 0.5),
+    std: Sequence[float] = (0.5, 0.5, 0.5),
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+) -> Transform:
+    """Inception-style training augmentation: a random-resized crop (``inception_crop_box``) resized to
+    ``image_size`` square, flipped left-right half the time."""
+    if image_size < 1:
+        raise ValueError(f"crop size {image_size} must be positive")
+    if not 0.0 < scale[0] <= scale[1] <= 1.0 or not 0.0 < ratio[0] <= ratio[1]:
+        raise ValueError(f"bad inception crop bounds: scale {scale}, ratio {ratio}")
+
+    def apply(image: Image.Image) -> torch.Tensor:
+        box = inception_crop_box(image.width, image.height, scale, ratio)
+        image = image.resize((image_size, image_size), Image.Resampling.BICUBIC, box=box)
+        if flip and bool(torch.rand(()) < 0.5):
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_tensor(image, mean, std)
 
     return apply

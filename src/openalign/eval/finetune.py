@@ -9,7 +9,8 @@ Both of the paper's recipes train in two stages with SGD and momentum 0.9:
 ImageNet (``imagenet_recipe``): lr 0.1 then 0.01, ×0.2 every 30 epochs, 100 epochs each, no weight decay.
 Fine-grained (``fine_grained_recipe``): batch 256, weight decay 1e-5, lr 1e-2 then 1e-3 with cosine decay
 over 20k steps each, batch norm frozen in stage 2 (statistics fixed: small data sets give noisy ones).
-Resolutions (289/360 and 475/600) are the caller's transforms; this module only sees tensors.
+Resolutions (289/360 and 475/600), crops and the number of runs are the recipe's (``openalign.eval.recipes``,
+``--recipe paper-finegrained`` / ``paper-imagenet-finetune``); the training loop only sees tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from openalign.eval.linear_probe import classification_metrics
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
+    from openalign.eval.recipes import Recipe
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer
 
@@ -396,18 +398,33 @@ class LabelledImages(Dataset):
         return self.transform(image), self.labels[i]
 
 
-def transfer_datasets(model: DualEncoder, options: dict[str, Any]) -> tuple[LabelledImages, LabelledImages, int, str]:
-    """Train (augmented) and val (centre crop) sets for fine-tuning, sized by ``image_size`` options."""
-    from openalign.data.transforms import eval_transform, model_resize, train_transform
+def transfer_datasets(
+    model: DualEncoder, options: dict[str, Any], recipe: Recipe | None = None
+) -> tuple[LabelledImages, LabelledImages, int, str]:
+    """Train (augmented) and val (centre crop) sets for fine-tuning, sized by ``image_size`` options or the
+    recipe. A recipe trains on Inception-style random-resized crops and flips and evaluates a central crop
+    of its ``crop_ratio``; without one, training takes random crops of the resized image (the pre-training
+    augmentation)."""
+    from openalign.data.transforms import (
+        center_crop_transform,
+        eval_transform,
+        inception_crop_transform,
+        model_resize,
+        train_transform,
+    )
     from openalign.eval.linear_probe import load_labelled_pair
 
     train, val, val_labels = load_labelled_pair(options)
     cfg = model.config
-    size = options.get("image_size") or cfg.image_size
-    eval_size = options.get("eval_image_size") or size
+    size = options.get("image_size") or (recipe.train_size if recipe else cfg.image_size)
+    eval_size = options.get("eval_image_size") or (recipe.eval_size if recipe else size)
     mean, std = cfg.pixel_mean, cfg.pixel_std
-    train_t = train_transform(size, model_resize(size), mean=mean, std=std)
-    val_t = eval_transform(eval_size, model_resize(eval_size), mean=mean, std=std)
+    if recipe is not None:
+        train_t = inception_crop_transform(size, mean, std)
+        val_t = center_crop_transform(eval_size, recipe.crop_ratio, mean, std)
+    else:
+        train_t = train_transform(size, model_resize(size), mean=mean, std=std)
+        val_t = eval_transform(eval_size, model_resize(eval_size), mean=mean, std=std)
     return (
         LabelledImages(train.images, train.labels, train_t, skip_unreadable=True),
         LabelledImages(val.images, val_labels, val_t),
@@ -416,24 +433,84 @@ def transfer_datasets(model: DualEncoder, options: dict[str, Any]) -> tuple[Labe
     )
 
 
-def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
-    train, val, num_classes, name = transfer_datasets(model, options)
-    steps = options["steps"]
-    if options["recipe"] == "imagenet":
-        cfg = imagenet_recipe(
-            max(1, math.ceil(len(train) / options["finetune_batch_size"])),
-            options["epochs"],
-            options["finetune_batch_size"],
-        )
+def _given(value: Any, default: Any) -> Any:
+    """A flag's value when it was given (0 included), else the recipe's."""
+    return default if value is None else value
+
+
+def resolve_finetune(options: dict[str, Any], n_train: int) -> tuple[FinetuneConfig, int, Recipe | None]:
+    """The fine-tuning config, the number of runs and the paper recipe (if any) that ``options`` select;
+    flags that are set override the recipe's values."""
+    recipe = None
+    if options["recipe"] not in ("fine-grained", "imagenet"):
+        from openalign.eval.recipes import get_recipe
+
+        recipe = get_recipe(options["recipe"], "finetune")
+    batch = _given(options["finetune_batch_size"], recipe.batch_size if recipe else 256)
+    steps_per_epoch = max(1, math.ceil(n_train / batch))
+    if recipe is not None:
+        cfg = recipe.finetune_config(steps_per_epoch, steps=options["steps"], epochs=options["epochs"], batch=batch)
+    elif options["recipe"] == "imagenet":
+        cfg = imagenet_recipe(steps_per_epoch, _given(options["epochs"], 100), batch)
     else:
-        cfg = fine_grained_recipe(steps, options["finetune_batch_size"])
-    _, metrics = finetune(model, train, num_classes, cfg, test_data=val, device=options["device"], progress=True)
+        cfg = fine_grained_recipe(_given(options["steps"], 20_000), batch)
+    runs = _given(options["runs"], recipe.runs if recipe else 1)
+    if runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {runs}")
+    return cfg, runs, recipe
+
+
+_AVERAGED = ("top1", "top5", "mean_per_class_recall", "head_loss", "full_loss")
+
+
+def mean_of_runs(per_run: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's metrics as they are; several runs' as their mean (what Table 6 reports), each run's value
+    under ``<metric>_runs`` and the sample standard deviation of top-1 under ``top1_std``."""
+    if len(per_run) == 1:
+        return dict(per_run[0])
+    out = dict(per_run[-1])
+    for key in _AVERAGED:
+        values = [float(m[key]) for m in per_run if key in m]
+        if len(values) == len(per_run):
+            out[key] = sum(values) / len(values)
+            out[f"{key}_runs"] = values
+    top1 = out["top1_runs"]
+    out["top1_std"] = math.sqrt(sum((v - out["top1"]) ** 2 for v in top1) / (len(top1) - 1))
+    out["runs"] = len(per_run)
+    return out
+
+
+def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from openalign.eval.recipes import RECIPES
+
+    recipe = RECIPES.get(options["recipe"])
+    train, val, num_classes, name = transfer_datasets(model, options, recipe)
+    cfg, runs, recipe = resolve_finetune(options, len(train))
+    size = options["image_size"] or (recipe.train_size if recipe else model.config.image_size)
+    image = model.image
+    # Every run starts from the pre-trained weights, and so does whatever a suite runs next.
+    pristine = {k: v.detach().to("cpu", copy=True) for k, v in image.state_dict().items()}
+    per_run = []
+    try:
+        for run in range(runs):
+            image.load_state_dict(pristine)
+            _, metrics = finetune(
+                model, train, num_classes, replace(cfg, seed=cfg.seed + run), test_data=val,
+                device=options["device"], progress=True,
+            )  # fmt: skip
+            per_run.append(metrics)
+    finally:
+        image.load_state_dict(pristine)
     return {
         "dataset": name,
-        **metrics,
+        **mean_of_runs(per_run),
         "num_train": len(train),
         "train_images_unreadable": sorted(train.unreadable),
         "recipe": options["recipe"],
+        "train_size": size,
+        "eval_size": options["eval_image_size"] or (recipe.eval_size if recipe else size),
     }
 
 
@@ -451,23 +528,34 @@ def _register() -> None:
                 Option(
                     "recipe",
                     default="fine-grained",
-                    choices=("fine-grained", "imagenet"),
-                    help="fine-grained: wd 1e-5, cosine, BN frozen; imagenet: ×0.2 every 30 epochs",
+                    choices=("fine-grained", "imagenet", "paper-finegrained", "paper-imagenet-finetune"),
+                    help="fine-grained: wd 1e-5, cosine, BN frozen; imagenet: ×0.2 every 30 epochs (both at the "
+                    "model's resolution); paper-finegrained: the paper's Table 6 preset (289/360, crop 0.875, "
+                    "Inception crops, mean of 3 runs); paper-imagenet-finetune: its Table 4 preset (475/600, "
+                    "batch 1024); flags override a preset",
                 ),
-                Option("steps", int, 20_000, help="fine-grained: steps per stage (paper 20000)"),
-                Option("epochs", int, 100, help="imagenet: epochs per stage (paper 100)"),
-                Option("finetune_batch_size", int, 256, help="training batch (paper: 256 fine-grained, 1024 ImageNet)"),
+                Option("steps", int, None, help="fine-grained: steps per stage (default and paper 20000)"),
+                Option("epochs", int, None, help="imagenet: epochs per stage (default and paper 100)"),
+                Option(
+                    "finetune_batch_size",
+                    int,
+                    None,
+                    help="training batch (default 256; paper: 256 fine-grained, 1024 ImageNet)",
+                ),
+                Option("runs", int, None, help="independent runs (seeds 0, 1, ...) whose mean is reported (default 1)"),
                 Option("image_size", int, None, help="training resolution (default: the model's; paper 289)"),
                 Option("eval_image_size", int, None, help="evaluation resolution (default: training's; paper 360)"),
             ),
             examples=(
+                "openalign eval finetune --model runs/b7-base/final --train flowers102:flowers:train "
+                "--val flowers102:flowers:test --recipe paper-finegrained --out results/",
                 "openalign eval finetune --model runs/b7-base/final --train flowers/train --val flowers/test "
                 "--image-size 289 --eval-image-size 360 --out results/",
                 "openalign eval finetune --model runs/nano/final --train shapes/train --val shapes/val --steps 200",
             ),
             description="Stage 1 trains a linear head on the frozen EfficientNet pooled features; stage 2 "
             "trains every layer with a 10× smaller learning rate on the backbone. Reports top-1/top-5 accuracy "
-            "and mean per-class recall on val. The model's weights are changed in place.",
+            "and mean per-class recall on val (the mean of --runs runs). The model's weights are restored afterwards.",
         )
     )
 

@@ -37,6 +37,7 @@ class PaperReference:
     # metric -> value our result must have for the comparison to be fair (e.g. the number of test images)
     requires: Mapping[str, float] = field(default_factory=dict)
     baseline_name: str = "CLIP"  # the header of the ``clip`` column
+    table: str = ""  # for the transfer results (Tables 4-6): the row label in results.md's transfer summary
 
 
 _RETRIEVAL_KEYS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
@@ -90,6 +91,54 @@ PAPER: list[PaperReference] = [
         dict(zip(_SIMLEX_KEYS, (40.8, 62.2, 42.8, 19.6, 43.3, 41.6, 42.3, 40.2, 27.2), strict=True)),
         {"n_all": 999},
         baseline_name="GloVe",
+    ),
+    PaperReference(
+        "linear-probe",
+        "imagenet",
+        "Table 4, ImageNet Acc@1 with frozen features (EfficientNet-L2), with CLIP (ViT-L/14) as reported there",
+        {"top1": 85.5},
+        {"top1": 85.4},
+        {"n": 50000},
+        table="Table 4: ImageNet, frozen features",
+    ),
+    PaperReference(
+        "finetune",
+        "imagenet",
+        "Table 4, ImageNet fine-tuned Acc@1 / Acc@5 (EfficientNet-L2), with NoisyStudent (EfficientNet-L2) "
+        "as reported there",
+        {"top1": 88.64, "top5": 98.67},
+        {"top1": 88.4, "top5": 98.7},
+        {"n": 50000},
+        baseline_name="NoisyStudent",
+        table="Table 4: ImageNet, fine-tuned",
+    ),
+    PaperReference(
+        "vtab",
+        "vtab-1k",
+        "Table 5, VTAB-1k mean accuracy over the 19 tasks and per group (it gives no per-task numbers), "
+        "with BiT-L as reported there",
+        {"all_mean": 79.99, "natural_mean": 83.38, "specialized_mean": 87.56, "structured_mean": 73.25},
+        {"all_mean": 78.72},
+        baseline_name="BiT-L",
+        table="Table 5: VTAB-1k",
+    ),
+    *(
+        PaperReference(
+            "finetune",
+            dataset,
+            f"Table 6, {title} fine-tuned top-1 (mean of three runs), with SAM-baseline as reported there",
+            {"top1": align},
+            {"top1": sam},
+            {"n": test_images},  # the released test split
+            baseline_name="SAM-baseline",
+            table=f"Table 6: {title}",
+        )
+        for dataset, title, align, sam, test_images in (
+            ("flowers102", "Oxford Flowers", 99.65, 99.60, 6149),
+            ("pets", "Oxford Pets", 96.19, 96.92, 3669),
+            ("cars", "Stanford Cars", 96.13, 95.07, 8041),
+            ("food101", "Food101", 95.88, 96.03, 25250),
+        )
     ),
     PaperReference(
         "multilingual",
@@ -148,9 +197,49 @@ def _fmt(value: Any) -> str:
     return f"{value:.2f}"
 
 
+def _paper(value: float) -> str:
+    """A paper number with the decimals the paper printed (one, or two where it gave two: 79.99, 88.64)."""
+    return f"{value:.1f}" if round(value, 1) == value else f"{value:.2f}"
+
+
+def transfer_summary(results: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The paper's transfer tables (4-6), every row of them, with our number beside each where we have one
+    and whether it is comparable (the paper's test split; for VTAB-1k, every task of a group)."""
+    found = {(r["task"], canonical_dataset(r["dataset"])): r for r in results}
+    refs = [p for p in PAPER if p.table]
+    if not any((p.task, p.dataset) in found for p in refs):
+        return []
+    lines = [
+        "## Transfer: the paper's Tables 4-6 beside ours",
+        "",
+        "| paper table | metric | ours | ALIGN (paper) | comparable |",
+        "|---|---|---:|---:|---|",
+    ]
+    for ref in refs:
+        result = found.get((ref.task, ref.dataset))
+        metrics = result["metrics"] if result is not None else {}
+        mismatch = [f"{k} {metrics.get(k)} (paper {v:g})" for k, v in ref.requires.items() if metrics.get(k) != v]
+        for key, paper in ref.align.items():
+            ours = metrics.get(key)
+            if result is None:
+                note, shown = "not run", ""
+            elif ours is None:
+                note, shown = "not measured (a task of the group did not run)", ""
+            else:
+                note = "no: " + ", ".join(mismatch) if mismatch else "yes"
+                if metrics.get("runs"):
+                    note += f"; mean of {metrics['runs']} runs"
+                shown = _fmt(ours)
+            lines.append(f"| {ref.table} | {key} | {shown} | {_paper(paper)} | {note} |")
+    lines += ["", "Paper numbers: ALIGN paper, Table 4 (ImageNet), Table 5 (VTAB-1k) and Table 6 (fine-grained).", ""]
+    return lines
+
+
 def markdown(results: Iterable[Mapping[str, Any]]) -> str:
-    """One table per result: metric, ours, and the paper's ALIGN and baseline numbers where comparable."""
-    parts = ["# Evaluation results", ""]
+    """One table per result: metric, ours, and the paper's ALIGN and baseline numbers where comparable;
+    with transfer results, first a summary of the paper's Tables 4-6 beside ours."""
+    results = list(results)
+    parts = ["# Evaluation results", "", *transfer_summary(results)]
     for r in results:
         metrics = r["metrics"]
         model = f" — model `{r['model']}`" if r.get("model") else ""
@@ -169,7 +258,7 @@ def markdown(results: Iterable[Mapping[str, Any]]) -> str:
                 columns.append(shown.clip)
         parts += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
         for key, value in metrics.items():
-            cells = [key, _fmt(value)] + ["" if (v := col.get(key)) is None else f"{v:.1f}" for col in columns]
+            cells = [key, _fmt(value)] + ["" if (v := col.get(key)) is None else _paper(v) for col in columns]
             parts.append("| " + " | ".join(cells) + " |")
         parts.append("")
         if shown is not None:

@@ -4,6 +4,11 @@ A suite loads the model once, checks every entry's options before anything runs 
 second, not after an hour), writes each result as soon as it is done, and carries on past a failing
 task, reporting it at the end; ``resume`` skips entries whose result with the same options is on disk.
 
+A bare file name that is not on disk names a suite shipped with the package (``paper-transfer.yaml``). With
+``root`` (``--root DATA``), ``{root}`` in an entry's values is replaced by DATA (and ``{out}`` by the results
+directory), and an entry with ``needs: FOLDER`` runs only when DATA/FOLDER exists: otherwise it is skipped
+with a line saying so. ``options`` (``--option NAME=VALUE``) set NAME in every entry whose task has it.
+
 Suite YAML::
 
     model: runs/nano/final          # checkpoint directory (or --model)
@@ -43,7 +48,8 @@ class SuiteConfig:
     out: str = ""  # results directory; --out overrides; empty prints only
     device: str = ""  # default device for entries that do not set one
     batch_size: int = 0  # default batch size for entries that do not set one (0: each task's default)
-    tasks: tuple[dict[str, Any], ...] = ()  # each {task: NAME, <option>: value, ...}
+    root: str = ""  # data folder that {root} stands for and `needs:` folders are looked up in; --root overrides
+    tasks: tuple[dict[str, Any], ...] = ()  # each {task: NAME, [needs: FOLDER,] <option>: value, ...}
 
 
 @dataclass
@@ -51,6 +57,7 @@ class SuiteSummary:
     results: list[dict[str, Any]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # "entry: reason" for every task that raised
     skipped: list[str] = field(default_factory=list)  # entries whose results were already on disk (resume)
+    absent: list[str] = field(default_factory=list)  # entries whose `needs:` folder is not under the root
     markdown: str = ""
 
 
@@ -86,15 +93,77 @@ def run_eval(
     return result, markdown([result.to_dict()])
 
 
-def _entries(cfg: SuiteConfig, where: str, device: str | None) -> list[tuple[str, dict[str, Any]]]:
+def packaged_suite(name: str) -> Path | None:
+    """The suite shipped with the package under ``name`` (``.yaml`` optional), if any."""
+    from importlib import resources
+
+    if Path(name).parent != Path("."):
+        return None
+    stem = name if name.endswith(".yaml") else f"{name}.yaml"
+    packaged = resources.files("openalign.eval").joinpath("data").joinpath(stem)
+    return Path(str(packaged)) if packaged.is_file() else None
+
+
+def packaged_suites() -> list[str]:
+    from importlib import resources
+
+    folder = resources.files("openalign.eval").joinpath("data")
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def parse_options(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["steps=2", "sweep=light"]`` -> {"steps": 2, "sweep": "light"} (values read as YAML scalars)."""
+    from openalign.config import parse_yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--option expects NAME=VALUE, got {item!r}")
+        out[name.strip().replace("-", "_")] = parse_yaml(value) if value.strip() else ""
+    return out
+
+
+def _substitute(value: Any, names: dict[str, str], where: str) -> Any:
+    if isinstance(value, list | tuple):
+        return [_substitute(v, names, where) for v in value]
+    if not isinstance(value, str):
+        return value
+    for name, replacement in names.items():
+        token = "{" + name + "}"
+        if token in value:
+            if not replacement:
+                flag = "--root DATA" if name == "root" else "--out DIR"
+                raise ConfigError(f"{where}: {value!r} uses {token}; give {flag}")
+            value = value.replace(token, replacement)
+    return value
+
+
+def _entries(
+    cfg: SuiteConfig,
+    where: str,
+    device: str | None,
+    *,
+    root: str = "",
+    out: str = "",
+    overrides: dict[str, Any] | None = None,
+) -> list[tuple[str, dict[str, Any], Path | None]]:
     if not cfg.tasks:
         raise ConfigError(f"{where}: the suite lists no tasks")
+    overrides = overrides or {}
+    used: set[str] = set()
     entries = []
     for i, entry in enumerate(cfg.tasks):
         here = f"{where}: tasks[{i}]"
         if "task" not in entry:
             raise ConfigError(f"{here} has no 'task' key")
-        options = {k: v for k, v in entry.items() if k != "task"}
+        names = {"root": root, "out": out}
+        options = {k: _substitute(v, names, here) for k, v in entry.items() if k not in ("task", "needs")}
+        needs = None
+        if entry.get("needs"):
+            if not root:
+                raise ConfigError(f"{here} needs the folder {entry['needs']!r} of a data root; give --root DATA")
+            needs = Path(root) / str(entry["needs"])
         if device:
             options["device"] = device
         elif cfg.device and "device" not in options:
@@ -105,8 +174,16 @@ def _entries(cfg: SuiteConfig, where: str, device: str | None) -> list[tuple[str
             task = get_task(str(entry["task"]))
         except ValueError as err:
             raise ConfigError(f"{here}: {err}") from None
+        declared = {o.name for o in task.all_options()}
+        for name, value in overrides.items():
+            if name in declared:
+                options[name] = value
+                used.add(name)
         resolve_options(task, options, here)
-        entries.append((task.name, options))
+        entries.append((task.name, options, needs))
+    unused = sorted(set(overrides) - used)
+    if unused:
+        raise ConfigError(f"--option {unused[0]}: no task of {where} has that option")
     return entries
 
 
@@ -118,8 +195,18 @@ def run_suite(
     out: str | Path | None = None,
     device: str | None = None,
     resume: bool = False,
+    root: str | Path | None = None,
+    options: dict[str, Any] | None = None,
 ) -> SuiteSummary:
-    """Run every task of ``suite`` (a YAML path or mapping) on one model; keyword arguments override it."""
+    """Run every task of ``suite`` (a YAML path, the name of a packaged suite, or a mapping) on one model;
+    keyword arguments override it."""
+    if not isinstance(suite, dict) and not Path(suite).is_file():
+        packaged = packaged_suite(str(suite))
+        if packaged is None:
+            raise FileNotFoundError(
+                f"{suite}: no such suite file, nor a packaged suite ({', '.join(packaged_suites())})"
+            )
+        suite = packaged
     where = str(suite) if not isinstance(suite, dict) else "suite"
     data = load_yaml(suite) if not isinstance(suite, dict) else suite
     cfg = from_dict(SuiteConfig, data)
@@ -129,16 +216,23 @@ def run_suite(
     out_dir = Path(out or cfg.out) if (out or cfg.out) else None
     if resume and out_dir is None:
         raise ConfigError("resume needs a results directory (--out or 'out:' in the suite)")
-    entries = _entries(cfg, where, device)
+    data_root = str(root or cfg.root)
+    if data_root and not Path(data_root).is_dir():
+        raise FileNotFoundError(f"{data_root}: no such data root")
+    entries = _entries(cfg, where, device, root=data_root, out=str(out_dir) if out_dir else "", overrides=options)
     if out_dir is not None:
         check_writable(out_dir, what="results directory", directory=True)
     net, tok = load_checkpoint(model_path, tokenizer or cfg.tokenizer or None)
 
     summary = SuiteSummary()
-    for i, (name, options) in enumerate(entries):
-        label = f"tasks[{i}] {name}" + (f" ({options['name']})" if options.get("name") else "")
+    for i, (name, options_i, needs) in enumerate(entries):
+        label = f"tasks[{i}] {name}" + (f" ({options_i['name']})" if options_i.get("name") else "")
+        if needs is not None and not needs.is_dir():
+            summary.absent.append(f"{label}: {needs}")
+            print(f"eval suite: {label}: skipped, {needs} is not there", file=sys.stderr)
+            continue
         if resume and out_dir is not None:
-            done = _finished(out_dir, name, resolve_options(get_task(name), options))
+            done = _finished(out_dir, name, resolve_options(get_task(name), options_i))
             if done is not None:
                 summary.results.append(done)
                 summary.skipped.append(label)
@@ -146,7 +240,7 @@ def run_suite(
                 continue
         print(f"eval suite: {label} ...", file=sys.stderr)
         try:
-            result = run_task(name, net, tok, options, model_name=model_path).to_dict()
+            result = run_task(name, net, tok, options_i, model_name=model_path).to_dict()
         except Exception as err:  # one broken dataset must not cost the other tasks' results
             summary.failed.append(f"{label}: {type(err).__name__}: {err}")
             print(f"eval suite: {label} failed: {err}", file=sys.stderr)
@@ -155,6 +249,9 @@ def run_suite(
         if out_dir is not None:
             write_result(result, out_dir)
             write_report(out_dir)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_report(out_dir)
     summary.markdown = markdown(summary.results)
     return summary
 

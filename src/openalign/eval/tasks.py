@@ -139,8 +139,8 @@ def _coerce(option: Option, value: Any, where: str) -> Any:
         return None
     tp = option.type
     if tp is list:
-        if isinstance(value, str):
-            value = [value]
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            value = [value]  # one value where a list is expected (`lrs: 0.1` in YAML, --option lrs=0.1)
         if not isinstance(value, list | tuple) or not all(isinstance(v, str | int | float) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
         return [str(v) for v in value]
