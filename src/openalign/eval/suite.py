@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openalign.config import ConfigError, from_dict, load_yaml
-from openalign.eval.report import markdown, result_filename, write_report, write_result
+from openalign.eval.report import (
+    CLIP_BENCHMARK_TASKS,
+    clip_benchmark_result,
+    markdown,
+    result_filename,
+    write_clip_benchmark,
+    write_report,
+    write_result,
+)
 from openalign.eval.tasks import EvalResult, get_task, resolve_options, run_task
 from openalign.outputs import check_writable
 
@@ -72,14 +80,31 @@ def run_eval(
     *,
     tokenizer: str | Path | None = None,
     out: str | Path | None = None,
+    format: str = "openalign",
 ) -> tuple[EvalResult, str]:
     """Evaluate checkpoint ``model`` on ``task``; with ``out`` write the result JSON and refresh results.md.
-    Returns the result and its Markdown table."""
+    Returns the result and its Markdown table.
+
+    With ``format="clip_benchmark"`` the result is written (and returned as text) as CLIP_benchmark's JSON
+    instead, under its file name, and results.md is left alone.
+    """
     resolve_options(get_task(task), options)  # fail on bad options before loading the model
+    if format not in ("openalign", "clip_benchmark"):
+        raise ConfigError(f"unknown result format {format!r}; expected openalign or clip_benchmark")
+    if format == "clip_benchmark" and task not in CLIP_BENCHMARK_TASKS:
+        raise ConfigError(
+            f"eval task {task!r} has no CLIP_benchmark counterpart; --format clip_benchmark covers "
+            + ", ".join(CLIP_BENCHMARK_TASKS)
+        )
     if out:
         check_writable(out, what="--out", directory=True)
     net, tok = load_checkpoint(model, tokenizer)
     result = run_task(task, net, tok, options, model_name=str(model))
+    if format == "clip_benchmark":
+        converted = clip_benchmark_result(result.to_dict(), architecture=net.config.name)
+        if out:
+            write_clip_benchmark(converted, out)
+        return result, json.dumps(converted, indent=2)
     if out:
         write_result(result.to_dict(), out)
         write_report(out)
