@@ -305,7 +305,8 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> I
 def load_searcher(
     index_path: str | Path, model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
 ) -> Searcher:
-    """Open an index with the model (and tokenizer) it was built with, or the ones given."""
+    """Open an index with the model (and tokenizer) it was built with, or the ones given. An index built
+    from embeddings without a model opens without one: it answers embedding queries only."""
     from openalign.model.io import load_model
     from openalign.search.catalog import SearchIndex
     from openalign.text import load_tokenizer
@@ -313,6 +314,8 @@ def load_searcher(
     index = SearchIndex.open(index_path)
     model_path = model_path or index.info.get("model")
     if not model_path:
+        if index.info.get("imported") is not None:
+            return Searcher(index)
         raise ValueError(f"{index_path} does not name its model; pass --model")
     model = load_model(model_path)
     tokenizer_path = tokenizer_path or index.info.get("tokenizer") or model_path
