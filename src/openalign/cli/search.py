@@ -13,6 +13,7 @@ from openalign.cli.options import Alias, Parser, add_config, data, print_config,
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
     from openalign.search.build import BuildConfig
+    from openalign.search.query import Searcher
     from openalign.text.tokenizer import Tokenizer
 
 BUILD = "openalign.search.build:BuildConfig"
@@ -264,7 +265,8 @@ def _read_embedding(spec: str) -> list[float]:
 
 def _serve(parser: Parser) -> None:
     parser.description = (
-        "Serve POST /search, GET /image/{id}, GET /health (OpenAPI at /docs) and a search page at /. Without "
+        "Serve POST /search, GET /image/{id}, GET /health (OpenAPI at /docs), a search page at /, and "
+        "clip-retrieval's POST /knn-service, GET /indices-list and POST /metadata. Without "
         "--index a demo index of synthetic scenes is built on first use (cached) with --model, or with an "
         "untrained nano model when none is given. With an API key (--api-key or $OPENALIGN_API_KEY) every route "
         "but /health needs 'Authorization: Bearer KEY' or 'X-API-Key: KEY'."
@@ -273,9 +275,16 @@ def _serve(parser: Parser) -> None:
         "examples:\n"
         "  openalign serve                                  # demo index, http://127.0.0.1:8000/\n"
         "  openalign serve --model runs/nano/final          # demo index embedded with a trained model\n"
-        "  OPENALIGN_API_KEY=... openalign serve --index photos.index --host 0.0.0.0 --port 8080"
+        "  OPENALIGN_API_KEY=... openalign serve --index photos.index --host 0.0.0.0 --port 8080\n"
+        "  openalign serve --index photos=photos.index --index web=web.index   # clip-retrieval: /knn-service"
     )
-    parser.add_argument("--index", help="index directory (default: the demo index)")
+    parser.add_argument(
+        "--index",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="index directory, named by its folder or NAME (repeat to serve several; the first is the default; "
+        "default: the demo index)",
+    )
     parser.add_argument("--model", help="model checkpoint (default: the index's; for the demo, an untrained nano)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
     add_config(parser, schema.read(SERVE))
@@ -286,7 +295,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import os
 
     from openalign.config import ConfigError, from_dict, to_dict
-    from openalign.search.api import ServeConfig, create_app, load_searcher, serve
+    from openalign.search.api import (
+        ServeConfig,
+        create_app,
+        index_specs,
+        load_searcher,
+        load_searchers,
+        serve,
+    )
     from openalign.search.guard import exposure_warning
 
     cfg = from_dict(ServeConfig, data(args))
@@ -308,11 +324,11 @@ def run_serve(args: argparse.Namespace) -> int:
         out = Path(cfg.demo_dir) if cfg.demo_dir else default_demo_dir(cfg.demo_images, cfg.seed, args.model)
         print(f"serving the demo index in {out} (built on first use)", file=sys.stderr)
         index = build_demo_index(out, model_path=args.model, n_images=cfg.demo_images, seed=cfg.seed)
-        searcher = load_searcher(index)
+        searchers: Searcher | dict[str, Searcher] = load_searcher(index)
     else:
-        searcher = load_searcher(index, args.model, args.tokenizer)
+        searchers = load_searchers(index_specs(index), args.model, args.tokenizer)
     app = create_app(
-        searcher,
+        searchers,
         max_upload_bytes=int(cfg.max_upload_mb * 2**20),
         body_timeout_s=cfg.body_timeout_s,
         decode_budget_bytes=int(cfg.decode_budget_mb * 2**20),

@@ -204,7 +204,9 @@ class Searcher:
         emb = self.embed_texts(all_texts) if all_texts else np.zeros((0, self.index.embed_dim), np.float32)
         image = None
         if query.embedding is not None:
-            image = np.asarray(query.embedding, dtype=np.float32)
+            vector = np.asarray(query.embedding, dtype=np.float64)
+            # Scaled before the float32 cast, so that a vector of huge (finite) numbers keeps its direction.
+            image = (vector / np.abs(vector).max()).astype(np.float32)
             if image.shape != (self.index.embed_dim,):
                 raise ValueError(
                     f"the embedding has {image.size} numbers; this index holds {self.index.embed_dim}-d vectors"
@@ -226,7 +228,11 @@ class Searcher:
 
     def search(self, query: Query) -> list[Hit]:
         """The top ``query.k`` hits, best first."""
-        vector = self.query_vector(query)
+        return self.search_vector(self.query_vector(query), query)
+
+    def search_vector(self, vector: np.ndarray, query: Query) -> list[Hit]:
+        """The top ``query.k`` hits for ``vector`` (``query_vector(query)``) in ``query.modality``, with
+        ``query.dedup``, best first."""
         store = self.index.store(query.modality)
         depth = query.k if query.dedup is None else min(MAX_K * 4, query.k * 4)
         scores, ids = store.search(vector[None], depth)
