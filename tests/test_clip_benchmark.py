@@ -43,6 +43,11 @@ def _image(colour: str, seed: int, noise: int = 40) -> Image.Image:
     return Image.fromarray(pixels)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread: None) -> None:
+    """Tiny models on shared cores: intra-op threads only wait on each other."""
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     words = [f"a {s} {c} square on a {d} table" for c in COLOURS for d in COLOURS for s in SIZES]

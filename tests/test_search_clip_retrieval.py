@@ -38,6 +38,11 @@ def _clip_client_module():
     return module
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread: None) -> None:
+    """Tiny models on shared cores: intra-op threads only wait on each other."""
+
+
 @pytest.fixture(scope="module")
 def indexes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("indexes")
