@@ -104,6 +104,19 @@ class _Labelled(Dataset):
         return self.transform(Image.open(path).convert("RGB")), label
 
 
+def _class_folders(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+    """Three images per colour in ``<colour>_square`` folders; the folder names and (path, label) pairs."""
+    classes = sorted(f"{c}_square" for c in COLOURS)
+    items = []
+    for label, folder in enumerate(classes):
+        (root / folder).mkdir(parents=True)
+        for k in range(3):
+            path = root / folder / f"{k}.png"
+            _image(folder.split("_")[0], 100 * label + k).save(path)
+            items.append((path, label))
+    return classes, items
+
+
 def _clip_benchmark_zeroshot(model, loader, tokenizer, names: list[str], templates: list[str]) -> dict:
     """``zeroshot_classification.evaluate``; where its ``accuracy`` fails on NumPy ≥ 2.4 (it calls float() on
     a one-element array), the same steps from its own module: its prompt classifier, its logits, its argmax
@@ -170,14 +183,7 @@ def test_clip_benchmark_retrieval_equals_openalign_eval(checkpoint: Path, tmp_pa
 
 def test_clip_benchmark_zeroshot_equals_openalign_eval(checkpoint: Path, tmp_path: Path) -> None:
     root = tmp_path / "cls"
-    classes = sorted(f"{c}_square" for c in COLOURS)
-    items = []
-    for label, folder in enumerate(classes):
-        (root / folder).mkdir(parents=True)
-        for k in range(3):
-            path = root / folder / f"{k}.png"
-            _image(folder.split("_")[0], 100 * label + k).save(path)
-            items.append((path, label))
+    classes, items = _class_folders(root)
     (tmp_path / "templates.txt").write_text("\n".join(TEMPLATES) + "\n")
     names = [c.replace("_", " ") for c in classes]
 
@@ -253,3 +259,35 @@ def test_zeroshot_acc5_is_nan_below_five_classes_as_clip_benchmark_writes_it() -
     assert converted["model"] == "nano" and converted["pretrained"] == "runs/x/final"
     assert converted["metrics"]["acc1"] == 0.5 and converted["metrics"]["mean_per_class_recall"] == 0.375
     assert math.isnan(converted["metrics"]["acc5"])
+
+
+def test_a_suite_writes_clip_benchmark_results_for_every_entry(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    _karpathy(tmp_path / "flickr", list(COLOURS))
+    _class_folders(tmp_path / "cls")
+    (tmp_path / "templates.txt").write_text("\n".join(TEMPLATES) + "\n")
+    karpathy = f"karpathy:{tmp_path / 'flickr' / 'dataset_flickr30k.json'}"
+    entries = [
+        {"task": "retrieval", "dataset": karpathy, "images": str(tmp_path / "flickr")},
+        {"task": "zeroshot", "dataset": str(tmp_path / "cls"), "templates": str(tmp_path / "templates.txt")},
+    ]
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump({"model": str(checkpoint), "batch_size": 3, "tasks": entries}))
+    out = tmp_path / "out"
+    assert main(["eval", "suite", str(suite), "--out", str(out), "--format", "clip_benchmark"]) == 0
+    written = {json.loads(p.read_text())["task"]: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(written) == ["zeroshot_classification", "zeroshot_retrieval"] and not (out / "results.md").exists()
+    # Each entry as a single run writes the same file.
+    single = _eval(checkpoint, "zeroshot", tmp_path / "single", "--dataset", str(tmp_path / "cls"),
+                   "--templates", str(tmp_path / "templates.txt"))  # fmt: skip
+    assert written["zeroshot_classification"] == single
+
+    suite.write_text(
+        yaml.safe_dump({"model": str(checkpoint), "tasks": [*entries, {"task": "knn", "train": "x", "val": "y"}]})
+    )
+    capsys.readouterr()
+    assert main(["eval", "suite", str(suite), "--format", "clip_benchmark"]) == 2
+    assert "'knn' has no CLIP_benchmark counterpart" in capsys.readouterr().err

@@ -112,6 +112,13 @@ def suite_parser() -> Parser:
     parser.add_argument("--out", help="results directory (overrides the YAML's out)")
     parser.add_argument("--device", help="torch device for every task (overrides the YAML)")
     parser.add_argument("--resume", action="store_true", help="skip tasks whose results are already in --out")
+    parser.add_argument(
+        "--format",
+        choices=("openalign", "clip_benchmark"),
+        default="openalign",
+        help="result format: openalign (JSON + results.md) or clip_benchmark (its JSON; retrieval, zeroshot and "
+        "linear-probe entries only)",
+    )
     return parser
 
 
@@ -153,9 +160,20 @@ def run_suite(ns: argparse.Namespace) -> int:
     from openalign.eval.suite import run_suite
 
     summary = run_suite(
-        ns.suite, model=ns.model, tokenizer=ns.tokenizer, out=ns.out, device=ns.device, resume=ns.resume
+        ns.suite,
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        out=ns.out,
+        device=ns.device,
+        resume=ns.resume,
+        format=ns.format,
     )
-    print(summary.markdown)
+    if ns.format == "clip_benchmark":
+        import json
+
+        print(json.dumps(summary.clip_benchmark, indent=2))
+    else:
+        print(summary.markdown)
     if summary.failed:
         print(
             f"openalign eval: error: {len(summary.failed)} task(s) failed: {'; '.join(summary.failed)}", file=sys.stderr

@@ -59,6 +59,7 @@ class SuiteSummary:
     results: list[dict[str, Any]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # "entry: reason" for every task that raised
     skipped: list[str] = field(default_factory=list)  # entries whose results were already on disk (resume)
+    clip_benchmark: list[dict[str, Any]] = field(default_factory=list)  # the results in CLIP_benchmark's JSON
     markdown: str = ""
 
 
@@ -89,13 +90,7 @@ def run_eval(
     instead, under its file name, and results.md is left alone.
     """
     resolve_options(get_task(task), options)  # fail on bad options before loading the model
-    if format not in ("openalign", "clip_benchmark"):
-        raise ConfigError(f"unknown result format {format!r}; expected openalign or clip_benchmark")
-    if format == "clip_benchmark" and task not in CLIP_BENCHMARK_TASKS:
-        raise ConfigError(
-            f"eval task {task!r} has no CLIP_benchmark counterpart; --format clip_benchmark covers "
-            + ", ".join(CLIP_BENCHMARK_TASKS)
-        )
+    _check_format(format, [task])
     if out:
         check_writable(out, what="--out", directory=True)
     net, tok = load_checkpoint(model, tokenizer)
@@ -109,6 +104,22 @@ def run_eval(
         write_result(result.to_dict(), out)
         write_report(out)
     return result, markdown([result.to_dict()])
+
+
+def _check_format(format: str, tasks: list[str], resume: bool = False) -> None:
+    """ConfigError, before anything loads, for a format that is not known or cannot hold every task."""
+    if format not in ("openalign", "clip_benchmark"):
+        raise ConfigError(f"unknown result format {format!r}; expected openalign or clip_benchmark")
+    if format != "clip_benchmark":
+        return
+    other = [t for t in tasks if t not in CLIP_BENCHMARK_TASKS]
+    if other:
+        raise ConfigError(
+            f"eval task {other[0]!r} has no CLIP_benchmark counterpart; --format clip_benchmark covers "
+            + ", ".join(CLIP_BENCHMARK_TASKS)
+        )
+    if resume:
+        raise ConfigError("--resume finds openalign-format results; it does not combine with --format clip_benchmark")
 
 
 def _entries(cfg: SuiteConfig, where: str, device: str | None) -> list[tuple[str, dict[str, Any]]]:
@@ -143,8 +154,11 @@ def run_suite(
     out: str | Path | None = None,
     device: str | None = None,
     resume: bool = False,
+    format: str = "openalign",
 ) -> SuiteSummary:
-    """Run every task of ``suite`` (a YAML path or mapping) on one model; keyword arguments override it."""
+    """Run every task of ``suite`` (a YAML path or mapping) on one model; keyword arguments override it.
+    With ``format="clip_benchmark"`` each result is written as CLIP_benchmark's JSON instead (every task
+    must have a CLIP_benchmark counterpart)."""
     where = str(suite) if not isinstance(suite, dict) else "suite"
     data = load_yaml(suite) if not isinstance(suite, dict) else suite
     cfg = from_dict(SuiteConfig, data)
@@ -155,6 +169,7 @@ def run_suite(
     if resume and out_dir is None:
         raise ConfigError("resume needs a results directory (--out or 'out:' in the suite)")
     entries = _entries(cfg, where, device)
+    _check_format(format, [name for name, _ in entries], resume)
     if out_dir is not None:
         check_writable(out_dir, what="results directory", directory=True)
     net, tok = load_checkpoint(model_path, tokenizer or cfg.tokenizer or None)
@@ -177,7 +192,12 @@ def run_suite(
             print(f"eval suite: {label} failed: {err}", file=sys.stderr)
             continue
         summary.results.append(result)
-        if out_dir is not None:
+        if format == "clip_benchmark":
+            converted = clip_benchmark_result(result, architecture=net.config.name)
+            summary.clip_benchmark.append(converted)
+            if out_dir is not None:
+                write_clip_benchmark(converted, out_dir)
+        elif out_dir is not None:
             write_result(result, out_dir)
             write_report(out_dir)
     summary.markdown = markdown(summary.results)
