@@ -165,6 +165,8 @@ def test_indices_list_metadata_and_the_ignored_header(server: str, clip_client) 
     assert "x-openalign-ignored" not in plain.headers and plain.json() == response.json()
     extra = httpx.post(f"{server}/knn-service", json={"text": "a blue square", "use_mclip": True, "new_flag": 1})
     assert extra.headers["x-openalign-ignored"] == "use_mclip,new_flag"
+    odd = httpx.post(f"{server}/knn-service", json={"text": "a blue square", "a\r\nb": 1, "ß€": 2, "ok": 3})
+    assert odd.status_code == 200 and odd.headers["x-openalign-ignored"] == "ok,2-other-fields"
 
 
 def test_query_and_result_embeddings_on_request(server: str, indexes: dict[str, Path]) -> None:

@@ -140,6 +140,7 @@ def test_clip_retrieval_inference_folder(tmp_path: Path, capsys: pytest.CaptureF
         ("zero", "row 1 is all zeros"),
         ("no_metadata", "--metadata"),
         ("pickle", "not a NumPy .npy"),
+        ("width", "column 'width' is not whole numbers"),
     ],
 )
 def test_bad_embeddings_are_one_line_errors_and_leave_nothing(
@@ -158,7 +159,10 @@ def test_bad_embeddings_are_one_line_errors_and_leave_nothing(
         (tmp_path / "emb.npy").write_bytes(b"not an array")
     else:
         np.save(tmp_path / "emb.npy", emb)
-    pq.write_table(pa.table({"caption": [str(i) for i in range(4 if case == "rows" else 5)]}), tmp_path / "m.parquet")
+    columns = {"caption": [str(i) for i in range(4 if case == "rows" else 5)]}
+    if case == "width":
+        columns["width"] = ["wide"] * 5
+    pq.write_table(pa.table(columns), tmp_path / "m.parquet")
     argv = ["index", "build", "--embeddings", str(tmp_path / "emb.npy"), "--out", str(tmp_path / "idx")]
     if case != "no_metadata":
         argv += ["--metadata", str(tmp_path / "m.parquet")]

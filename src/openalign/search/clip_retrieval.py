@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -93,7 +94,12 @@ def ignored_fields(request: KnnRequest) -> list[str]:
     ignored = [name for name in IGNORED_FLAGS if getattr(request, name) not in (None, False, "")]
     if request.num_result_ids is not None and request.num_result_ids != request.num_images:
         ignored.append("num_result_ids")
-    return ignored + sorted(request.model_extra or {})
+    # Unknown names go into a header, so only plain ones are echoed (a name with a line break or a
+    # non-Latin-1 character cannot be sent in one); the rest are counted.
+    extra = sorted(request.model_extra or {})
+    plain = [name for name in extra if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)][:32]
+    more = len(extra) - len(plain)
+    return ignored + plain + ([f"{more}-other-fields"] if more else [])
 
 
 def _url(row: dict[str, Any], name: str, indexes: Indexes, image_id: int, base: str) -> str:

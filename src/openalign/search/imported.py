@@ -171,10 +171,12 @@ def _image_rows(shards: list[Shard]) -> pa.Table:
         n = table.num_rows
         ids = np.arange(offset, offset + n, dtype=np.int64)
         keys = [k or p or str(i) for k, p, i in zip(keys, paths, ids.tolist(), strict=True)]
-        sizes = {
-            side: table.column(side).cast(pa.int32()) if side in table.column_names else pa.nulls(n, pa.int32())
-            for side in ("width", "height")
-        }
+        sizes = {side: pa.nulls(n, pa.int32()) for side in ("width", "height")}
+        for side in [c for c in sizes if c in table.column_names]:
+            try:
+                sizes[side] = table.column(side).cast(pa.int32())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
+                raise ValueError(f"{shard.metadata}: column {side!r} is not whole numbers ({err})") from None
         columns = [pa.array(ids), keys, paths, _text(table, "url"), _text(table, "caption"), *sizes.values()]
         tables.append(pa.Table.from_arrays(columns, schema=SCHEMAS["image"]))
         offset += n
