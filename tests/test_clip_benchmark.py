@@ -291,3 +291,19 @@ def test_a_suite_writes_clip_benchmark_results_for_every_entry(
     capsys.readouterr()
     assert main(["eval", "suite", str(suite), "--format", "clip_benchmark"]) == 2
     assert "'knn' has no CLIP_benchmark counterpart" in capsys.readouterr().err
+
+
+def test_linear_probe_writes_clip_benchmark_lp_metrics(checkpoint: Path, tmp_path: Path) -> None:
+    _class_folders(tmp_path / "train")
+    _class_folders(tmp_path / "val")
+    spec = ["--train", str(tmp_path / "train"), "--val", str(tmp_path / "val"), "--method", "lbfgs"]
+    ours = _eval(checkpoint, "linear-probe", tmp_path / "cb", *spec)
+    native = _openalign_eval(checkpoint, "linear-probe", tmp_path / "native", *spec)
+    assert ours["task"] == "linear_probe" and ours["dataset"] == native["dataset"]
+    assert set(ours) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
+    metrics = ours["metrics"]
+    assert metrics["lp_acc1"] == native["metrics"]["top1"] / 100
+    assert metrics["lp_acc5"] == native["metrics"]["top5"] / 100
+    assert metrics["lp_mean_per_class_recall"] == native["metrics"]["mean_per_class_recall"] / 100
+    assert all(0 <= metrics[k] <= 1 for k in ("lp_acc1", "lp_acc5", "lp_mean_per_class_recall"))
+    assert metrics["fewshot_k"] == -1 and metrics["normalized"] is True and metrics["epochs"] is None  # lbfgs

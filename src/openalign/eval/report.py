@@ -150,7 +150,7 @@ def clip_benchmark_metrics(task: str, metrics: Mapping[str, Any], options: Mappi
             "lp_acc1": _fraction(metrics["top1"]),
             "lp_acc5": _fraction(metrics["top5"]),
             "lp_mean_per_class_recall": _fraction(metrics["mean_per_class_recall"]),
-            "epochs": options.get("epochs"),
+            "epochs": options.get("epochs") if options.get("method", "sgd") == "sgd" else None,  # lbfgs: to convergence
             "fewshot_k": -1,  # the whole training set
             "normalized": True,  # the probe trains on L2-normalised embeddings
         }
