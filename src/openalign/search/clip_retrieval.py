@@ -7,9 +7,11 @@ caption}``; ``GET /indices-list`` names the indexes; ``POST /metadata`` gives th
 flags that have no counterpart here (``use_mclip``, ``aesthetic_score`` and ``aesthetic_weight``,
 ``use_safety_model``, ``use_violence_detector``, and any field it may add) are accepted and ignored, and the
 response names them in ``X-Openalign-Ignored``. ``image_url`` is refused: the server never fetches
-addresses a request names. ``deduplicate`` drops results whose cosine to a better one exceeds 0.94, the
-threshold clip-retrieval uses. ``return_embeddings`` (openalign's own) adds each result's stored vector
-and sends the query vector in ``X-Openalign-Query-Embedding`` (a JSON list).
+addresses a request names. ``deduplicate`` drops results whose cosine to a better-ranked kept one exceeds
+0.94, clip-retrieval's threshold (it drops every member but the first of each group linked by such pairs,
+so a chain of near copies may lose one more result there than here). ``return_embeddings`` (openalign's
+own) adds each result's stored vector and sends the query vector in ``X-Openalign-Query-Embedding`` (a
+JSON list).
 
 These routes run behind the same guards as ``/search``: the API key, the body size and time limits,
 and the shared decode budget for query images.
