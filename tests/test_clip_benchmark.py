@@ -307,3 +307,41 @@ def test_linear_probe_writes_clip_benchmark_lp_metrics(checkpoint: Path, tmp_pat
     assert metrics["lp_mean_per_class_recall"] == native["metrics"]["mean_per_class_recall"] / 100
     assert all(0 <= metrics[k] <= 1 for k in ("lp_acc1", "lp_acc5", "lp_mean_per_class_recall"))
     assert metrics["fewshot_k"] == -1 and metrics["normalized"] is True and metrics["epochs"] is None  # lbfgs
+
+
+def test_loader_reads_a_transformers_align_directory(tmp_path: Path) -> None:
+    """A transformers AlignModel directory (config, weights, vocab.txt) through the loader: its embeddings
+    are transformers' own for the same pixels and token ids."""
+    transformers = pytest.importorskip("transformers")
+    from openalign.model.efficientnet import round_filters
+    from openalign.text import train_wordpiece
+
+    tokenizer = train_wordpiece([f"a {c} square" for c in COLOURS] * 10, vocab_size=60, min_frequency=1)
+    torch.manual_seed(0)
+    vision = transformers.AlignVisionConfig(width_coefficient=0.25, depth_coefficient=0.34, image_size=32)
+    text = transformers.AlignTextConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=40,
+    )  # fmt: skip
+    # transformers' AlignModel has no image projection: the text projects to the image features' width.
+    width = round_filters(320, 0.25)
+    config = transformers.AlignConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=width)
+    hf = transformers.AlignModel(config).eval()
+    # Fresh batch norms shrink a random EfficientNet's features to ~1e-28; random statistics keep them in range.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in hf.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+                m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                m.weight.copy_(1 + torch.randn(m.num_features, generator=gen) * 0.1)
+    hf.save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+
+    model, transform, tok = load_openalign(str(tmp_path))
+    ids = tok(["a red square", "a blue square on a green table"])
+    pixels = torch.stack([transform(_image("red", 1)), transform(_image("blue", 2))])
+    with torch.no_grad():
+        out = hf(pixel_values=pixels, input_ids=ids, attention_mask=(ids != 0).long())
+        torch.testing.assert_close(model.encode_image(pixels), out.image_embeds, rtol=0, atol=1e-4)
+        torch.testing.assert_close(model.encode_text(ids), out.text_embeds, rtol=0, atol=1e-4)
