@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("text",),
     ("model",),
     ("loss", "optim", "embed"),
-    ("eval", "search"),
+    ("eval", "search", "integrations"),
     ("train",),
     ("pipeline", "bench"),
     ("cli",),

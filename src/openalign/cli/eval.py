@@ -81,6 +81,13 @@ def task_parser(task: schema.TaskInfo) -> Parser:
     parser.add_argument("--model", help="openalign checkpoint or transformers AlignModel directory (required)")
     parser.add_argument("--tokenizer", help="tokenizer file or directory (default: the model directory)")
     parser.add_argument("--out", help="directory for <task>-<dataset>.json and results.md (default: print only)")
+    parser.add_argument(
+        "--format",
+        choices=("openalign", "clip_benchmark"),
+        default="openalign",
+        help="result format: openalign (JSON + results.md) or clip_benchmark (its JSON, names and fractions; "
+        "retrieval, zeroshot and linear-probe)",
+    )
     add_config(parser, schema.Schema(task.options), config_help="YAML mapping of these options (flags override it)")
     return parser
 
@@ -119,6 +126,13 @@ def suite_parser() -> Parser:
         metavar="NAME=VALUE",
         help="set an option in every entry whose task has it (repeatable), e.g. --option steps=200",
     )
+    parser.add_argument(
+        "--format",
+        choices=("openalign", "clip_benchmark"),
+        default="openalign",
+        help="result format: openalign (JSON + results.md) or clip_benchmark (its JSON; retrieval, zeroshot and "
+        "linear-probe entries only)",
+    )
     return parser
 
 
@@ -151,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--model is required")
     from openalign.eval.suite import run_eval
 
-    _, markdown = run_eval(args.task, ns.model, options, tokenizer=ns.tokenizer, out=ns.out)
+    _, markdown = run_eval(args.task, ns.model, options, tokenizer=ns.tokenizer, out=ns.out, format=ns.format)
     print(markdown)
     return 0
 
@@ -168,8 +182,14 @@ def run_suite(ns: argparse.Namespace) -> int:
         resume=ns.resume,
         root=ns.root,
         options=parse_options(ns.option),
+        format=ns.format,
     )
-    print(summary.markdown)
+    if ns.format == "clip_benchmark":
+        import json
+
+        print(json.dumps(summary.clip_benchmark, indent=2))
+    else:
+        print(summary.markdown)
     if summary.failed:
         print(
             f"openalign eval: error: {len(summary.failed)} task(s) failed: {'; '.join(summary.failed)}", file=sys.stderr

@@ -12,6 +12,8 @@ from openalign.cli.options import Alias, Parser, add_config, data, print_config,
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
+    from openalign.search.build import BuildConfig
+    from openalign.search.query import Searcher
     from openalign.text.tokenizer import Tokenizer
 
 BUILD = "openalign.search.build:BuildConfig"
@@ -51,10 +53,20 @@ def _build(parser: Parser) -> None:
         "  openalign index build --model runs/nano/final --images photos/ --out photos.index --captions\n"
         "  openalign index build --model runs/b3/final --images 'shards/{00000..00099}.tar' --out web.index \\\n"
         "      --captions --memory-budget-mb 4096\n"
-        "  openalign index build --model runs/b3/final --images new_photos/ --out photos.index --captions  # add"
+        "  openalign index build --model runs/b3/final --images new_photos/ --out photos.index --captions  # add\n"
+        "  openalign index build --embeddings emb.npy --metadata meta.parquet --out elsewhere.index\n"
+        "  openalign index build --embeddings clip_out/ --out laion.index   # img_emb/, metadata/, text_emb/"
     )
-    parser.add_argument("--model", required=True, help="openalign checkpoint or transformers AlignModel dir")
-    parser.add_argument("--images", required=True, help="image folder, or shards (dir of tars, brace range, glob)")
+    parser.add_argument("--model", help="openalign checkpoint or transformers AlignModel dir (with --embeddings: "
+                        "optional, attached for text and image queries)")  # fmt: skip
+    parser.add_argument("--images", help="image folder, or shards (dir of tars, brace range, glob)")
+    parser.add_argument(
+        "--embeddings",
+        help="instead of --images: embeddings made elsewhere, a .npy [N, D] (with --metadata) or a folder as "
+        "clip-retrieval's inference writes (img_emb/, metadata/, optional text_emb/)",
+    )
+    parser.add_argument("--metadata", help="with an --embeddings .npy: Parquet table, one row per embedding "
+                        "(image_path, caption, url, key, ... columns)")  # fmt: skip
     parser.add_argument("--out", required=True, help="index directory (created, resumed or extended)")
     parser.add_argument("--tokenizer", help="tokenizer file or dir (default: the model's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -91,7 +103,15 @@ def run_build(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(to_dict(cfg))
         return 0
+    if (args.images is None) == (args.embeddings is None):
+        raise ValueError("give either --images (to embed) or --embeddings (made elsewhere)")
+    if args.metadata and not args.embeddings:
+        raise ValueError("--metadata goes with --embeddings")
     check_writable(args.out, what="index", directory=True)  # before the model loads and the images are embedded
+    if args.embeddings:
+        return _import(args, cfg)
+    if not args.model:
+        raise ValueError("--model is required to embed --images")
     model, tokenizer, tokenizer_path = _search_model(args.model, args.tokenizer, cfg.captions)
     stats = build_index(
         model,
@@ -109,6 +129,29 @@ def run_build(args: argparse.Namespace) -> int:
         f"images and {stats.captions} captions; {stats.already_indexed} already indexed; "
         f"skipped {sum(stats.skipped.values())}{f' ({skipped})' if skipped else ''}"
     )
+    return 0
+
+
+def _import(args: argparse.Namespace, cfg: BuildConfig) -> int:
+    from openalign.search.imported import import_embeddings
+
+    model_path = tokenizer_path = None
+    model_dim = None
+    if args.model:
+        model, _, tokenizer_path = _search_model(args.model, args.tokenizer, cfg.captions)
+        model_path, model_dim = str(Path(args.model).resolve()), model.embed_dim
+    result = import_embeddings(
+        args.embeddings,
+        args.out,
+        metadata=args.metadata,
+        ann=cfg.ann,
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        model_dim=model_dim,
+    )
+    note = f"; normalised {result.normalized} rows that were not unit length" if result.normalized else ""
+    attached = "" if model_path else "; no model attached (query by embedding, or pass --model to search)"
+    print(f"{args.out}: {result.images} images and {result.captions} captions from {args.embeddings}{note}{attached}")
     return 0
 
 
@@ -130,7 +173,7 @@ def run_info(args: argparse.Namespace) -> int:
 def query_schema() -> schema.Schema:
     """Query's fields but its decoded image: ``--image`` takes a file."""
     full = schema.read(QUERY)
-    return schema.Schema(tuple(k for k in full.knobs if k.path != "image"), full.sections)
+    return schema.Schema(tuple(k for k in full.knobs if k.path not in ("image", "embedding")), full.sections)
 
 
 def _search(parser: Parser) -> None:
@@ -147,6 +190,7 @@ def _search(parser: Parser) -> None:
     )
     parser.add_argument("index", metavar="INDEX")
     parser.add_argument("--image", help="image file to query with")
+    parser.add_argument("--embedding", help="query vector: a .npy of shape [D] or [1, D], or a JSON list of numbers")
     parser.add_argument("--model", help="model checkpoint (default: the one the index was built with)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -162,7 +206,7 @@ def run_search(args: argparse.Namespace) -> int:
 
     query = from_dict(Query, data(args))
     if args.print_config:
-        print_config({k: v for k, v in to_dict(query).items() if k != "image"})
+        print_config({k: v for k, v in to_dict(query).items() if k not in ("image", "embedding")})
         return 0
     from openalign.data.sources import BadInput, read_file
     from openalign.data.transforms import decode_image
@@ -176,6 +220,8 @@ def run_search(args: argparse.Namespace) -> int:
             query.image = decode_image(read_file(path))
         except BadInput as err:
             raise ValueError(f"{args.image}: not a usable image ({err.reason})") from None
+    if args.embedding:
+        query.embedding = _read_embedding(args.embedding)
     searcher = load_searcher(args.index, args.model, args.tokenizer)
     hits = searcher.search(query)
     if args.json:
@@ -187,9 +233,40 @@ def run_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_embedding(spec: str) -> list[float]:
+    """A query vector from a .npy file ([D] or [1, D]), or a JSON list of numbers given inline or in a file."""
+    import json
+
+    import numpy as np
+
+    text = spec if spec.lstrip().startswith("[") else None
+    if text is None:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"{spec}: no such embedding file (or give a JSON list of numbers)")
+        if path.suffix == ".npy":
+            try:
+                vector = np.load(path, allow_pickle=False)
+            except (ValueError, OSError, EOFError) as err:
+                raise ValueError(f"{spec}: not a NumPy .npy array ({err})") from None
+        else:
+            text = path.read_text()
+    if text is not None:
+        try:
+            vector = np.asarray(json.loads(text), dtype=np.float64)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--embedding {spec[:40]}: not a .npy file or a JSON list of numbers") from err
+    if vector.ndim == 2 and vector.shape[0] == 1:
+        vector = vector[0]
+    if vector.ndim != 1 or vector.dtype.kind not in "fiu":
+        raise ValueError(f"--embedding {spec[:40]}: expected one vector [D], got shape {list(vector.shape)}")
+    return [float(x) for x in vector]
+
+
 def _serve(parser: Parser) -> None:
     parser.description = (
-        "Serve POST /search, GET /image/{id}, GET /health (OpenAPI at /docs) and a search page at /. Without "
+        "Serve POST /search, GET /image/{id}, GET /health (OpenAPI at /docs), a search page at /, and "
+        "clip-retrieval's POST /knn-service, GET /indices-list and POST /metadata. Without "
         "--index a demo index of synthetic scenes is built on first use (cached) with --model, or with an "
         "untrained nano model when none is given. With an API key (--api-key or $OPENALIGN_API_KEY) every route "
         "but /health needs 'Authorization: Bearer KEY' or 'X-API-Key: KEY'."
@@ -198,9 +275,16 @@ def _serve(parser: Parser) -> None:
         "examples:\n"
         "  openalign serve                                  # demo index, http://127.0.0.1:8000/\n"
         "  openalign serve --model runs/nano/final          # demo index embedded with a trained model\n"
-        "  OPENALIGN_API_KEY=... openalign serve --index photos.index --host 0.0.0.0 --port 8080"
+        "  OPENALIGN_API_KEY=... openalign serve --index photos.index --host 0.0.0.0 --port 8080\n"
+        "  openalign serve --index photos=photos.index --index web=web.index   # clip-retrieval: /knn-service"
     )
-    parser.add_argument("--index", help="index directory (default: the demo index)")
+    parser.add_argument(
+        "--index",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="index directory, named by its folder or NAME (repeat to serve several; the first is the default; "
+        "default: the demo index)",
+    )
     parser.add_argument("--model", help="model checkpoint (default: the index's; for the demo, an untrained nano)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
     add_config(parser, schema.read(SERVE))
@@ -211,7 +295,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import os
 
     from openalign.config import ConfigError, from_dict, to_dict
-    from openalign.search.api import ServeConfig, create_app, load_searcher, serve
+    from openalign.search.api import (
+        ServeConfig,
+        create_app,
+        index_specs,
+        load_searcher,
+        load_searchers,
+        serve,
+    )
     from openalign.search.guard import exposure_warning
 
     cfg = from_dict(ServeConfig, data(args))
@@ -233,11 +324,11 @@ def run_serve(args: argparse.Namespace) -> int:
         out = Path(cfg.demo_dir) if cfg.demo_dir else default_demo_dir(cfg.demo_images, cfg.seed, args.model)
         print(f"serving the demo index in {out} (built on first use)", file=sys.stderr)
         index = build_demo_index(out, model_path=args.model, n_images=cfg.demo_images, seed=cfg.seed)
-        searcher = load_searcher(index)
+        searchers: Searcher | dict[str, Searcher] = load_searcher(index)
     else:
-        searcher = load_searcher(index, args.model, args.tokenizer)
+        searchers = load_searchers(index_specs(index), args.model, args.tokenizer)
     app = create_app(
-        searcher,
+        searchers,
         max_upload_bytes=int(cfg.max_upload_mb * 2**20),
         body_timeout_s=cfg.body_timeout_s,
         decode_budget_bytes=int(cfg.decode_budget_mb * 2**20),

@@ -2,7 +2,9 @@
 
 A result is written as ``<task>-<dataset>.json`` holding CLIP_benchmark's fields (dataset, model, task,
 metrics) plus the options it ran with; ``results.md`` is regenerated from every result file in the
-directory, so separate runs into one directory add up to one report.
+directory, so separate runs into one directory add up to one report. ``clip_benchmark_result`` turns a
+result into CLIP_benchmark's own JSON (its task and metric names, fractions instead of percentages), which
+``clip_benchmark build`` reads beside its own results.
 
 Paper numbers are shown only where the protocol is the same one the paper used: the same dataset, the
 same split size (Flickr30K 1K test images, MSCOCO and CxC 5K, Multi30K 1K, all 999 SimLex-999 pairs, the
@@ -163,6 +165,81 @@ def paper_reference(task: str, dataset: str) -> PaperReference | None:
     return next((p for p in PAPER if p.task == task and p.dataset == ds), None)
 
 
+# openalign task -> CLIP_benchmark task, for the tasks that measure the same thing
+CLIP_BENCHMARK_TASKS = {"retrieval": "zeroshot_retrieval", "zeroshot": "zeroshot_classification",
+                        "linear-probe": "linear_probe"}  # fmt: skip
+
+
+def _fraction(value: Any) -> float:
+    return float(value) / 100.0
+
+
+def clip_benchmark_metrics(task: str, metrics: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` of openalign ``task`` under CLIP_benchmark's names, as fractions.
+
+    Its image retrieval is text→image (a caption finds its image), its text retrieval image→text. It
+    reports ``acc5`` as NaN for fewer than five classes, where top-5 is trivially right; so does this.
+    """
+    if task == "retrieval":
+        ks = sorted(int(m.group(1)) for key in metrics if (m := re.fullmatch(r"t2i_r(\d+)", key)))
+        out: dict[str, Any] = {}
+        for k in ks:
+            out[f"image_retrieval_recall@{k}"] = _fraction(metrics[f"t2i_r{k}"])
+            out[f"text_retrieval_recall@{k}"] = _fraction(metrics[f"i2t_r{k}"])
+        return out
+    if task == "zeroshot":
+        few = int(metrics.get("num_classes", 5)) < 5
+        return {
+            "acc1": _fraction(metrics["top1"]),
+            "acc5": float("nan") if few else _fraction(metrics["top5"]),
+            "mean_per_class_recall": _fraction(metrics["mean_per_class_recall"]),
+        }
+    if task == "linear-probe":
+        return {
+            "lp_acc1": _fraction(metrics["top1"]),
+            "lp_acc5": _fraction(metrics["top5"]),
+            "lp_mean_per_class_recall": _fraction(metrics["mean_per_class_recall"]),
+            "epochs": options.get("epochs") if options.get("method", "sgd") == "sgd" else None,  # lbfgs: to convergence
+            "fewshot_k": -1,  # the whole training set
+            "normalized": True,  # the probe trains on L2-normalised embeddings
+        }
+    raise ValueError(
+        f"eval task {task!r} has no CLIP_benchmark counterpart; --format clip_benchmark covers "
+        + ", ".join(CLIP_BENCHMARK_TASKS)
+    )
+
+
+def clip_benchmark_result(result: Mapping[str, Any], architecture: str = "", language: str = "en") -> dict[str, Any]:
+    """One result (``EvalResult.to_dict()``) as the JSON ``clip_benchmark eval`` writes: dataset, model (the
+    architecture), pretrained (the checkpoint), task, metrics and language."""
+    task = str(result["task"])
+    metrics = clip_benchmark_metrics(task, result["metrics"], result.get("options") or {})
+    return {
+        "dataset": result["dataset"],
+        "model": architecture or "openalign",
+        "pretrained": result["model"],
+        "task": CLIP_BENCHMARK_TASKS[task],
+        "metrics": metrics,
+        "language": language,
+    }
+
+
+def clip_benchmark_filename(result: Mapping[str, Any]) -> str:
+    """CLIP_benchmark's default ``{dataset}_{pretrained}_{model}_{language}_{task}.json``, the checkpoint
+    by its directory name."""
+    pretrained = Path(str(result["pretrained"])).name or "model"
+    name = f"{result['dataset']}_{pretrained}_{result['model']}_{result['language']}_{result['task']}"
+    return re.sub(r"[^A-Za-z0-9.@_-]+", "_", name).strip("_") + ".json"
+
+
+def write_clip_benchmark(result: Mapping[str, Any], out_dir: str | Path) -> Path:
+    """Write a ``clip_benchmark_result`` into ``out_dir`` under CLIP_benchmark's file name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # json.dumps writes NaN as CLIP_benchmark does (its own reader, json.load, takes it back).
+    return atomic_write_text(out / clip_benchmark_filename(result), json.dumps(dict(result), indent=2) + "\n")
+
+
 def result_filename(result: Mapping[str, Any]) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{result['task']}-{result['dataset']}").strip("_")
     return f"{slug}.json"
@@ -183,7 +260,12 @@ def read_results(out_dir: str | Path) -> list[dict[str, Any]]:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if isinstance(data, dict) and {"task", "dataset", "metrics"} <= set(data):
+        # CLIP_benchmark-format files share the keys but not the metric names or units.
+        if (
+            isinstance(data, dict)
+            and {"task", "dataset", "metrics"} <= set(data)
+            and data["task"] not in CLIP_BENCHMARK_TASKS.values()
+        ):
             results.append(data)
     return sorted(results, key=lambda r: (r["task"], r["dataset"]))
 

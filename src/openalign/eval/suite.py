@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openalign.config import ConfigError, from_dict, load_yaml
-from openalign.eval.report import markdown, result_filename, write_report, write_result
+from openalign.eval.report import (
+    CLIP_BENCHMARK_TASKS,
+    clip_benchmark_result,
+    markdown,
+    result_filename,
+    write_clip_benchmark,
+    write_report,
+    write_result,
+)
 from openalign.eval.tasks import EvalResult, get_task, resolve_options, run_task
 from openalign.outputs import check_writable
 
@@ -58,6 +66,7 @@ class SuiteSummary:
     failed: list[str] = field(default_factory=list)  # "entry: reason" for every task that raised
     skipped: list[str] = field(default_factory=list)  # entries whose results were already on disk (resume)
     absent: list[str] = field(default_factory=list)  # entries whose `needs:` folder is not under the root
+    clip_benchmark: list[dict[str, Any]] = field(default_factory=list)  # the results in CLIP_benchmark's JSON
     markdown: str = ""
 
 
@@ -79,18 +88,45 @@ def run_eval(
     *,
     tokenizer: str | Path | None = None,
     out: str | Path | None = None,
+    format: str = "openalign",
 ) -> tuple[EvalResult, str]:
     """Evaluate checkpoint ``model`` on ``task``; with ``out`` write the result JSON and refresh results.md.
-    Returns the result and its Markdown table."""
+    Returns the result and its Markdown table.
+
+    With ``format="clip_benchmark"`` the result is written (and returned as text) as CLIP_benchmark's JSON
+    instead, under its file name, and results.md is left alone.
+    """
     resolve_options(get_task(task), options)  # fail on bad options before loading the model
+    _check_format(format, [task])
     if out:
         check_writable(out, what="--out", directory=True)
     net, tok = load_checkpoint(model, tokenizer)
     result = run_task(task, net, tok, options, model_name=str(model))
+    if format == "clip_benchmark":
+        converted = clip_benchmark_result(result.to_dict(), architecture=net.config.name)
+        if out:
+            write_clip_benchmark(converted, out)
+        return result, json.dumps(converted, indent=2)
     if out:
         write_result(result.to_dict(), out)
         write_report(out)
     return result, markdown([result.to_dict()])
+
+
+def _check_format(format: str, tasks: list[str], resume: bool = False) -> None:
+    """ConfigError, before anything loads, for a format that is not known or cannot hold every task."""
+    if format not in ("openalign", "clip_benchmark"):
+        raise ConfigError(f"unknown result format {format!r}; expected openalign or clip_benchmark")
+    if format != "clip_benchmark":
+        return
+    other = [t for t in tasks if t not in CLIP_BENCHMARK_TASKS]
+    if other:
+        raise ConfigError(
+            f"eval task {other[0]!r} has no CLIP_benchmark counterpart; --format clip_benchmark covers "
+            + ", ".join(CLIP_BENCHMARK_TASKS)
+        )
+    if resume:
+        raise ConfigError("--resume finds openalign-format results; it does not combine with --format clip_benchmark")
 
 
 def packaged_suite(name: str) -> Path | None:
@@ -197,9 +233,12 @@ def run_suite(
     resume: bool = False,
     root: str | Path | None = None,
     options: dict[str, Any] | None = None,
+    format: str = "openalign",
 ) -> SuiteSummary:
     """Run every task of ``suite`` (a YAML path, the name of a packaged suite, or a mapping) on one model;
-    keyword arguments override it."""
+    keyword arguments override it.
+    With ``format="clip_benchmark"`` each result is written as CLIP_benchmark's JSON instead (every task
+    must have a CLIP_benchmark counterpart)."""
     if not isinstance(suite, dict) and not Path(suite).is_file():
         packaged = packaged_suite(str(suite))
         if packaged is None:
@@ -220,6 +259,7 @@ def run_suite(
     if data_root and not Path(data_root).is_dir():
         raise FileNotFoundError(f"{data_root}: no such data root")
     entries = _entries(cfg, where, device, root=data_root, out=str(out_dir) if out_dir else "", overrides=options)
+    _check_format(format, [entry[0] for entry in entries], resume)
     if out_dir is not None:
         check_writable(out_dir, what="results directory", directory=True)
     net, tok = load_checkpoint(model_path, tokenizer or cfg.tokenizer or None)
@@ -246,10 +286,15 @@ def run_suite(
             print(f"eval suite: {label} failed: {err}", file=sys.stderr)
             continue
         summary.results.append(result)
-        if out_dir is not None:
+        if format == "clip_benchmark":
+            converted = clip_benchmark_result(result, architecture=net.config.name)
+            summary.clip_benchmark.append(converted)
+            if out_dir is not None:
+                write_clip_benchmark(converted, out_dir)
+        elif out_dir is not None:
             write_result(result, out_dir)
             write_report(out_dir)
-    if out_dir is not None:
+    if out_dir is not None and format != "clip_benchmark":
         out_dir.mkdir(parents=True, exist_ok=True)
         write_report(out_dir)
     summary.markdown = markdown(summary.results)

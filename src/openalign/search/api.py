@@ -1,7 +1,10 @@
 """The HTTP search API (FastAPI, documented at ``/docs`` and ``/openapi.json``) and the web page at ``/``.
 
-``POST /search`` takes text, a base64 image, "+"/"−" texts and a modality, and answers with scored
-results; ``GET /image/{id}`` serves an indexed image's thumbnail; ``GET /health`` reports what is served.
+``POST /search`` takes text, a base64 image, an embedding, "+"/"−" texts and a modality, and answers with
+scored results; ``GET /image/{id}`` serves an indexed image's thumbnail; ``GET /health`` reports what is
+served. One server may serve several named indexes (``index`` in a query, ``?index=`` for images; the
+first is the default), and answers clip-retrieval's ``/knn-service``, ``/indices-list`` and ``/metadata``
+too (``clip_retrieval``), behind the same limits.
 Every bad request gets a 4xx with a JSON ``detail`` and never takes the server down: bodies are bounded in
 size, time and number (``guard``), query images are decoded within a memory budget (``uploads``), and
 results name images by this server's ``/image/{id}``, never by a path on its disk.
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException
 from fastapi import Path as PathParam
+from fastapi import Query as QueryParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -44,6 +48,7 @@ DEFAULT_MAX_UPLOAD = 8 * 2**20
 DEFAULT_DECODE_BUDGET = 256 * 2**20
 DEFAULT_REQUEST_MEMORY = 256 * 2**20
 ShortText = Annotated[str, Field(max_length=1000)]
+MAX_EMBED_DIM = 8192
 
 
 class SearchRequest(BaseModel):
@@ -54,6 +59,10 @@ class SearchRequest(BaseModel):
     text: str | None = Field(None, max_length=1000, description="what to look for")
     image: str | None = Field(None, description="base64-encoded image bytes (or a data: URL)")
     image_id: int | None = Field(None, ge=0, description="query with an indexed image ('more like this')")
+    embedding: list[float] | None = Field(
+        None, min_length=1, max_length=MAX_EMBED_DIM, description="query with a vector of the index's width"
+    )
+    index: str | None = Field(None, max_length=200, description="which index to search (default: the first)")
     plus: list[ShortText] = Field(default_factory=list, max_length=16, description="texts to add")
     minus: list[ShortText] = Field(default_factory=list, max_length=16, description="texts to subtract")
     k: int = Field(10, ge=1, le=MAX_K, description="number of results")
@@ -109,8 +118,34 @@ def decode_upload(data: str, budget: DecodeBudget, *, side: int, max_bytes: int,
         raise HTTPException(503, f"{err}; retry later", headers={"Retry-After": "5"}) from err
 
 
+class Indexes:
+    """The named searchers one server answers for; the first is the default."""
+
+    def __init__(self, searchers: Searcher | Mapping[str, Searcher]):
+        if isinstance(searchers, Searcher):
+            searchers = {searchers.index.root.name or "default": searchers}
+        if not searchers:
+            raise ValueError("a server needs at least one index")
+        self.searchers = dict(searchers)
+        self.default = next(iter(self.searchers))
+
+    def names(self) -> list[str]:
+        return list(self.searchers)
+
+    def get(self, name: str | None) -> tuple[str, Searcher]:
+        """The searcher called ``name`` (the default for None); HTTPException 404 naming the others."""
+        name = name or self.default
+        if name not in self.searchers:
+            raise HTTPException(404, f"no index named {name!r}; this server has {', '.join(self.searchers)}")
+        return name, self.searchers[name]
+
+    def image_path(self, name: str, image_id: int) -> str:
+        """This server's path of image ``image_id`` of index ``name``."""
+        return f"/image/{image_id}" if name == self.default else f"/image/{image_id}?index={name}"
+
+
 def create_app(
-    searcher: Searcher,
+    searcher: Searcher | Mapping[str, Searcher],
     *,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD,
     max_pixels: int = 40_000_000,
@@ -127,9 +162,12 @@ def create_app(
     than ``body_timeout_s`` to arrive (408). Decoded query images hold at most ``decode_budget_bytes`` at
     once (a decode waits up to ``decode_wait_s`` for its share) and request bodies about
     ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503. With ``api_key`` every
-    route but ``/health`` needs it.
+    route but ``/health`` needs it. ``searcher`` may be a mapping of names to searchers, one per index.
     """
-    index = searcher.index
+    from openalign.search.clip_retrieval import add_clip_retrieval_routes
+
+    indexes = Indexes(searcher)
+    first = indexes.searchers[indexes.default]
     app = FastAPI(
         title="openalign search",
         version="1",
@@ -137,8 +175,12 @@ def create_app(
     )
     app.router.route_class = StrictJSONRoute
     decode_budget = DecodeBudget(decode_budget_bytes, wait_s=decode_wait_s)
-    side = decode_side(searcher.model)
-    errors: dict[int | str, dict[str, Any]] = {code: {"model": Error} for code in (400, 401, 408, 413, 422, 503)}
+
+    def decode(data: str, searcher: Searcher) -> Any:
+        side = decode_side(searcher.model)
+        return decode_upload(data, decode_budget, side=side, max_bytes=max_upload_bytes, max_pixels=max_pixels)
+
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": Error} for code in (400, 401, 404, 408, 413, 422, 503)}
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Any, err: Exception) -> JSONResponse:
@@ -150,20 +192,18 @@ def create_app(
 
     @app.get("/health", response_model=Health)
     def health() -> dict:
-        return {"status": "ok", **index.summary(), "model": searcher.model_name}
+        return {"status": "ok", **first.index.summary(), "model": first.model_name}
 
     @app.post("/search", response_model=SearchResponse, responses=errors)
     def search(request: SearchRequest) -> dict:
         start = time.perf_counter()
-        image = None
-        if request.image:
-            image = decode_upload(
-                request.image, decode_budget, side=side, max_bytes=max_upload_bytes, max_pixels=max_pixels
-            )
+        name, searcher = indexes.get(request.index)
+        image = decode(request.image, searcher) if request.image else None
         query = Query(
             text=request.text,
             image=image,
             image_id=request.image_id,
+            embedding=request.embedding,
             plus=list(request.plus),
             minus=list(request.minus),
             k=request.k,
@@ -186,11 +226,11 @@ def create_app(
                     "id": hit.id,
                     "score": round(hit.score, 6),
                     "caption": row.get("caption") or None,
-                    "url": f"/image/{image_id}",
+                    "url": indexes.image_path(name, image_id),
                     "source_url": source if source.lower().startswith(("http://", "https://")) else None,
                     "key": row.get("key"),
                     "image_id": image_id,
-                    "thumbnail": f"/image/{image_id}",
+                    "thumbnail": indexes.image_path(name, image_id),
                 }
             )
         took = (time.perf_counter() - start) * 1000
@@ -201,7 +241,11 @@ def create_app(
         responses={200: {"content": {"image/jpeg": {}}}, 404: {"model": Error}, 503: {"model": Error}},
         response_class=Response,
     )
-    def thumbnail(image_id: Annotated[int, PathParam(ge=0, le=2**62)]) -> Response:
+    def thumbnail(
+        image_id: Annotated[int, PathParam(ge=0, le=2**62)],
+        index_name: Annotated[str | None, QueryParam(alias="index", max_length=200)] = None,
+    ) -> Response:
+        index = indexes.get(index_name)[1].index
         if image_id >= index.size("image"):
             raise HTTPException(404, f"no image with id {image_id}")
         data = index.thumbnails.get(image_id)
@@ -225,6 +269,7 @@ def create_app(
     def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
+    add_clip_retrieval_routes(app, indexes, decode, errors)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # base64 grows data by 4/3, and the JSON around it is small. The last middleware added runs first:
     # a request without the key is turned away before its body is read.
@@ -302,19 +347,55 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> I
         sock.close()
 
 
-def load_searcher(
-    index_path: str | Path, model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
-) -> Searcher:
-    """Open an index with the model (and tokenizer) it was built with, or the ones given."""
+def index_specs(specs: list[str]) -> dict[str, str]:
+    """``--index`` values → {name: path}: ``NAME=PATH``, or a bare ``PATH`` named by its folder."""
+    import re
+
+    named: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or Path(spec).exists():
+            name, path = Path(spec).resolve().name or "default", spec
+        if name in named:
+            raise ValueError(f"two indexes are named {name!r}; name them with --index NAME=PATH")
+        named[name] = path
+    return named
+
+
+def load_searchers(
+    indexes: Mapping[str, str | Path], model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
+) -> dict[str, Searcher]:
+    """A searcher per named index (``load_searcher``), loading a model shared by several indexes once."""
     from openalign.model.io import load_model
     from openalign.search.catalog import SearchIndex
     from openalign.text import load_tokenizer
 
-    index = SearchIndex.open(index_path)
-    model_path = model_path or index.info.get("model")
-    if not model_path:
-        raise ValueError(f"{index_path} does not name its model; pass --model")
-    model = load_model(model_path)
-    tokenizer_path = tokenizer_path or index.info.get("tokenizer") or model_path
-    tokenizer = load_tokenizer(tokenizer_path, max_length=model.config.text.max_length)
-    return Searcher(index, model, tokenizer, model_name=str(model_path))
+    models: dict[str, Any] = {}
+    searchers: dict[str, Searcher] = {}
+    for name, path in indexes.items():
+        index = SearchIndex.open(path)
+        model = model_path or index.info.get("model")
+        if not model:
+            if index.info.get("imported") is None:
+                raise ValueError(f"{path} does not name its model; pass --model")
+            searchers[name] = Searcher(index)
+            continue
+        tok = tokenizer_path or index.info.get("tokenizer") or model
+        key = str(Path(model).resolve())
+        if key not in models:
+            loaded = load_model(model)
+            models[key] = (loaded, {})
+        loaded, tokenizers = models[key]
+        tok_key = str(Path(tok).resolve())
+        if tok_key not in tokenizers:
+            tokenizers[tok_key] = load_tokenizer(tok, max_length=loaded.config.text.max_length)
+        searchers[name] = Searcher(index, loaded, tokenizers[tok_key], model_name=str(model))
+    return searchers
+
+
+def load_searcher(
+    index_path: str | Path, model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
+) -> Searcher:
+    """Open an index with the model (and tokenizer) it was built with, or the ones given. An index built
+    from embeddings without a model opens without one: it answers embedding queries only."""
+    return load_searchers({"index": index_path}, model_path, tokenizer_path)["index"]

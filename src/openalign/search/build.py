@@ -319,7 +319,7 @@ def _merge_thumbs(src: Path, dst: Path, chunks: list[Path]) -> None:
     np.save(dst / THUMBS_INDEX, np.concatenate(offsets))
 
 
-def _commit(out: Path) -> None:
+def commit_stage(out: Path) -> None:
     """Move a fully staged result into place (index.json last) and drop the pending work."""
     stage = out / PENDING / "final"
     if not (stage / "ready").is_file():
@@ -390,7 +390,7 @@ def _build_into(
     )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _commit(out)  # a previous run that died while moving files into place
+    commit_stage(out)  # a previous run that died while moving files into place
     info: dict[str, Any] = json.loads((out / INFO).read_text()) if (out / INFO).is_file() else {}
     dim = model.embed_dim
     if info and info.get("embed_dim") != dim:
@@ -479,7 +479,7 @@ def _build_into(
     }
     (stage / INFO).write_text(json.dumps(new_info, indent=2) + "\n")
     (stage / "ready").write_text("")
-    _commit(out)
+    commit_stage(out)
     return IndexBuildResult(
         added_images=counts["image"] - old_counts.get("image", 0),
         added_captions=counts.get("text", 0) - old_counts.get("text", 0),

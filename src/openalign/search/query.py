@@ -29,11 +29,13 @@ MAX_K = 1000
 
 @dataclass
 class Query:
-    """What to look for. At least one of ``text``, ``image``, ``image_id`` or ``plus`` must be given."""
+    """What to look for. At least one of ``text``, ``image``, ``image_id``, ``embedding`` or ``plus`` must be
+    given; ``embedding`` (a vector made elsewhere) takes the image's place in the sum."""
 
     text: str | None = None
     image: Image.Image | None = None
     image_id: int | None = None  # query by an indexed image's stored embedding ("more like this")
+    embedding: list[float] | None = None  # query by a vector of the index's width (normalised here)
     plus: list[str] = field(default_factory=list)  # texts added to the query
     minus: list[str] = field(default_factory=list)  # texts subtracted from it
     k: int = 10
@@ -103,10 +105,14 @@ def check_query(query: Query) -> None:
         raise ValueError(f"unknown modality {query.modality!r}; expected 'image' or 'text'")
     text = (query.text or "").strip()
     plus = [p for p in query.plus if p.strip()]
-    if not text and query.image is None and query.image_id is None and not plus:
-        raise ValueError("empty query: give text, an image, an image_id or a plus text")
-    if query.image is not None and query.image_id is not None:
-        raise ValueError("give either an image or an image_id, not both")
+    if not text and query.image is None and query.image_id is None and query.embedding is None and not plus:
+        raise ValueError("empty query: give text, an image, an image_id, an embedding or a plus text")
+    if sum(x is not None for x in (query.image, query.image_id, query.embedding)) > 1:
+        raise ValueError("give one of an image, an image_id or an embedding, not several")
+    if query.embedding is not None:
+        vector = np.asarray(query.embedding, dtype=np.float64)
+        if vector.ndim != 1 or not len(vector) or not np.isfinite(vector).all() or not np.any(vector):
+            raise ValueError("embedding must be a non-zero list of finite numbers")
     if query.dedup is not None and not 0.0 < query.dedup <= 1.0:
         raise ValueError(f"dedup must be a cosine threshold in (0, 1], got {query.dedup}")
     for name in ("text_weight", "image_weight"):
@@ -144,14 +150,22 @@ class Searcher:
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _no_model(self, what: str) -> str:
+        return (
+            f"{what} queries need a model, and this index has none attached (it was built from embeddings); "
+            f"pass --model with a model that makes {self.index.embed_dim}-d embeddings, or query with an embedding"
+        )
+
     def _text_model(self) -> tuple[DualEncoder, TextTokenizer]:
-        if self.model is None or self.tokenizer is None:
-            raise ValueError("text queries need the index's model and tokenizer")
+        if self.model is None:
+            raise ValueError(self._no_model("text"))
+        if self.tokenizer is None:
+            raise ValueError("text queries need the model's tokenizer; pass --tokenizer")
         return self.model, self.tokenizer
 
     def _image_model(self) -> DualEncoder:
         if self.model is None:
-            raise ValueError("image queries need the index's model")
+            raise ValueError(self._no_model("image"))
         return self.model
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
@@ -189,7 +203,15 @@ class Searcher:
         all_texts = texts + minus
         emb = self.embed_texts(all_texts) if all_texts else np.zeros((0, self.index.embed_dim), np.float32)
         image = None
-        if query.image is not None:
+        if query.embedding is not None:
+            vector = np.asarray(query.embedding, dtype=np.float64)
+            # Scaled before the float32 cast, so that a vector of huge (finite) numbers keeps its direction.
+            image = (vector / np.abs(vector).max()).astype(np.float32)
+            if image.shape != (self.index.embed_dim,):
+                raise ValueError(
+                    f"the embedding has {image.size} numbers; this index holds {self.index.embed_dim}-d vectors"
+                )
+        elif query.image is not None:
             image = self.embed_image(query.image)
         elif query.image_id is not None:
             try:
@@ -206,7 +228,11 @@ class Searcher:
 
     def search(self, query: Query) -> list[Hit]:
         """The top ``query.k`` hits, best first."""
-        vector = self.query_vector(query)
+        return self.search_vector(self.query_vector(query), query)
+
+    def search_vector(self, vector: np.ndarray, query: Query) -> list[Hit]:
+        """The top ``query.k`` hits for ``vector`` (``query_vector(query)``) in ``query.modality``, with
+        ``query.dedup``, best first."""
         store = self.index.store(query.modality)
         depth = query.k if query.dedup is None else min(MAX_K * 4, query.k * 4)
         scores, ids = store.search(vector[None], depth)
