@@ -220,6 +220,59 @@ def test_a_tar_member_over_the_limit_is_skipped_unread(tmp_path: Path) -> None:
     assert _tar_keys(out) == ["ok"] and _failures(out) == {"too_large_member": 1}
 
 
+def _pax_bomb(path: Path, claimed: int = 3 * 2**30) -> Path:
+    """A shard: sample ``a``, then a PAX extended header (typeflag ``x``) whose size field claims ``claimed``
+    bytes followed by a few bytes of it, then sample ``c``. tarfile alone reads such a header whole."""
+    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        _add_members(tf, [("a.jpg", _jpeg(0)), ("a.txt", b"first")])
+        pax = tarfile.TarInfo("././@PaxHeader")
+        pax.type = tarfile.XHDTYPE
+        pax.size = claimed
+        f.write(pax.tobuf(tarfile.USTAR_FORMAT))
+        f.write(b"27 path=b.jpg\n".ljust(tarfile.BLOCKSIZE, b"\0"))  # the claimed header, cut short
+        tf.offset = f.tell()
+        _add_members(tf, [("c.jpg", _jpeg(2)), ("c.txt", b"after")])
+    return path
+
+
+def test_a_huge_pax_header_ends_its_shard_unread_under_a_memory_limit(tmp_path: Path) -> None:
+    """tarfile reads a PAX header in one allocation of the size it claims: 3 GB here, over the child's
+    2 GB address space. The header is refused from its size field, the rest of that shard is skipped with
+    one counted reason, and the next shard is read. Sample ``a`` goes too: the header may have described one
+    of its members."""
+    shards = tmp_path / "in"
+    shards.mkdir()
+    _pax_bomb(shards / "00000.tar")
+    with tarfile.open(shards / "00001.tar", "w") as tf:
+        _add_members(tf, [("d.jpg", _jpeg(3)), ("d.txt", b"next shard")])
+    out = tmp_path / "out"
+    run = _cli_limited("shard", str(shards), str(out), "--quiet")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert "wrote 1 samples" in run.stdout and "too_large_header 1" in run.stdout, run.stdout
+    assert _tar_keys(out) == ["d"] and _failures(out) == {"too_large_header": 1}
+
+
+@pytest.mark.parametrize("how", ["file", "pipe"])
+def test_read_samples_refuses_a_huge_pax_header(tmp_path: Path, how: str) -> None:
+    bomb = _pax_bomb(tmp_path / "00000.tar")
+    url = f"pipe:cat {bomb}" if how == "pipe" else str(bomb)
+    code = (
+        "import json, resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))\n"
+        "from openalign.data.sources import read_samples\n"
+        "errors = []\n"
+        "kept = [s['__key__'] for s in read_samples(sys.argv[1], on_error=lambda r, d: errors.append([r, d]))]\n"
+        "print(json.dumps({'kept': kept, 'errors': errors}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(openalign.__file__).resolve().parents[1]), "MALLOC_ARENA_MAX": "1"}
+    run = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    assert result["kept"] == [] and [r for r, _ in result["errors"]] == ["too_large_header"]
+    assert "3.0 GB" in result["errors"][0][1]
+
+
 def test_read_samples_counts_members_over_the_limit(tmp_path: Path) -> None:
     shard = tmp_path / "00000.tar"
     with tarfile.open(shard, "w") as tf:

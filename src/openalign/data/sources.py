@@ -25,7 +25,8 @@ every table path through ``resolve_image_path``, the two places that bound what 
 - ``read_file`` reads regular files only (``not_a_file``: a device such as ``/dev/zero``, a FIFO, a folder)
   of at most ``max_bytes`` (``too_large_file``; default ``DEFAULT_MAX_FILE_MB``), checked before reading and
   again while reading, so no input file can drive a stage out of memory; a WebDataset member whose header
-  claims more than the limit is skipped unread (``too_large_member``);
+  claims more than the limit is skipped unread (``too_large_member``), and a PAX or GNU long-name header
+  claiming more than ``MAX_TAR_HEADER_BYTES`` ends its shard unread (``too_large_header``);
 - ``resolve_image_path`` keeps a table's ``image_path`` inside its image root once symlinks are resolved
   (``outside_root``: an absolute path elsewhere, a ``..`` escape, a symlink pointing out), because a table
   is data, often from someone else, and must not be able to pick files such as ``~/.ssh/id_rsa`` to be packed
@@ -433,6 +434,34 @@ def _log_error(reason: str, detail: str) -> None:
     log.warning("skipped (%s): %s", reason, detail)
 
 
+# The most a tar's metadata header (a PAX extended header, a GNU long name or long link) may hold. tarfile
+# reads such a header whole, in one allocation of the size its header block claims, before it yields the
+# member it describes; real ones hold a path and a few attributes, a few KB at most.
+MAX_TAR_HEADER_BYTES = 1 << 20
+_METADATA_HEADERS = frozenset(
+    {tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE}
+)
+
+
+class _OversizedHeader(tarfile.TarError):
+    """A tar metadata header over ``MAX_TAR_HEADER_BYTES``; not a ``HeaderError``, so that tarfile's
+    ``ignore_zeros`` does not step over it (it would read on from inside the claimed header)."""
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A ``TarInfo`` that refuses a metadata header claiming more than ``MAX_TAR_HEADER_BYTES`` before tarfile
+    reads it, so a crafted shard cannot make a reader allocate the size it claims (a 2 GB PAX header)."""
+
+    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _METADATA_HEADERS and self.size > MAX_TAR_HEADER_BYTES:
+            raise _OversizedHeader(
+                f"a {self.type.decode('ascii', 'replace')!r} header at offset {self.offset} claims "
+                f"{_size(self.size)}, over the {_size(MAX_TAR_HEADER_BYTES)} limit; the rest of the shard is skipped"
+            )
+        member: tarfile.TarInfo = super()._proc_member(archive)  # type: ignore[misc]
+        return member
+
+
 class _Readable(Protocol):
     def read(self, size: int, /) -> bytes: ...
 
@@ -465,6 +494,10 @@ def _iter_tar(
     while True:
         try:
             member = tf.next()
+        except _OversizedHeader as err:
+            report("too_large_header", f"{url}: {err}")
+            current_bad = True
+            break
         except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
             report("truncated", f"{url}: {err}")
             current_bad = True
@@ -541,8 +574,9 @@ def read_samples(
     skipped, never raised: reasons are ``missing``, ``unreadable``, ``not_a_tar``, ``truncated``, ``corrupt``
     (a damaged header; the samples on both sides of it are dropped because either may have lost a member),
     ``no_extension``, ``duplicate_member``, ``too_large_member`` (a member over ``max_member_bytes``, whose
-    sample is dropped), ``not_a_file`` (a device, FIFO or folder given as a shard), ``unsupported_url`` and
-    ``pipe_failed``.
+    sample is dropped), ``too_large_header`` (a PAX or GNU long-name header over ``MAX_TAR_HEADER_BYTES``:
+    the rest of the shard is skipped unread), ``not_a_file`` (a device, FIFO or folder given as a shard),
+    ``unsupported_url`` and ``pipe_failed``.
     """
     report = on_error or _log_error
     url = os.fspath(url)
@@ -567,7 +601,10 @@ def read_samples(
         return
     with handle:
         try:
-            tf = tarfile.open(fileobj=handle, mode="r:*", ignore_zeros=True)  # noqa: SIM115 - closed below
+            tf = tarfile.open(fileobj=handle, mode="r:*", ignore_zeros=True, tarinfo=_BoundedTarInfo)  # noqa: SIM115
+        except _OversizedHeader as err:
+            report("too_large_header", f"{url}: {err}")
+            return
         except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
             report("not_a_tar", f"{url}: {_one_line(err)}")
             return
@@ -581,7 +618,9 @@ def _read_pipe(url: str, report: ErrorHandler, max_member_bytes: int) -> Iterato
     assert proc.stdout is not None
     try:
         try:
-            tf = tarfile.open(fileobj=proc.stdout, mode="r|*", ignore_zeros=True)  # noqa: SIM115
+            tf = tarfile.open(fileobj=proc.stdout, mode="r|*", ignore_zeros=True, tarinfo=_BoundedTarInfo)  # noqa: SIM115
+        except _OversizedHeader as err:
+            report("too_large_header", f"{url}: {err}")
         except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
             report("not_a_tar", f"{url}: {_one_line(err)}")
         else:
