@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -567,6 +568,35 @@ def _(t: Path, w: World) -> list[str]:
 @case("serve-port-out-of-range", "port")
 def _(t: Path, w: World) -> list[str]:
     return ["serve", "--index", str(w.index), "--port", "70000"]
+
+
+# Sockets the port cases hold while their command runs (closed with the test session).
+_HELD: list[socket.socket] = []
+
+
+def port_in_use() -> int:
+    """A loopback port another socket is listening on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    _HELD.append(sock)
+    return int(sock.getsockname()[1])
+
+
+@case("serve-port-in-use", "is in use")
+def _(t: Path, w: World) -> list[str]:
+    return ["serve", "--index", str(w.index), "--host", "127.0.0.1", "--port", str(port_in_use())]
+
+
+@case("serve-port-in-use-checked-before-the-index-loads", "is in use")
+def _(t: Path, w: World) -> list[str]:
+    # The index does not exist: the port is what is reported, found before any loading starts.
+    return ["serve", "--index", str(t / "no-index"), "--port", str(port_in_use())]
+
+
+@case("serve-host-unknown", "cannot listen on")
+def _(t: Path, w: World) -> list[str]:
+    return ["serve", "--index", str(w.index), "--host", "no-such-host.invalid", "--port", "0"]
 
 
 @case("serve-malformed-config-yaml", "not valid YAML")
