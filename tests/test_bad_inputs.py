@@ -528,6 +528,17 @@ def _(t: Path, w: World) -> list[str]:
     ]
 
 
+@case("index-build-resume-under-another-max-file-mb", "max_file_mb (was 64.0, now 1.0)")
+def _(t: Path, w: World) -> list[str]:
+    pending = t / "idx" / "pending"
+    pending.mkdir(parents=True)
+    manifest = {"source": str(w.photos), "captions": False, "chunk_size": 1024, "base_images": 0}
+    manifest |= {"thumbnail_size": 256, "max_file_mb": 64.0, "max_pixels": 64_000_000, "allow_outside_root": False}
+    (pending / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["index", "build", "--model", str(w.model), "--images", str(w.photos), "--out", str(t / "idx")]
+    return [*argv, "--max-file-mb", "1", "--quiet"]
+
+
 @case("search-index-missing", "no-index")
 def _(t: Path, w: World) -> list[str]:
     return ["search", str(t / "no-index"), "--text", "a red cat"]
