@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from openalign.data.filters.rules import TEXT_COLUMN_CANDIDATES, ColumnNames
+from openalign.data.sources import MAX_LINE_BYTES, read_annotation
 from openalign.data.tables import (
     MalformedRow,
     clean_text,
@@ -351,14 +352,23 @@ def _iter_json_records(path: str) -> Iterator[tuple[str, Any]]:
         head = fh.read(4096).lstrip()
         fh.seek(0)
         if head.startswith(b"["):
+            # Read whole, within the annotation limit: an array cannot be read in parts.
+            data = read_annotation(path)
             try:
-                records = json.loads(fh.read().decode("utf-8", "surrogateescape"))
+                records = json.loads(data.decode("utf-8", "surrogateescape"))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}: not a valid JSON array: {err}") from err
             for i, rec in enumerate(records, 1):
                 yield f"item {i}", rec
             return
-        for number, raw in enumerate(fh, 1):
+        number = 0
+        while raw := fh.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:  # a line without an end is stepped over, never held whole
+                while raw and not raw.endswith(b"\n"):
+                    raw = fh.readline(1 << 20)
+                yield f"line {number}", _MALFORMED
+                continue
             line = raw.strip()
             if not line:
                 continue
