@@ -260,6 +260,23 @@ def _(t: Path, w: World) -> list[str]:
     return ["filter", str(w.pairs), str(t / "out.parquet"), "--threads", "0", "--quiet"]
 
 
+@case("filter-csv-stray-quote-names-its-line", "line 6")
+def _(t: Path, w: World) -> list[str]:
+    # 300 rows with one stray quote in row 5: once 295 rows vanished into one "malformed row" and it exited 0.
+    quote = '"'
+    rows = [f"http://x/{i}.jpg,{quote if i == 4 else ''}a red cat number {i},400,300" for i in range(300)]
+    (t / "pairs.csv").write_text("\n".join(["url,caption,width,height", *rows]) + "\n")
+    return ["filter", str(t / "pairs.csv"), str(t / "out.parquet"), "--quiet"]
+
+
+@case("filter-caption-column-holds-ints", "not text")
+def _(t: Path, w: World) -> list[str]:
+    pq.write_table(
+        pa.table({"url": ["http://x/0.jpg"], "caption": [5], "width": [400], "height": [300]}), t / "p.parquet"
+    )
+    return ["filter", str(t / "p.parquet"), str(t / "out.parquet"), "--quiet"]
+
+
 # shard -------------------------------------------------------------------------------------------
 
 
@@ -301,6 +318,19 @@ def _(t: Path, w: World) -> list[str]:
 @case("shard-zero-samples-per-shard", "samples_per_shard")
 def _(t: Path, w: World) -> list[str]:
     return ["shard", str(w.photos), str(t / "shards"), "--samples-per-shard", "0", "--quiet"]
+
+
+@case("shard-caption-column-holds-lists", "not text")
+def _(t: Path, w: World) -> list[str]:
+    table = pa.table({"key": ["a"], "caption": [["a", "cat"]], "jpg": [_jpeg(0)]})
+    pq.write_table(table, t / "rows.parquet")
+    return ["shard", str(t / "rows.parquet"), str(t / "shards"), "--quiet"]
+
+
+@case("shard-jsonl-caption-column-holds-ints", "not text")
+def _(t: Path, w: World) -> list[str]:
+    (t / "rows.jsonl").write_text('{"key": "a", "caption": 1, "image_path": "a.jpg"}\n')
+    return ["shard", str(t / "rows.jsonl"), str(t / "shards"), "--quiet"]
 
 
 # vocab -------------------------------------------------------------------------------------------
@@ -402,6 +432,12 @@ def _(t: Path, w: World) -> list[str]:
     return _train(t, w, "--data.shards", str(t / "gone" / "{00000..00001}.tar"))
 
 
+@case("train-lr-infinite", "optim.lr: expected a finite number")
+def _(t: Path, w: World) -> list[str]:
+    # Once accepted: ten non-finite steps, then a kept checkpoint full of NaN that --resume could not recover.
+    return _train(t, w, "--optim.lr", ".inf")
+
+
 @case("train-run-dir-is-a-file", "not a directory")
 def _(t: Path, w: World) -> list[str]:
     return _train(t, w, "--train.run_dir", str(a_file(t)))
@@ -486,6 +522,15 @@ def _(t: Path, w: World) -> list[str]:
     return ["eval", "suite", str(t / "suite.yaml"), "--model", str(w.model), "--out", str(a_file(t))]
 
 
+@case("eval-retrieval-karpathy-over-max-annotation-mb", "max_annotation_mb")
+def _(t: Path, w: World) -> list[str]:
+    images = [{"split": "test", "filename": "p0.jpg", "sentences": [{"raw": "a red cat"}]}]
+    (t / "karpathy.json").write_text(json.dumps({"images": images}))
+    dataset = f"karpathy:{t / 'karpathy.json'}"
+    argv = ["eval", "retrieval", "--model", str(w.model), "--dataset", dataset, "--images", str(w.photos)]
+    return [*argv, "--max-annotation-mb", "0.00001", "--out", str(t / "results")]
+
+
 # index build, search, serve ----------------------------------------------------------------------
 
 
@@ -537,6 +582,13 @@ def _(t: Path, w: World) -> list[str]:
     (pending / "manifest.json").write_text(json.dumps(manifest))
     argv = ["index", "build", "--model", str(w.model), "--images", str(w.photos), "--out", str(t / "idx")]
     return [*argv, "--max-file-mb", "1", "--quiet"]
+
+
+@case("index-build-caption-column-holds-ints", "not text")
+def _(t: Path, w: World) -> list[str]:
+    pq.write_table(pa.table({"key": ["a"], "caption": [7], "jpg": [_jpeg(0)]}), t / "rows.parquet")
+    argv = ["index", "build", "--model", str(w.model), "--images", str(t / "rows.parquet"), "--out", str(t / "idx")]
+    return [*argv, "--captions", "--quiet"]
 
 
 @case("search-index-missing", "no-index")
