@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -259,6 +260,23 @@ def _(t: Path, w: World) -> list[str]:
     return ["filter", str(w.pairs), str(t / "out.parquet"), "--threads", "0", "--quiet"]
 
 
+@case("filter-csv-stray-quote-names-its-line", "line 6")
+def _(t: Path, w: World) -> list[str]:
+    # 300 rows with one stray quote in row 5: once 295 rows vanished into one "malformed row" and it exited 0.
+    quote = '"'
+    rows = [f"http://x/{i}.jpg,{quote if i == 4 else ''}a red cat number {i},400,300" for i in range(300)]
+    (t / "pairs.csv").write_text("\n".join(["url,caption,width,height", *rows]) + "\n")
+    return ["filter", str(t / "pairs.csv"), str(t / "out.parquet"), "--quiet"]
+
+
+@case("filter-caption-column-holds-ints", "not text")
+def _(t: Path, w: World) -> list[str]:
+    pq.write_table(
+        pa.table({"url": ["http://x/0.jpg"], "caption": [5], "width": [400], "height": [300]}), t / "p.parquet"
+    )
+    return ["filter", str(t / "p.parquet"), str(t / "out.parquet"), "--quiet"]
+
+
 # shard -------------------------------------------------------------------------------------------
 
 
@@ -300,6 +318,19 @@ def _(t: Path, w: World) -> list[str]:
 @case("shard-zero-samples-per-shard", "samples_per_shard")
 def _(t: Path, w: World) -> list[str]:
     return ["shard", str(w.photos), str(t / "shards"), "--samples-per-shard", "0", "--quiet"]
+
+
+@case("shard-caption-column-holds-lists", "not text")
+def _(t: Path, w: World) -> list[str]:
+    table = pa.table({"key": ["a"], "caption": [["a", "cat"]], "jpg": [_jpeg(0)]})
+    pq.write_table(table, t / "rows.parquet")
+    return ["shard", str(t / "rows.parquet"), str(t / "shards"), "--quiet"]
+
+
+@case("shard-jsonl-caption-column-holds-ints", "not text")
+def _(t: Path, w: World) -> list[str]:
+    (t / "rows.jsonl").write_text('{"key": "a", "caption": 1, "image_path": "a.jpg"}\n')
+    return ["shard", str(t / "rows.jsonl"), str(t / "shards"), "--quiet"]
 
 
 # vocab -------------------------------------------------------------------------------------------
@@ -401,6 +432,12 @@ def _(t: Path, w: World) -> list[str]:
     return _train(t, w, "--data.shards", str(t / "gone" / "{00000..00001}.tar"))
 
 
+@case("train-lr-infinite", "optim.lr: expected a finite number")
+def _(t: Path, w: World) -> list[str]:
+    # Once accepted: ten non-finite steps, then a kept checkpoint full of NaN that --resume could not recover.
+    return _train(t, w, "--optim.lr", ".inf")
+
+
 @case("train-run-dir-is-a-file", "not a directory")
 def _(t: Path, w: World) -> list[str]:
     return _train(t, w, "--train.run_dir", str(a_file(t)))
@@ -485,6 +522,15 @@ def _(t: Path, w: World) -> list[str]:
     return ["eval", "suite", str(t / "suite.yaml"), "--model", str(w.model), "--out", str(a_file(t))]
 
 
+@case("eval-retrieval-karpathy-over-max-annotation-mb", "max_annotation_mb")
+def _(t: Path, w: World) -> list[str]:
+    images = [{"split": "test", "filename": "p0.jpg", "sentences": [{"raw": "a red cat"}]}]
+    (t / "karpathy.json").write_text(json.dumps({"images": images}))
+    dataset = f"karpathy:{t / 'karpathy.json'}"
+    argv = ["eval", "retrieval", "--model", str(w.model), "--dataset", dataset, "--images", str(w.photos)]
+    return [*argv, "--max-annotation-mb", "0.00001", "--out", str(t / "results")]
+
+
 # index build, search, serve ----------------------------------------------------------------------
 
 
@@ -527,6 +573,24 @@ def _(t: Path, w: World) -> list[str]:
     ]
 
 
+@case("index-build-resume-under-another-max-file-mb", "max_file_mb (was 64.0, now 1.0)")
+def _(t: Path, w: World) -> list[str]:
+    pending = t / "idx" / "pending"
+    pending.mkdir(parents=True)
+    manifest = {"source": str(w.photos), "captions": False, "chunk_size": 1024, "base_images": 0}
+    manifest |= {"thumbnail_size": 256, "max_file_mb": 64.0, "max_pixels": 64_000_000, "allow_outside_root": False}
+    (pending / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["index", "build", "--model", str(w.model), "--images", str(w.photos), "--out", str(t / "idx")]
+    return [*argv, "--max-file-mb", "1", "--quiet"]
+
+
+@case("index-build-caption-column-holds-ints", "not text")
+def _(t: Path, w: World) -> list[str]:
+    pq.write_table(pa.table({"key": ["a"], "caption": [7], "jpg": [_jpeg(0)]}), t / "rows.parquet")
+    argv = ["index", "build", "--model", str(w.model), "--images", str(t / "rows.parquet"), "--out", str(t / "idx")]
+    return [*argv, "--captions", "--quiet"]
+
+
 @case("search-index-missing", "no-index")
 def _(t: Path, w: World) -> list[str]:
     return ["search", str(t / "no-index"), "--text", "a red cat"]
@@ -567,6 +631,35 @@ def _(t: Path, w: World) -> list[str]:
 @case("serve-port-out-of-range", "port")
 def _(t: Path, w: World) -> list[str]:
     return ["serve", "--index", str(w.index), "--port", "70000"]
+
+
+# Sockets the port cases hold while their command runs (closed with the test session).
+_HELD: list[socket.socket] = []
+
+
+def port_in_use() -> int:
+    """A loopback port another socket is listening on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    _HELD.append(sock)
+    return int(sock.getsockname()[1])
+
+
+@case("serve-port-in-use", "is in use")
+def _(t: Path, w: World) -> list[str]:
+    return ["serve", "--index", str(w.index), "--host", "127.0.0.1", "--port", str(port_in_use())]
+
+
+@case("serve-port-in-use-checked-before-the-index-loads", "is in use")
+def _(t: Path, w: World) -> list[str]:
+    # The index does not exist: the port is what is reported, found before any loading starts.
+    return ["serve", "--index", str(t / "no-index"), "--port", str(port_in_use())]
+
+
+@case("serve-host-unknown", "cannot listen on")
+def _(t: Path, w: World) -> list[str]:
+    return ["serve", "--index", str(w.index), "--host", "no-such-host.invalid", "--port", "0"]
 
 
 @case("serve-malformed-config-yaml", "not valid YAML")

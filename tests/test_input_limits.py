@@ -220,6 +220,59 @@ def test_a_tar_member_over_the_limit_is_skipped_unread(tmp_path: Path) -> None:
     assert _tar_keys(out) == ["ok"] and _failures(out) == {"too_large_member": 1}
 
 
+def _pax_bomb(path: Path, claimed: int = 3 * 2**30) -> Path:
+    """A shard: sample ``a``, then a PAX extended header (typeflag ``x``) whose size field claims ``claimed``
+    bytes followed by a few bytes of it, then sample ``c``. tarfile alone reads such a header whole."""
+    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        _add_members(tf, [("a.jpg", _jpeg(0)), ("a.txt", b"first")])
+        pax = tarfile.TarInfo("././@PaxHeader")
+        pax.type = tarfile.XHDTYPE
+        pax.size = claimed
+        f.write(pax.tobuf(tarfile.USTAR_FORMAT))
+        f.write(b"27 path=b.jpg\n".ljust(tarfile.BLOCKSIZE, b"\0"))  # the claimed header, cut short
+        tf.offset = f.tell()
+        _add_members(tf, [("c.jpg", _jpeg(2)), ("c.txt", b"after")])
+    return path
+
+
+def test_a_huge_pax_header_ends_its_shard_unread_under_a_memory_limit(tmp_path: Path) -> None:
+    """tarfile reads a PAX header in one allocation of the size it claims: 3 GB here, over the child's
+    2 GB address space. The header is refused from its size field, the rest of that shard is skipped with
+    one counted reason, and the next shard is read. Sample ``a`` goes too: the header may have described one
+    of its members."""
+    shards = tmp_path / "in"
+    shards.mkdir()
+    _pax_bomb(shards / "00000.tar")
+    with tarfile.open(shards / "00001.tar", "w") as tf:
+        _add_members(tf, [("d.jpg", _jpeg(3)), ("d.txt", b"next shard")])
+    out = tmp_path / "out"
+    run = _cli_limited("shard", str(shards), str(out), "--quiet")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert "wrote 1 samples" in run.stdout and "too_large_header 1" in run.stdout, run.stdout
+    assert _tar_keys(out) == ["d"] and _failures(out) == {"too_large_header": 1}
+
+
+@pytest.mark.parametrize("how", ["file", "pipe"])
+def test_read_samples_refuses_a_huge_pax_header(tmp_path: Path, how: str) -> None:
+    bomb = _pax_bomb(tmp_path / "00000.tar")
+    url = f"pipe:cat {bomb}" if how == "pipe" else str(bomb)
+    code = (
+        "import json, resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))\n"
+        "from openalign.data.sources import read_samples\n"
+        "errors = []\n"
+        "kept = [s['__key__'] for s in read_samples(sys.argv[1], on_error=lambda r, d: errors.append([r, d]))]\n"
+        "print(json.dumps({'kept': kept, 'errors': errors}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(openalign.__file__).resolve().parents[1]), "MALLOC_ARENA_MAX": "1"}
+    run = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    assert result["kept"] == [] and [r for r, _ in result["errors"]] == ["too_large_header"]
+    assert "3.0 GB" in result["errors"][0][1]
+
+
 def test_read_samples_counts_members_over_the_limit(tmp_path: Path) -> None:
     shard = tmp_path / "00000.tar"
     with tarfile.open(shard, "w") as tf:
@@ -387,3 +440,141 @@ def test_the_training_stream_skips_members_over_data_max_file_mb(tmp_path: Path)
     cfg.max_file_mb = 0
     with pytest.raises(ConfigError, match=r"data\.max_file_mb"):
         cfg.validate()
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables read a batch at a time, annotation files within their own limit
+
+
+def test_a_jsonl_table_is_read_a_line_at_a_time_under_a_memory_limit(crawl: Path, tmp_path: Path) -> None:
+    """A JSON Lines table with a 3 GB line (a hole in a sparse file) between good rows, beside lines that are
+    not JSON, not an object, or hold a caption that is not text: each such line is skipped and counted, the
+    rows around them are sharded, and the child never holds the long line."""
+    table = tmp_path / "rows.jsonl"
+    with open(table, "wb") as f:
+        f.write(json.dumps({"key": "a", "caption": "first", "image_path": "img/good0.jpg"}).encode() + b"\n")
+        f.write(b'{"key": "huge", "caption": "')
+        f.seek(3 * 2**30, os.SEEK_CUR)
+        f.write(b'"}\n{not json\n[1, 2]\n')
+        f.write(json.dumps({"key": "n", "caption": 5, "image_path": "img/good1.jpg"}).encode() + b"\n")
+        f.write(json.dumps({"key": "b", "caption": "last", "image_path": "img/good1.jpg"}).encode() + b"\n")
+    out = tmp_path / "shards"
+    run = _cli_limited("shard", str(table), str(out), "--image-root", str(crawl), "--quiet")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "wrote 2 samples" in run.stdout, run.stdout
+    assert _failures(out) == {"bad_json": 3, "caption_not_text": 1}
+    assert _tar_keys(out) == ["a", "b"]
+
+
+def test_a_jsonl_table_without_a_text_caption_is_an_error_and_lines_are_named(tmp_path: Path) -> None:
+    from openalign.data.sources import read_table_batches
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"key": "a", "caption": 1, "jpg": null}\n{"key": "b", "caption": [2], "jpg": null}\n')
+    with pytest.raises(ValueError, match="column 'caption' holds"):
+        list(open_source(rows).records())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"key": "a"}\n\n{"key": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 3: not JSON"):
+        _, batches = read_table_batches(bad)  # without a way to count it, a bad line is an error naming it
+        list(batches)
+
+
+def test_an_image_bytes_cell_over_max_file_mb_is_skipped_as_a_file_would_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small, large = _jpeg(0, (8, 8)), _jpeg(1, (64, 64))
+    table = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"key": ["small", "large"], "caption": ["s", "l"], "jpg": [small, large]}), table)
+    cap = (len(small) + 0.5) / 2**20
+    assert main(["shard", str(table), str(tmp_path / "capped"), "--max-file-mb", str(cap), "--quiet"]) == 0
+    assert "too_large_file 1" in capsys.readouterr().out
+    assert _tar_keys(tmp_path / "capped") == ["small"]
+    assert _failures(tmp_path / "capped") == {"too_large_file": 1}
+
+
+def test_parquet_batches_of_large_rows_are_cut_short(tmp_path: Path) -> None:
+    from openalign.data.sources import _parquet_batch_rows, open_parquet
+
+    blobs = [np.random.default_rng(i).bytes(2**20) for i in range(40)]  # random: no encoding makes them small
+    pq.write_table(pa.table({"key": [str(i) for i in range(40)], "jpg": blobs}), tmp_path / "big.parquet")
+    pq.write_table(pa.table({"key": [str(i) for i in range(40)]}), tmp_path / "small.parquet")
+    big = _parquet_batch_rows(open_parquet(tmp_path / "big.parquet"), 4096, None)
+    assert 100 <= big <= 300  # about 256 MB of 1 MB rows, not 4096 of them
+    assert _parquet_batch_rows(open_parquet(tmp_path / "small.parquet"), 4096, None) == 4096
+
+
+def _limited_python(code: str, limit: int = MEMORY_LIMIT) -> subprocess.CompletedProcess[str]:
+    prelude = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
+    env = {**os.environ, "PYTHONPATH": str(Path(openalign.__file__).resolve().parents[1]), "MALLOC_ARENA_MAX": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("reader", "name"),
+    [
+        ("from openalign.eval.datasets import load_karpathy as f; f(P, R)", "dataset_flickr30k.json"),
+        ("from openalign.eval.datasets import load_coco_captions as f; f(P, R)", "captions_val2014.json"),
+        ("from openalign.eval.datasets import read_classnames as f; f(P)", "classnames.txt"),
+        ("from openalign.eval.cxc import read_karpathy_split as f; f(P, 'test')", "dataset_coco.json"),
+        ("from openalign.eval.datasets import load_retrieval_csv as f; f(P, R)", "pairs.csv"),
+        ("from openalign.data.dedup import load_keys as f; f(P)", "keys.json"),
+    ],
+)
+def test_a_huge_annotation_file_is_refused_from_its_size_under_a_memory_limit(
+    tmp_path: Path, reader: str, name: str
+) -> None:
+    """Annotation files are read whole (or kept whole): a 30 GB one is refused by ``stat`` before any read,
+    with a one-line error naming the setting that raises the limit."""
+    huge = _sparse(tmp_path / name)
+    (tmp_path / "img").mkdir()
+    code = f"P, R = {str(huge)!r}, {str(tmp_path / 'img')!r}\n"
+    code += f"try:\n    {reader}\nexcept ValueError as err:\n    print(err)\nelse:\n    print('read')\n"
+    run = _limited_python(code)
+    assert run.returncode == 0, run.stderr[-2000:]
+    message = run.stdout.strip()
+    assert "\n" not in message and str(huge) in message, message
+    assert "30.0 GB, over the 512.0 MB limit" in message and "max_annotation_mb" in message, message
+
+
+def test_a_gzip_bomb_among_annotation_files_fails_in_one_line(tmp_path: Path) -> None:
+    """Multi30K captions may be gzip-compressed: 64 MB of zeros in 64 KB decompress within a 1 MB limit to an
+    error, as do a damaged stream and one cut short; concatenated members read as one."""
+    import gzip as gz
+
+    from openalign.data.sources import read_annotation
+    from openalign.eval.multilingual import load_multi30k
+
+    bomb = tmp_path / "test_2016_flickr.en.gz"
+    bomb.write_bytes(gz.compress(b"\0" * 64 * 2**20))
+    assert bomb.stat().st_size < 2**20
+    with pytest.raises(ValueError, match=r"decompresses to more than the 1.0 MB limit .*max_annotation_mb"):
+        read_annotation(bomb, max_bytes=2**20)
+    (tmp_path / "images.txt").write_text("a.jpg\n")
+    with pytest.raises(ValueError, match="decompresses to more than"):
+        load_multi30k(tmp_path, tmp_path / "images.txt", ["en"], max_annotation_bytes=2**20)
+    two = tmp_path / "two.gz"
+    two.write_bytes(gz.compress(b"one\n") + gz.compress(b"two\n"))
+    assert read_annotation(two) == b"one\ntwo\n"
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(gz.compress(b"x" * 10_000)[:-12])
+    with pytest.raises(ValueError, match="ends early"):
+        read_annotation(cut)
+    damaged = tmp_path / "damaged.gz"
+    damaged.write_bytes(b"\x1f\x8b" + b"\x00" * 30)
+    with pytest.raises(ValueError, match="not gzip data"):
+        read_annotation(damaged)
+
+
+def test_max_annotation_mb_is_an_option_of_every_eval_task() -> None:
+    from openalign.config import ConfigError
+    from openalign.eval.tasks import get_task, max_annotation_bytes, resolve_options
+
+    task = get_task("retrieval")
+    options = resolve_options(task, {"dataset": "x.json", "max_annotation_mb": 1.5})
+    assert max_annotation_bytes(options) == int(1.5 * 2**20)
+    assert resolve_options(task, {"dataset": "x.json"})["max_annotation_mb"] == 512.0
+    with pytest.raises(ConfigError, match="max_annotation_mb must be positive"):
+        resolve_options(task, {"dataset": "x.json", "max_annotation_mb": 0})

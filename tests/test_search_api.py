@@ -318,12 +318,12 @@ def test_serve_warns_beyond_loopback_and_reads_the_key_from_the_environment(demo
     started = []
     monkeypatch.setattr(api, "serve", lambda app, **kw: started.append((app, kw)))
     monkeypatch.delenv("OPENALIGN_API_KEY", raising=False)
-    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0"]) == 0
+    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0", "--port", "0"]) == 0
     assert "without an API key" in capsys.readouterr().err
     assert TestClient(started[-1][0]).post("/search", json={"text": "red"}).status_code == 200
 
     monkeypatch.setenv("OPENALIGN_API_KEY", "from-env")
-    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0", "--body-timeout-s", "5"]) == 0
+    assert main(["serve", "--index", str(demo_index), "--host", "0.0.0.0", "--port", "0", "--body-timeout-s", "5"]) == 0
     assert "without an API key" not in capsys.readouterr().err
     client = TestClient(started[-1][0])
     assert client.post("/search", json={"text": "red"}).status_code == 401

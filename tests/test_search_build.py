@@ -135,6 +135,44 @@ def test_interrupted_build_resumes_after_the_last_finished_chunk(tmp_path, model
         build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", cfg, progress=False)
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "shown"),
+    [("max_file_mb", 0.001, "max_file_mb (was 64.0, now 0.001)"),
+     ("allow_outside_root", True, "allow_outside_root (was False, now True)"),
+     ("max_pixels", 100, "max_pixels (was 64000000, now 100)")],
+)  # fmt: skip
+def test_a_resume_under_other_limits_is_refused_naming_both_values(
+    tmp_path, model_and_tokenizer, monkeypatch, setting, value, shown
+):
+    """Chunks already embedded kept the items their limits let through; resuming under other limits would
+    mix two selections in one index, so it is refused before any chunk is embedded."""
+    model, tokenizer = model_and_tokenizer
+    write_folder(tmp_path / "imgs", range(6))
+    real = build_mod._embed_chunk
+    calls: list[int] = []
+
+    def dying(items, *args):
+        calls.append(len(items))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(items, *args)
+
+    monkeypatch.setattr(build_mod, "_embed_chunk", dying)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", BuildConfig(chunk_size=3), progress=False)
+    calls.clear()
+    monkeypatch.setattr(build_mod, "_embed_chunk", lambda items, *a: calls.append(len(items)) or real(items, *a))
+    changed = BuildConfig(chunk_size=3, **{setting: value})
+    with pytest.raises(ValueError, match="unfinished build") as refused:
+        build_index(model, tokenizer, tmp_path / "imgs", tmp_path / "idx", changed, progress=False)
+    assert shown in str(refused.value) and "\n" not in str(refused.value)
+    assert calls == []
+    stats = build_index(
+        model, tokenizer, tmp_path / "imgs", tmp_path / "idx", BuildConfig(chunk_size=3), progress=False
+    )
+    assert calls == [3] and stats.images == 6
+
+
 def test_adding_items_keeps_ids_and_skips_known_keys(tmp_path, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     write_folder(tmp_path / "imgs", range(6))

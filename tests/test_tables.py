@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import csv
 import gzip
+import random
 from pathlib import Path
 
 import pytest
 
-from openalign.data.tables import MalformedRow, clean_text, has_surrogates, infer_values, read_csv
+from openalign.data.tables import MalformedRow, clean_text, has_surrogates, infer_values, read_csv, read_csv_arrow
 
 HEADER = "key,url,caption,width,height"
 
@@ -138,3 +139,76 @@ def test_infer_values_types_a_column_only_when_every_value_agrees() -> None:
     assert infer_values(["1", "n/a"]) == ["1", "n/a"]
     assert infer_values(["1_000"]) == ["1_000"]
     assert infer_values(["", ""]) == [None, None]
+
+
+# --------------------------------------------------------------------------------------------------
+# The pyarrow fast path: taken only where it reads what the strict reader reads
+
+
+def _fast(path: Path) -> tuple[list[str], list[list[str]]] | None:
+    fast = read_csv_arrow(path, batch_rows=7)
+    if fast is None:
+        return None
+    header, batches = fast
+    rows = [list(r.values()) for b in batches for r in b.to_pylist()]
+    return header, rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fast_path_reads_what_the_strict_reader_reads_or_stands_aside(tmp_path: Path, seed: int) -> None:
+    """Random files of rows from a pool of tricky values, some written correctly, some with a stray quote, a
+    field too many, a line break in a quoted value, bytes that are not UTF-8 or CRLF line ends. Whenever
+    read_csv_arrow takes a file its rows are the strict reader's; a file with anything malformed (which the
+    strict reader names or skips) or a record over two lines is left to the strict reader."""
+    rng = random.Random(seed)
+    good = ["plain", 'a 5" screen', '"quoted, comma"', '"a ""quote"" inside"', '""', "", " spaced ", "é ü 日本"]
+    bad = ['"unclosed', '"closed" then text', "one,too many", '"line\nbreak"', "bad \xff byte"]
+    taken = 0
+    for trial in range(40):
+        end = rng.choice(["\n", "\r\n"])
+        lines = ["key,caption,n"]
+        broken = False
+        for i in range(rng.randint(0, 30)):
+            value = rng.choice(bad if rng.random() < 0.05 else good)
+            broken = broken or value in bad
+            lines.append(f"{i},{value},{i * 3}")
+            if rng.random() < 0.05:
+                lines.append("")
+        path = tmp_path / f"{trial}.csv"
+        path.write_bytes(end.join(lines).encode("utf-8", "surrogateescape").replace("\xff".encode(), b"\xff") + b"\n")
+        fast = _fast(path)
+        if broken:
+            assert fast is None, lines
+            continue
+        header, records, malformed = read_all(path)
+        assert malformed == []
+        assert fast == (header, records), lines
+        taken += 1
+    assert taken > 10
+
+
+def test_the_fast_path_is_what_filter_takes_for_a_clean_file_and_gzip(tmp_path: Path) -> None:
+    src = write(tmp_path / "a.csv", crawl_lines(50, {3: '"a, quoted, caption"', 7: 'a 5" screen'}))
+    fast = _fast(src)
+    assert fast is not None and fast == read_all(src)[:2]
+    with gzip.open(tmp_path / "a.csv.gz", "wb") as f:
+        f.write(src.read_bytes())
+    assert _fast(tmp_path / "a.csv.gz") == fast
+    # A BOM, blank lines before the header, a line longer than a block: left to the strict reader, or read whole.
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + src.read_bytes())
+    assert _fast(tmp_path / "bom.csv") is None
+    (tmp_path / "blank.csv").write_bytes(b"\n" + src.read_bytes())
+    assert _fast(tmp_path / "blank.csv") is None
+    long = write(tmp_path / "long.csv", crawl_lines(3, {1: "x" * (9 * 2**20)}))
+    fast_long = _fast(long)
+    assert fast_long is not None and fast_long[1][1][2] == "x" * (9 * 2**20)
+
+
+def test_a_line_without_an_end_is_an_error_naming_it_not_all_memory(tmp_path: Path, monkeypatch) -> None:
+    import openalign.data.tables as tables
+
+    monkeypatch.setattr(tables, "MAX_LINE_CHARS", 1000)
+    src = write(tmp_path / "a.csv", crawl_lines(3, {1: "y" * 5000}))
+    assert read_csv_arrow(src) is None
+    with pytest.raises(ValueError, match=r"line 3 is longer than 1000 characters"):
+        read_all(src)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 T = TypeVar("T", bound="DataclassInstance")
+MAX_CONFIG_BYTES = 16 * 2**20  # the largest YAML settings file read
 
 
 class ConfigError(ValueError):
@@ -263,8 +266,13 @@ def parse_yaml(text: str) -> Any:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML file's top-level mapping; a file that does not parse is a ``ConfigError`` naming the place."""
+    # A settings file is small; anything else named as one (a device, a huge file) is refused unread.
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
+        raise ConfigError(f"{path}: not a settings file ({what}; at most {MAX_CONFIG_BYTES // 2**20} MB)")
     with open(path) as f:
-        text = f.read()
+        text = f.read(MAX_CONFIG_BYTES + 1)
     try:
         data = parse_yaml(text) or {}
     except yaml.YAMLError as err:

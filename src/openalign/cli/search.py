@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from openalign.cli.options import Alias, Parser, add_config, data, print_config,
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
+    from openalign.search.api import ServeConfig
     from openalign.search.build import BuildConfig
     from openalign.search.query import Searcher
     from openalign.text.tokenizer import Tokenizer
@@ -295,15 +297,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import os
 
     from openalign.config import ConfigError, from_dict, to_dict
-    from openalign.search.api import (
-        ServeConfig,
-        create_app,
-        index_specs,
-        load_searcher,
-        load_searchers,
-        serve,
-    )
-    from openalign.search.guard import exposure_warning
+    from openalign.search.api import ServeConfig, listen
 
     cfg = from_dict(ServeConfig, data(args))
     if cfg.api_key is None and os.environ.get("OPENALIGN_API_KEY"):
@@ -314,6 +308,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config({**to_dict(cfg), "api_key": "***" if cfg.api_key else None})
         return 0
+    # The port is taken first: finding it in use should not wait for an index and a model to load.
+    sock = listen(cfg.host, cfg.port)
+    try:
+        _run_serve(args, cfg, sock)
+    finally:
+        sock.close()
+    return 0
+
+
+def _run_serve(args: argparse.Namespace, cfg: ServeConfig, sock: socket.socket) -> None:
+    from openalign.search.api import create_app, index_specs, load_searcher, load_searchers, serve
+    from openalign.search.guard import exposure_warning
+
     warning = exposure_warning(cfg.host, cfg.api_key)
     if warning:
         print(warning, file=sys.stderr)
@@ -335,6 +342,6 @@ def run_serve(args: argparse.Namespace) -> int:
         request_memory_bytes=int(cfg.request_memory_mb * 2**20),
         api_key=cfg.api_key,
     )
-    print(f"openalign search on http://{cfg.host}:{cfg.port}/  (API docs at /docs)", file=sys.stderr)
-    serve(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
-    return 0
+    port = sock.getsockname()[1]  # the one bound, when --port 0 asked for any free one
+    print(f"openalign search on http://{cfg.host}:{port}/  (API docs at /docs)", file=sys.stderr)
+    serve(app, host=cfg.host, port=port, log_level=cfg.log_level, sock=sock)

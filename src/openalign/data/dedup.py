@@ -514,7 +514,9 @@ def load_keys(path: str | Path, expected: int | None = None) -> list[str]:
         raise FileNotFoundError(f"{path}: no such keys file")
     keys: list[str]
     if p.suffix == ".json":
-        listed = json.loads(p.read_text())
+        from openalign.data.sources import read_annotation_json
+
+        listed = read_annotation_json(p)
         if not isinstance(listed, list):
             raise ValueError(f"{path}: expected a JSON list of keys")
         keys = [str(k) for k in listed]
@@ -529,7 +531,9 @@ def load_keys(path: str | Path, expected: int | None = None) -> list[str]:
         rows = con.execute(f"SELECT CAST(key AS VARCHAR) FROM {reader}(?)", [str(p)]).fetchall()
         keys = [str(r[0]) for r in rows]
     else:
-        keys = p.read_text(encoding="utf-8").splitlines()
+        from openalign.data.sources import read_annotation_text
+
+        keys = read_annotation_text(p).splitlines()
     if expected is not None and len(keys) != expected:
         raise ValueError(f"{path}: {len(keys)} keys for {expected} embeddings")
     return keys

@@ -25,7 +25,8 @@ every table path through ``resolve_image_path``, the two places that bound what 
 - ``read_file`` reads regular files only (``not_a_file``: a device such as ``/dev/zero``, a FIFO, a folder)
   of at most ``max_bytes`` (``too_large_file``; default ``DEFAULT_MAX_FILE_MB``), checked before reading and
   again while reading, so no input file can drive a stage out of memory; a WebDataset member whose header
-  claims more than the limit is skipped unread (``too_large_member``);
+  claims more than the limit is skipped unread (``too_large_member``), and a PAX or GNU long-name header
+  claiming more than ``MAX_TAR_HEADER_BYTES`` ends its shard unread (``too_large_header``);
 - ``resolve_image_path`` keeps a table's ``image_path`` inside its image root once symlinks are resolved
   (``outside_root``: an absolute path elsewhere, a ``..`` escape, a symlink pointing out), because a table
   is data, often from someone else, and must not be able to pick files such as ``~/.ssh/id_rsa`` to be packed
@@ -62,6 +63,8 @@ __all__ = [
     "CAPTION_MEMBER",
     "CAPTION_SUFFIX",
     "CAPTION_TEXT_SUFFIXES",
+    "DEFAULT_MAX_ANNOTATION_BYTES",
+    "DEFAULT_MAX_ANNOTATION_MB",
     "DEFAULT_MAX_FILE_BYTES",
     "DEFAULT_MAX_FILE_MB",
     "FILENAME_COLUMNS",
@@ -86,7 +89,9 @@ __all__ = [
     "Record",
     "Source",
     "SourceKind",
+    "annotation_limit",
     "batched",
+    "check_annotation",
     "decode_records",
     "expand_urls",
     "file_limit",
@@ -95,6 +100,9 @@ __all__ = [
     "is_image_file",
     "iter_samples",
     "open_source",
+    "read_annotation",
+    "read_annotation_json",
+    "read_annotation_text",
     "read_caption_table",
     "read_file",
     "read_samples",
@@ -154,6 +162,12 @@ TOKENIZER_FILES: tuple[str, ...] = (*TOKENIZER_VOCAB_FILES, TOKENIZER_CONFIG, SP
 # still fit a small machine.
 DEFAULT_MAX_FILE_MB = 64.0
 DEFAULT_MAX_FILE_BYTES = int(DEFAULT_MAX_FILE_MB * 2**20)
+# The largest annotation file read whole (a Karpathy or COCO captions JSON, a class list, a .mat, a key list,
+# a JSON array of rows), decompressed size for a .gz. MSCOCO's Karpathy JSON, among the largest, is 150 MB.
+DEFAULT_MAX_ANNOTATION_MB = 512.0
+DEFAULT_MAX_ANNOTATION_BYTES = int(DEFAULT_MAX_ANNOTATION_MB * 2**20)
+# The longest line of a JSON Lines table (one row); longer ones are skipped unread as malformed.
+MAX_LINE_BYTES = DEFAULT_MAX_FILE_BYTES
 
 ErrorHandler = Callable[[str, str], None]
 SourceKind = Literal["folder", "table", "shards"]
@@ -258,6 +272,95 @@ def read_file(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_FILE_BYTE
     except OSError as err:
         raise BadInput("unreadable_file", f"{path}: {err.strerror or err}") from None
     return b"".join(chunks)
+
+
+def annotation_limit(max_annotation_mb: float) -> int:
+    """``max_annotation_mb`` (a setting's value) in bytes; raises ``ValueError`` unless it is positive."""
+    if (
+        isinstance(max_annotation_mb, bool)
+        or not isinstance(max_annotation_mb, int | float)
+        or not max_annotation_mb > 0
+    ):
+        raise ValueError(f"max_annotation_mb must be a positive number of MB, got {max_annotation_mb!r}")
+    return max(1, int(max_annotation_mb * 2**20))
+
+
+def check_annotation(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES) -> Path:
+    """``path`` once ``stat`` shows a regular file of at most ``max_bytes``: for an annotation file that is read
+    as a stream but kept whole in memory (a CSV of captions). Raises ``FileNotFoundError`` or a one-line
+    ``ValueError`` naming ``max_annotation_mb``."""
+    try:
+        _check_stat(path, os.stat(path), max_bytes)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except BadInput as err:
+        raise ValueError(_annotation_error(path, err)) from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read ({getattr(err, 'strerror', None) or err})") from None
+    return Path(path)
+
+
+def _annotation_error(path: str | os.PathLike, err: BadInput) -> str:
+    detail = err.detail.removeprefix(f"{path}: ")
+    if err.reason == "too_large_file":
+        detail += " for annotation files (raise it with max_annotation_mb)"
+    return f"{path}: cannot read ({detail})"
+
+
+def read_annotation(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES) -> bytes:
+    """The bytes of an annotation file read whole, a ``.gz`` one decompressed: at most ``max_bytes`` either way,
+    so neither a huge file nor a gzip bomb can fill memory. Raises ``FileNotFoundError``, or a one-line
+    ``ValueError`` naming the file, what is wrong and, for size, ``max_annotation_mb``."""
+    try:
+        data = read_file(path, max_bytes=max_bytes)
+    except BadInput as err:
+        if err.reason == "missing_file":
+            raise FileNotFoundError(f"{path}: no such file") from None
+        raise ValueError(_annotation_error(path, err)) from None
+    if not str(path).lower().endswith(".gz"):
+        return data
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        pending = data
+        while pending:
+            chunk = inflate.decompress(pending, max_bytes + 1 - total)
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                limit = f"{_size(max_bytes)} limit for annotation files (raise it with max_annotation_mb)"
+                raise ValueError(f"{path}: cannot read (decompresses to more than the {limit})")
+            pending = inflate.unconsumed_tail
+            if inflate.eof:
+                if not inflate.unused_data:
+                    break
+                # A concatenated gzip member (as ``cat a.gz b.gz`` makes) starts a new stream.
+                pending, inflate = inflate.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
+            elif not pending:
+                raise ValueError(f"{path}: cannot read (the gzip stream ends early)")
+    except zlib.error as err:
+        raise ValueError(f"{path}: cannot read (not gzip data: {err})") from None
+    return b"".join(chunks)
+
+
+def read_annotation_text(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES) -> str:
+    """``read_annotation`` decoded as UTF-8 (a byte-order mark dropped); bytes that are not are an error naming
+    where."""
+    data = read_annotation(path, max_bytes=max_bytes)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def read_annotation_json(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES) -> Any:
+    """``read_annotation`` parsed as JSON; a file that does not parse is an error naming it."""
+    text = read_annotation_text(path, max_bytes=max_bytes)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
 
 
 def resolve_image_path(root: Path, value: str, *, allow_outside_root: bool = False) -> Path:
@@ -433,6 +536,34 @@ def _log_error(reason: str, detail: str) -> None:
     log.warning("skipped (%s): %s", reason, detail)
 
 
+# The most a tar's metadata header (a PAX extended header, a GNU long name or long link) may hold. tarfile
+# reads such a header whole, in one allocation of the size its header block claims, before it yields the
+# member it describes; real ones hold a path and a few attributes, a few KB at most.
+MAX_TAR_HEADER_BYTES = 1 << 20
+_METADATA_HEADERS = frozenset(
+    {tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE}
+)
+
+
+class _OversizedHeader(tarfile.TarError):
+    """A tar metadata header over ``MAX_TAR_HEADER_BYTES``; not a ``HeaderError``, so that tarfile's
+    ``ignore_zeros`` does not step over it (it would read on from inside the claimed header)."""
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A ``TarInfo`` that refuses a metadata header claiming more than ``MAX_TAR_HEADER_BYTES`` before tarfile
+    reads it, so a crafted shard cannot make a reader allocate the size it claims (a 2 GB PAX header)."""
+
+    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _METADATA_HEADERS and self.size > MAX_TAR_HEADER_BYTES:
+            raise _OversizedHeader(
+                f"a {self.type.decode('ascii', 'replace')!r} header at offset {self.offset} claims "
+                f"{_size(self.size)}, over the {_size(MAX_TAR_HEADER_BYTES)} limit; the rest of the shard is skipped"
+            )
+        member: tarfile.TarInfo = super()._proc_member(archive)  # type: ignore[misc]
+        return member
+
+
 class _Readable(Protocol):
     def read(self, size: int, /) -> bytes: ...
 
@@ -465,6 +596,10 @@ def _iter_tar(
     while True:
         try:
             member = tf.next()
+        except _OversizedHeader as err:
+            report("too_large_header", f"{url}: {err}")
+            current_bad = True
+            break
         except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
             report("truncated", f"{url}: {err}")
             current_bad = True
@@ -541,8 +676,9 @@ def read_samples(
     skipped, never raised: reasons are ``missing``, ``unreadable``, ``not_a_tar``, ``truncated``, ``corrupt``
     (a damaged header; the samples on both sides of it are dropped because either may have lost a member),
     ``no_extension``, ``duplicate_member``, ``too_large_member`` (a member over ``max_member_bytes``, whose
-    sample is dropped), ``not_a_file`` (a device, FIFO or folder given as a shard), ``unsupported_url`` and
-    ``pipe_failed``.
+    sample is dropped), ``too_large_header`` (a PAX or GNU long-name header over ``MAX_TAR_HEADER_BYTES``:
+    the rest of the shard is skipped unread), ``not_a_file`` (a device, FIFO or folder given as a shard),
+    ``unsupported_url`` and ``pipe_failed``.
     """
     report = on_error or _log_error
     url = os.fspath(url)
@@ -567,7 +703,10 @@ def read_samples(
         return
     with handle:
         try:
-            tf = tarfile.open(fileobj=handle, mode="r:*", ignore_zeros=True)  # noqa: SIM115 - closed below
+            tf = tarfile.open(fileobj=handle, mode="r:*", ignore_zeros=True, tarinfo=_BoundedTarInfo)  # noqa: SIM115
+        except _OversizedHeader as err:
+            report("too_large_header", f"{url}: {err}")
+            return
         except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
             report("not_a_tar", f"{url}: {_one_line(err)}")
             return
@@ -581,7 +720,9 @@ def _read_pipe(url: str, report: ErrorHandler, max_member_bytes: int) -> Iterato
     assert proc.stdout is not None
     try:
         try:
-            tf = tarfile.open(fileobj=proc.stdout, mode="r|*", ignore_zeros=True)  # noqa: SIM115
+            tf = tarfile.open(fileobj=proc.stdout, mode="r|*", ignore_zeros=True, tarinfo=_BoundedTarInfo)  # noqa: SIM115
+        except _OversizedHeader as err:
+            report("too_large_header", f"{url}: {err}")
         except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
             report("not_a_tar", f"{url}: {_one_line(err)}")
         else:
@@ -644,12 +785,16 @@ def read_caption_table(path: str | os.PathLike) -> dict[str, str]:
         need = f"a file column ({' / '.join(FILENAME_COLUMNS)}) and a caption column ({' / '.join(CAPTION_COLUMNS)})"
         raise ValueError(f"{path}: a captions table needs {need}; has {names}")
     _text_column_check(Path(path), types, text_col, "a captions table holds text captions")
-    return {str(r[file_col]): _caption_text(r[text_col]) for b in batches for r in b}
+    return {
+        str(r[file_col]): _caption_text(r[text_col], f"{path}: {file_col} {r[file_col]}") for b in batches for r in b
+    }
 
 
-def _caption_text(value: Any) -> str:
+def _caption_text(value: Any, where: str = "") -> str:
     if value is None:
         return ""
+    if not isinstance(value, str | bytes):  # a JSON line's value can differ from the column's first ones
+        raise ValueError(f"{where}: the caption is a {type(value).__name__}, not text")
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -693,36 +838,125 @@ def read_table_batches(path: Path, batch_size: int = 4096) -> tuple[list[str], I
     return names, batches
 
 
-def _read_table(path: Path, batch_size: int = 4096) -> tuple[list[str], dict[str, Any], Iterator[list[dict]]]:
-    """Column names, their Arrow types (a CSV column is text) and row batches of a table.
+def _read_table(
+    path: Path, batch_size: int = 4096, on_skip: ErrorHandler | None = None, max_cell_bytes: int | None = None
+) -> tuple[list[str], dict[str, Any], Iterator[list[dict]]]:
+    """Column names, their Arrow types (a CSV column is text) and row batches of a table, read a batch at a
+    time so that no table sits in memory whole.
 
     CSV/TSV is read strictly (``openalign.data.tables``): a record that does not parse (a stray quote,
     the wrong number of fields) raises ``ValueError`` naming its line, so no row is lost unseen; columns
     that name things (keys, urls, captions, file names) stay text and the others become numbers where
-    every value of a batch is one.
+    every value of a batch is one. JSON Lines is read line by line (see ``_jsonl_rows``): a line that is
+    not a JSON object goes to ``on_skip("bad_json", ...)`` and is counted, or raises naming its line when
+    there is no ``on_skip``; its columns and their types are those of the first batch of rows. A Parquet
+    batch holds fewer rows when its rows are large (images in a bytes column), ``max_cell_bytes`` guiding
+    how many.
     """
     import pyarrow as pa
-    import pyarrow.json as pjson
 
     from openalign.data.tables import read_csv
 
     fmt = table_format(path)
     try:
         if fmt == "parquet":
-            schema = open_parquet(path).schema_arrow
+            reader = open_parquet(path)
+            schema = reader.schema_arrow
             types = {f.name: f.type for f in schema}
-            return schema.names, types, (b.to_pylist() for b in parquet_batches(path, batch_size))
+            rows = _parquet_batch_rows(reader, batch_size, max_cell_bytes)
+            return schema.names, types, (b.to_pylist() for b in parquet_batches(path, rows))
         if fmt == "csv":
             names, records = read_csv(path)
             return names, dict.fromkeys(names, pa.string()), _csv_batches(names, records, batch_size)
         if fmt == "jsonl":
-            table = pjson.read_json(path)
-            types = {f.name: f.type for f in table.schema}
-            return table.schema.names, types, (b.to_pylist() for b in table.to_batches(max_chunksize=batch_size))
+            rows_iter = _jsonl_rows(path, on_skip)
+            first = list(islice(rows_iter, batch_size))
+            names = list(dict.fromkeys(k for row in first for k in row))
+            types = {n: _json_type([row.get(n) for row in first]) for n in names}
+            return names, types, batched(_chain_all(first, rows_iter), batch_size)
     except pa.ArrowInvalid as err:
         raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from err
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     raise ValueError(f"{path}: unsupported table format {suffix.lower()!r} (use .parquet, .csv, .tsv or .jsonl)")
+
+
+# Rows of a Parquet batch are held as Python objects at once: a batch of large rows (images) is cut shorter.
+_PARQUET_BATCH_BYTES = 256 * 2**20
+
+
+def _parquet_batch_rows(reader: Any, batch_size: int, max_cell_bytes: int | None) -> int:
+    """``batch_size``, or fewer rows where the file's largest row group averages large rows."""
+    meta = reader.metadata
+    widest = 0.0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        if group.num_rows:
+            widest = max(widest, group.total_byte_size / group.num_rows)
+    budget = max(_PARQUET_BATCH_BYTES, 2 * (max_cell_bytes or 0))
+    return max(1, min(batch_size, int(budget // widest) if widest else batch_size))
+
+
+def _json_type(values: list[Any]) -> Any:
+    """The Arrow type of a JSON column from its values in the first batch: text when any value is a string
+    (a row whose value is not is then that row's problem), else what pyarrow infers."""
+    import pyarrow as pa
+
+    present = [v for v in values if v is not None]
+    if not present:
+        return pa.null()
+    if any(isinstance(v, str) for v in present):
+        return pa.string()
+    try:
+        return pa.array(present).type
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return pa.struct([])  # mixed kinds that include no string: neither text nor a number
+
+
+def _jsonl_rows(path: Path, on_skip: ErrorHandler | None) -> Iterator[dict]:
+    """The objects of a JSON Lines file (``.gz`` decompressed as it is read), one line at a time, each line
+    read with a limit (``MAX_LINE_BYTES``) so that a file of one endless line cannot fill memory. A line that
+    is too long, does not parse or is not an object goes to ``on_skip("bad_json", ...)``, or raises a
+    ``ValueError`` naming its line. A file that is a JSON array instead is read whole within the annotation
+    limit (it cannot be read in parts)."""
+    import gzip
+
+    def bad(number: int, why: str) -> None:
+        if on_skip is None:
+            raise ValueError(f"{path}: line {number}: {why}")
+        on_skip("bad_json", f"{path}: line {number}: {why}")
+
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    with opener(path, "rb") as fh:
+        if fh.read(4096).lstrip().startswith(b"["):
+            rows = read_annotation_json(path)
+            if not isinstance(rows, list):
+                raise ValueError(f"{path}: a JSON table must be one object per line or an array of objects")
+            for item, row in enumerate(rows, 1):
+                if isinstance(row, dict):
+                    yield row
+                else:
+                    bad(item, f"item {item} is a JSON {type(row).__name__}, not an object")
+            return
+        fh.seek(0)
+        number = 0
+        while raw := fh.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                while raw and not raw.endswith(b"\n"):  # step over the rest of the line without keeping it
+                    raw = fh.readline(1 << 20)
+                bad(number, f"longer than {_size(MAX_LINE_BYTES)}")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except ValueError as err:  # UnicodeDecodeError is a ValueError
+                bad(number, f"not JSON ({' '.join(str(err).split())})")
+                continue
+            if not isinstance(row, dict):
+                bad(number, f"a JSON {type(row).__name__}, not an object")
+                continue
+            yield row
 
 
 # A key "000123" must not become the integer 123, nor a caption "1920" a number.
@@ -843,7 +1077,10 @@ def _table_events(
     max_bytes: int,
     allow_outside_root: bool,
 ) -> Iterator[Event]:
-    names, types, batches = _read_table(path)
+    skipped: list[BadInput] = []
+    names, types, batches = _read_table(
+        path, on_skip=lambda reason, detail: skipped.append(BadInput(reason, detail)), max_cell_bytes=max_bytes
+    )
     caption = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
     if (caption_column and caption_column not in names) or (require_caption and caption is None):
         raise ValueError(f"{path}: no caption column ({caption_column or ' / '.join(CAPTION_COLUMNS)}); has {names}")
@@ -858,17 +1095,31 @@ def _table_events(
         )
     index = 0
     for batch in batches:
+        yield from skipped  # lines of a JSON table that are not rows, in order with the rows around them
+        skipped.clear()
         for row in batch:
             key = row.get("key")
             key = str(key) if key not in (None, "") else f"{index:09d}"
             data: bytes | None = None
+            too_large = None
             for column in candidates:
                 value = row.get(column)
                 if isinstance(value, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
                     value = value.get("bytes")
                 if isinstance(value, bytes):
+                    if len(value) > max_bytes:  # the same rule as an image file's
+                        too_large = f"row {key}: column {column!r} holds {_size(len(value))}, over the"
+                        too_large += f" {_size(max_bytes)} limit"
+                        break
                     data = value
                     break
+            text = row.get(caption) if caption else None
+            if too_large is not None or (text is not None and not isinstance(text, str | bytes)):
+                reason = "too_large_file" if too_large is not None else "caption_not_text"
+                detail = too_large or f"row {key}: caption column {caption!r} holds {type(text).__name__}"
+                yield BadInput(reason, f"{path}: {detail}")
+                index += 1
+                continue
             file = None
             if data is None and row.get(IMAGE_PATH_COLUMN):
                 try:
@@ -882,7 +1133,6 @@ def _table_events(
             if data is None and file is None:
                 yield BadInput("missing_image", f"row {key}: no image bytes or {IMAGE_PATH_COLUMN}")
             else:
-                text = row.get(caption) if caption else None
                 yield Record(
                     key=key,
                     kind="table",
@@ -895,6 +1145,7 @@ def _table_events(
                     max_bytes=max_bytes,
                 )
             index += 1
+    yield from skipped
 
 
 def _shard_events(urls: Sequence[str], max_bytes: int) -> Iterator[Event]:
@@ -983,6 +1234,11 @@ class Source:
 
 def _chain(first: T, rest: Iterator[T]) -> Iterator[T]:
     yield first
+    yield from rest
+
+
+def _chain_all(first: Iterable[T], rest: Iterator[T]) -> Iterator[T]:
+    yield from first
     yield from rest
 
 

@@ -17,6 +17,14 @@ on the line after it, so the rows after a stray quote are read as rows. A reader
 ``max_malformed`` of them, each reported with its line number, and stops at the next with a one-line
 error naming its line.
 
+Most files have no record spanning lines and no bad byte; ``read_csv_arrow`` checks that in one quick pass
+over the raw lines (a line with a quote must read here, on its own, as one whole record) and then lets
+pyarrow's CSV reader parse them, which on such lines gives exactly the values read here. Any other file is
+read by the strict reader, record by record.
+
+A line longer than ``MAX_LINE_CHARS`` is an error naming it (a file of one endless line, such as a sparse
+or binary file named ``.csv``, would otherwise be read whole to find its end).
+
 A quote inside an unquoted value (``a 5" screen``) is kept as a character, as every common writer does,
 and blank lines are not records. Values come back as ``str``; bytes that are not UTF-8 survive as lone
 surrogates (``surrogateescape``), so a caller can tell an undecodable value from a decoded one
@@ -28,6 +36,7 @@ from __future__ import annotations
 import csv
 import gzip
 import itertools
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -46,6 +55,7 @@ class MalformedRow(ValueError):
 
 # Python's csv stops a value at this many characters; a runaway quoted value meets it first.
 _FIELD_LIMIT = csv.field_size_limit()
+MAX_LINE_CHARS = 64 * 2**20
 _INT = re.compile(r"^[+-]?\d+$")
 
 
@@ -78,6 +88,16 @@ def _rows_in_disguise(lines: list[str], first: int, delimiter: str, width: int) 
         f"a quoted value runs from this line to line {first + len(lines) - 1}, and each of those {len(lines)} "
         "lines reads as a whole row on its own (a stray '\"'?)"
     )
+
+
+def _bounded_lines(fh: IO[str], path: Path) -> Iterator[str]:
+    """The file's lines, each read with a limit, so that a line without an end is an error, not all memory."""
+    number = 0
+    while line := fh.readline(MAX_LINE_CHARS):
+        number += 1
+        if len(line) == MAX_LINE_CHARS and not line.endswith(("\n", "\r")):
+            raise ValueError(f"{path}: line {number} is longer than {MAX_LINE_CHARS} characters (not a CSV file?)")
+        yield line
 
 
 def _open(path: Path) -> IO[str]:
@@ -134,7 +154,7 @@ def _records(
 ) -> Iterator[list[str]]:
     """The header, then every well-formed record (see the module docstring)."""
     with _open(path) as fh:
-        reader = _Reader(iter(fh), delimiter, 0)
+        reader = _Reader(_bounded_lines(fh, path), delimiter, 0)
         header: list[str] | None = None
         malformed = 0
         while (record := reader.next()) is not None:
@@ -194,6 +214,115 @@ def read_csv(
     records = _records(p, delimiter or csv_delimiter(p), max_malformed, on_malformed)
     header = next(records)
     return header, records
+
+
+def _one_line_records(path: Path, delimiter: str) -> tuple[list[str], int] | None:
+    """The header and the longest line's length when every record of the file is one line of valid UTF-8
+    that pyarrow's parser reads as ``read_csv`` does, else None.
+
+    A line without a quote splits at each delimiter under either parser, so it needs the header's number of
+    them; a line with one must read strictly, on its own, as one record of the header's width (so no quoted
+    value spans lines and no quote is stray). Blank lines before the header, a byte-order mark or a lone
+    ``\\r`` send the file to the strict reader. The file is looked at in blocks, and only lines holding a
+    quote one at a time."""
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    header: list[str] | None = None
+    width = longest = 0
+    sep, quote = delimiter.encode(), b'"'
+    carry = b""
+    with opener(path, "rb") as fh:
+        while True:
+            chunk = fh.read(8 * 2**20)
+            data = carry + chunk
+            if chunk:
+                cut = data.rfind(b"\n") + 1
+                data, carry = data[:cut], data[cut:]
+                if len(carry) > MAX_LINE_CHARS:
+                    return None
+                if not data:
+                    continue
+            elif not data:
+                break
+            else:
+                carry = b""
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            if data.count(b"\r") != data.count(b"\r\n"):
+                return None
+            lines = data.split(b"\n")
+            if data.endswith(b"\n"):
+                lines.pop()
+            longest = max(longest, max(map(len, lines)) + 1)
+            if longest > MAX_LINE_CHARS:
+                return None
+            if header is None:
+                first = lines.pop(0).removesuffix(b"\r")
+                if not first or first.startswith(b"\xef\xbb\xbf"):
+                    return None
+                try:
+                    rows = list(csv.reader([first.decode("utf-8")], delimiter=delimiter, strict=True))
+                except csv.Error:
+                    return None
+                if len(rows) != 1:
+                    return None
+                header = _check_header(path, rows[0])
+                width = len(header)
+            # Per line with C-level maps: which lines hold a quote, and how many delimiters the others hold.
+            has_quote = list(map(bytes.__contains__, lines, itertools.repeat(quote))) if quote in data else None
+            quoted = list(itertools.compress(lines, has_quote)) if has_quote else []
+            plain = list(itertools.compress(lines, map(operator.not_, has_quote))) if quoted and has_quote else lines
+            counts = set(map(bytes.count, plain, itertools.repeat(sep)))
+            if counts - {width - 1} and any(
+                line.count(sep) != width - 1 and line not in (b"", b"\r") for line in plain
+            ):
+                return None
+            for line in quoted:
+                try:
+                    rows = list(
+                        csv.reader([line.removesuffix(b"\r").decode("utf-8")], delimiter=delimiter, strict=True)
+                    )
+                except csv.Error:
+                    return None
+                if len(rows) != 1 or len(rows[0]) != width:
+                    return None
+            if not chunk:
+                break
+    return None if header is None else (header, longest)
+
+
+def read_csv_arrow(path: str | Path, *, delimiter: str | None = None, batch_rows: int = 65_536) -> Any:
+    """``(header, batches)`` of Arrow record batches of strings when every record of a CSV/TSV file is one
+    well-formed line of UTF-8 (see the module docstring), read by pyarrow's streaming CSV reader; None for any
+    other file, which ``read_csv`` reads strictly and names the line of each malformed record."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    p = Path(path)
+    delim = delimiter or csv_delimiter(p)
+    checked = _one_line_records(p, delim)
+    if checked is None:
+        return None
+    header, longest = checked
+    # pyarrow parses a block at a time, and a block must hold a whole line.
+    block = max(8 * 2**20, 2 * longest + 2)
+    reader = pacsv.open_csv(
+        str(p),  # a path string: pyarrow then reads the file itself (a .gz decompressed), not through Python
+        read_options=pacsv.ReadOptions(column_names=header, skip_rows=1, block_size=block, use_threads=True),
+        parse_options=pacsv.ParseOptions(delimiter=delim, newlines_in_values=False, ignore_empty_lines=True),
+        convert_options=pacsv.ConvertOptions(
+            column_types=dict.fromkeys(header, pa.string()), strings_can_be_null=False, quoted_strings_can_be_null=False
+        ),
+    )
+
+    def batches() -> Iterator[Any]:
+        with reader:
+            for batch in reader:
+                for start in range(0, batch.num_rows, batch_rows):
+                    yield batch.slice(start, batch_rows)
+
+    return header, batches()
 
 
 def has_surrogates(value: str) -> bool:

@@ -38,7 +38,6 @@ agg_score over each file's pairs, as a bootstrap: ``n_bootstrap`` resamples of t
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
+from openalign.data.sources import (
+    DEFAULT_MAX_ANNOTATION_BYTES,
+    DEFAULT_MAX_FILE_BYTES,
+    check_annotation,
+    read_annotation_json,
+)
 from openalign.eval.retrieval import recall_at_k_sets
 from openalign.eval.simlex import spearman
 
@@ -82,15 +86,17 @@ class CxCData:
     skipped: dict[str, int] = field(default_factory=dict)  # rows whose ids are not in the split (strict=False)
 
 
-def read_karpathy_split(path: str | Path, split: str) -> tuple[list[str], list[str], list[str], list[int], list[int]]:
+def read_karpathy_split(
+    path: str | Path, split: str, *, max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES
+) -> tuple[list[str], list[str], list[str], list[int], list[int]]:
     """(image files, image paths, captions, sentids, caption->image) of one split of a Karpathy JSON."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such Karpathy split file (dataset_coco.json)")
+    data = read_annotation_json(p, max_bytes=max_annotation_bytes)
     try:
-        data = json.loads(p.read_text())
         images = data["images"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a Karpathy split JSON with an 'images' list ({err})") from None
     files: list[str] = []
     paths: list[str] = []
@@ -127,11 +133,14 @@ def parse_sentid(value: str, where: str) -> int:
     return int(tail)
 
 
-def read_cxc_csv(path: str | Path, task: str) -> list[tuple[str, str, float, str]]:
+def read_cxc_csv(
+    path: str | Path, task: str, *, max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES
+) -> list[tuple[str, str, float, str]]:
     """Rows (id1, id2, agg_score, sampling_method) of a CxC CSV, the header checked against ``task``."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such CxC file")
+    check_annotation(p, max_bytes=max_annotation_bytes)  # its rows are kept in memory
     expected = TASK_COLUMNS[task]
     rows = []
     with p.open(newline="") as f:
@@ -159,6 +168,7 @@ def load_cxc(
     *,
     strict: bool = True,
     tasks: Sequence[str] = ("sts", "sis", "sits"),
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> CxCData:
     """Load a Karpathy split and its CxC ratings (``<task>_<split>.csv`` under ``cxc_dir``).
 
@@ -167,7 +177,9 @@ def load_cxc(
     """
     if split not in ("val", "test"):
         raise ValueError(f"CxC covers the Karpathy 'val' and 'test' splits, got {split!r}")
-    files, paths, captions, sentids, owner = read_karpathy_split(karpathy_json, split)
+    files, paths, captions, sentids, owner = read_karpathy_split(
+        karpathy_json, split, max_annotation_bytes=max_annotation_bytes
+    )
     data = CxCData(split, files, paths, captions, sentids, owner)
     caption_index = {s: i for i, s in enumerate(sentids)}
     image_index = {f: i for i, f in enumerate(files)}
@@ -195,7 +207,9 @@ def load_cxc(
         first, second = kinds[task]
         out: list[tuple[int, int, float]] = []
         skipped = 0
-        for lineno, (a, b, score, _method) in enumerate(read_cxc_csv(path, task), 2):
+        for lineno, (a, b, score, _method) in enumerate(
+            read_cxc_csv(path, task, max_annotation_bytes=max_annotation_bytes), 2
+        ):
             where = f"{path}:{lineno}"
             i, j = first(a, where), second(b, where)
             if i is None or j is None:
@@ -337,13 +351,14 @@ def run_cxc(
     device: str | torch.device = "cpu",
     progress: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> dict[str, Any]:
     """Embed the split's images (under ``image_root``/filepath/filename; a file over ``max_file_bytes`` is an
     error) and captions, then score CxC."""
     from openalign.embed import embed_images, embed_texts
     from openalign.eval.datasets import ImageSource
 
-    data = load_cxc(cxc_dir, karpathy_json, split)
+    data = load_cxc(cxc_dir, karpathy_json, split, max_annotation_bytes=max_annotation_bytes)
     root = Path(image_root)
     files = [root / p for p in data.image_paths]
     missing = [str(f) for f in files if not f.is_file()]
@@ -365,7 +380,7 @@ def run_cxc(
 
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
-    from openalign.eval.tasks import max_file_bytes
+    from openalign.eval.tasks import max_annotation_bytes, max_file_bytes
 
     metrics = run_cxc(
         model,
@@ -381,6 +396,7 @@ def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) 
         device=options["device"],
         progress=True,
         max_file_bytes=max_file_bytes(options),
+        max_annotation_bytes=max_annotation_bytes(options),
     )
     return {"dataset": f"cxc-{options['split']}", **metrics}
 

@@ -15,7 +15,6 @@ option every task takes) is an error naming it, never read.
 from __future__ import annotations
 
 import csv
-import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,10 +24,14 @@ from PIL import Image
 
 from openalign.data.sources import (
     CAPTION_MEMBER,
+    DEFAULT_MAX_ANNOTATION_BYTES,
     DEFAULT_MAX_FILE_BYTES,
     BadInput,
+    check_annotation,
     expand_urls,
     image_member,
+    read_annotation_json,
+    read_annotation_text,
     read_file,
     read_samples,
     scan_folder,
@@ -183,7 +186,12 @@ def resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
 
 
 def load_karpathy(
-    path: str | Path, image_root: str | Path, split: str = "test", *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    path: str | Path,
+    image_root: str | Path,
+    split: str = "test",
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> RetrievalSet:
     """Flickr30K / MSCOCO from Karpathy's split JSON: ``images[]`` with ``split``, ``filename``, optional
     ``filepath`` (COCO's ``val2014``) and ``sentences[].raw``. Images are looked up as
@@ -191,10 +199,7 @@ def load_karpathy(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such Karpathy split file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    data = read_annotation_json(path, max_bytes=max_annotation_bytes)
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise ValueError(f"{path}: expected a Karpathy split file with an 'images' list")
     root = Path(image_root)
@@ -232,7 +237,11 @@ def load_karpathy(
 
 
 def load_coco_captions(
-    path: str | Path, image_root: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    path: str | Path,
+    image_root: str | Path,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> RetrievalSet:
     """A COCO-style caption file (``captions_val2014.json``, nocaps): ``images[]`` with ``id`` and
     ``file_name``, ``annotations[]`` with ``image_id`` and ``caption``. An annotation whose ``image_id``
@@ -240,10 +249,7 @@ def load_coco_captions(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such caption file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    data = read_annotation_json(path, max_bytes=max_annotation_bytes)
     if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
         raise ValueError(f"{path}: expected COCO captions with 'images' and 'annotations' lists")
     root = Path(image_root)
@@ -302,7 +308,11 @@ def _pick_column(fields: Sequence[str], choices: Sequence[str], what: str, path:
 
 
 def load_retrieval_csv(
-    path: str | Path, image_root: str | Path | None = None, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    path: str | Path,
+    image_root: str | Path | None = None,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> RetrievalSet:
     """A CSV (``.tsv``: tab-separated) with a header, an image column (``image``, ``filepath``, ...) and a
     caption column (``caption``, ``text``, ...); rows of the same image are its captions. Relative image
@@ -310,6 +320,7 @@ def load_retrieval_csv(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such CSV file")
+    check_annotation(path, max_bytes=max_annotation_bytes)  # its rows are kept in memory
     root = Path(image_root) if image_root else path.parent
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
     with path.open(newline="", encoding="utf-8") as f:
@@ -333,7 +344,12 @@ def load_retrieval_csv(
 
 
 def load_retrieval(
-    spec: str, images: str | Path | None = None, split: str = "test", *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    spec: str,
+    images: str | Path | None = None,
+    split: str = "test",
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> RetrievalSet:
     """``karpathy:FILE.json`` or ``coco:captions.json`` (both need ``images``), ``csv:FILE`` or
     ``wds:SHARDS``; without a prefix the format follows the suffix (.json: Karpathy, .csv/.tsv, .tar)."""
@@ -348,10 +364,16 @@ def load_retrieval(
         if images is None:
             raise ValueError(f"a {kind} caption file needs the image root directory (images) for {rest}")
         if kind == "karpathy":
-            return load_karpathy(rest, images, split, max_file_bytes=max_file_bytes)
-        return load_coco_captions(rest, images, max_file_bytes=max_file_bytes)
+            return load_karpathy(
+                rest, images, split, max_file_bytes=max_file_bytes, max_annotation_bytes=max_annotation_bytes
+            )
+        return load_coco_captions(
+            rest, images, max_file_bytes=max_file_bytes, max_annotation_bytes=max_annotation_bytes
+        )
     if kind == "csv":
-        return load_retrieval_csv(rest, images, max_file_bytes=max_file_bytes)
+        return load_retrieval_csv(
+            rest, images, max_file_bytes=max_file_bytes, max_annotation_bytes=max_annotation_bytes
+        )
     return load_retrieval_wds(rest, max_file_bytes=max_file_bytes)
 
 
@@ -378,13 +400,17 @@ class ClassificationSet:
             raise ValueError(f"{self.name}: no images in any of the {len(self.classnames)} classes")
 
 
-def read_classnames(path: str | Path) -> list[str]:
+def read_classnames(path: str | Path, *, max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES) -> list[str]:
     """Class names, one per line in label order (``classnames.txt``), or a JSON list."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such class names file")
-    text = p.read_text(encoding="utf-8")
-    names = json.loads(text) if p.suffix == ".json" else [line.strip() for line in text.splitlines()]
+    if p.suffix == ".json":
+        names = read_annotation_json(p, max_bytes=max_annotation_bytes)
+        if not isinstance(names, list):
+            raise ValueError(f"{path}: a JSON class names file is a list of names")
+    else:
+        names = [line.strip() for line in read_annotation_text(p, max_bytes=max_annotation_bytes).splitlines()]
     names = [str(n).strip() for n in names if str(n).strip()]
     if not names:
         raise ValueError(f"{path}: the class names file is empty")
@@ -416,6 +442,7 @@ def load_class_folders(
     classnames: str | Path | None = None,
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> ClassificationSet:
     """Images in one folder per class.
 
@@ -434,7 +461,7 @@ def load_class_folders(
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise ValueError(f"{root}: no class folders")
-    names_file = read_classnames(classnames) if classnames else None
+    names_file = read_classnames(classnames, max_annotation_bytes=max_annotation_bytes) if classnames else None
     if layout == "auto":
         layout = _detect_layout(folders, names_file, root)
 
@@ -495,6 +522,7 @@ def load_classification_wds(
     layout: str = "auto",
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> ClassificationSet:
     """WebDataset shards whose samples hold an image and ``cls`` (the label as text). Class names come from
     ``classnames`` (one per line), from a ``classnames.txt`` beside the shards, or, with layout imagenet /
@@ -502,12 +530,12 @@ def load_classification_wds(
     urls = _expand(spec)
     beside = Path(urls[0]).parent / "classnames.txt"
     if classnames:
-        names = read_classnames(classnames)
+        names = read_classnames(classnames, max_annotation_bytes=max_annotation_bytes)
         class_ids = [str(i) for i in range(len(names))]
     elif layout in SUBSETS:
         class_ids, names = _imagenet_subset(layout)
     elif beside.is_file():
-        names = read_classnames(beside)
+        names = read_classnames(beside, max_annotation_bytes=max_annotation_bytes)
         class_ids = [str(i) for i in range(len(names))]
     else:
         raise ValueError(f"{spec}: WebDataset classification needs a class names file (or layout imagenet)")
@@ -537,6 +565,7 @@ def load_classification(
     classnames: str | Path | None = None,
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> ClassificationSet:
     """``wds:SHARDS`` or a ``.tar`` spec: WebDataset; ``NAME:DIR[:SPLIT]`` (``flowers102``, ``pets``, ``cars``,
     ``food101``, ``imagenet``, ``vtab1k``; see ``openalign.eval.released``): a dataset in its released
@@ -546,9 +575,10 @@ def load_classification(
     if parse_spec(spec) is not None:
         if layout != "auto":
             raise ValueError(f"{spec}: layout {layout!r} applies to class folders, not to a dataset spec")
-        return load_released(spec, classnames, max_file_bytes=max_file_bytes)
+        return load_released(spec, classnames, max_file_bytes=max_file_bytes, max_annotation_bytes=max_annotation_bytes)
+    limits = {"max_file_bytes": max_file_bytes, "max_annotation_bytes": max_annotation_bytes}
     if spec.startswith("wds:"):
-        return load_classification_wds(spec[4:], classnames, layout, max_file_bytes=max_file_bytes)
+        return load_classification_wds(spec[4:], classnames, layout, **limits)
     if ".tar" in spec and not Path(spec).is_dir():
-        return load_classification_wds(spec, classnames, layout, max_file_bytes=max_file_bytes)
-    return load_class_folders(spec, layout, classnames, max_file_bytes=max_file_bytes)
+        return load_classification_wds(spec, classnames, layout, **limits)
+    return load_class_folders(spec, layout, classnames, **limits)

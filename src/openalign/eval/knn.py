@@ -89,11 +89,11 @@ def knn_accuracy(
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.embed import embed_images
     from openalign.eval.datasets import load_classification
-    from openalign.eval.tasks import max_file_bytes
+    from openalign.eval.tasks import max_annotation_bytes, max_file_bytes
 
-    limit = max_file_bytes(options)
-    train = load_classification(options["train"], options["layout"], options["classnames"], max_file_bytes=limit)
-    val = load_classification(options["val"], options["layout"], options["classnames"], max_file_bytes=limit)
+    limits = {"max_file_bytes": max_file_bytes(options), "max_annotation_bytes": max_annotation_bytes(options)}
+    train = load_classification(options["train"], options["layout"], options["classnames"], **limits)
+    val = load_classification(options["val"], options["layout"], options["classnames"], **limits)
     # Classes are matched by folder / id, so a val set with fewer or more folders still lines up.
     ids = {cid: i for i, cid in enumerate(train.class_ids)}
     unseen = sorted({val.class_ids[y] for y in val.labels} - set(ids))

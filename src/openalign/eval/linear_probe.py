@@ -312,11 +312,11 @@ def load_labelled_pair(options: dict[str, Any]) -> tuple[Any, Any, list[int]]:
     error naming the classes rather than a silent zero.
     """
     from openalign.eval.datasets import load_classification
-    from openalign.eval.tasks import max_file_bytes
+    from openalign.eval.tasks import max_annotation_bytes, max_file_bytes
 
-    limit = max_file_bytes(options)
-    train = load_classification(options["train"], options["layout"], options["classnames"], max_file_bytes=limit)
-    val = load_classification(options["val"], options["layout"], options["classnames"], max_file_bytes=limit)
+    limits = {"max_file_bytes": max_file_bytes(options), "max_annotation_bytes": max_annotation_bytes(options)}
+    train = load_classification(options["train"], options["layout"], options["classnames"], **limits)
+    val = load_classification(options["val"], options["layout"], options["classnames"], **limits)
     ids = {cid: i for i, cid in enumerate(train.class_ids)}
     unseen = sorted({val.class_ids[y] for y in val.labels} - set(ids))
     if unseen:

@@ -8,7 +8,6 @@ R@10 (six numbers) per language, on ``test_2016_flickr`` (1000 images) for en, d
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
+from openalign.data.sources import DEFAULT_MAX_ANNOTATION_BYTES, DEFAULT_MAX_FILE_BYTES, read_annotation_text
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
@@ -32,13 +31,9 @@ class Multi30KData:
     captions: dict[str, list[str]]  # language -> one caption per image, aligned with image_files
 
 
-def _read_lines(path: Path) -> list[str]:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err})") from None
-    lines = text.splitlines()
+def _read_lines(path: Path, max_bytes: int) -> list[str]:
+    # A .gz is decompressed within the same limit: a gzip bomb is an error, not all memory.
+    lines = read_annotation_text(path, max_bytes=max_bytes).splitlines()
     while lines and not lines[-1].strip():
         lines.pop()  # a trailing newline is not an extra caption
     return [line.strip() for line in lines]
@@ -56,6 +51,8 @@ def load_multi30k(
     image_list: str | Path,
     languages: Sequence[str] = LANGUAGES,
     split: str = "test_2016_flickr",
+    *,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> Multi30KData:
     """Read the image list and ``<split>.<lang>`` caption files; every file must have one line per image."""
     if not languages:
@@ -63,7 +60,7 @@ def load_multi30k(
     image_list = Path(image_list)
     if not image_list.is_file():
         raise FileNotFoundError(f"{image_list}: no such image list")
-    images = _read_lines(image_list)
+    images = _read_lines(image_list, max_annotation_bytes)
     if not images:
         raise ValueError(f"{image_list}: the image list is empty")
     for lineno, name in enumerate(images, 1):
@@ -72,7 +69,7 @@ def load_multi30k(
     captions: dict[str, list[str]] = {}
     for lang in languages:
         path = _find(Path(captions_dir), f"{split}.{lang}")
-        lines = _read_lines(path)
+        lines = _read_lines(path, max_annotation_bytes)
         if len(lines) != len(images):
             raise ValueError(f"{path}: {len(lines)} captions for the {len(images)} images of {image_list}")
         empty = [i + 1 for i, line in enumerate(lines) if not line]
@@ -128,13 +125,14 @@ def run_multilingual(
     device: str | torch.device = "cpu",
     progress: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> dict[str, Any]:
     """Embed the split's images once (a file over ``max_file_bytes`` is an error) and each language's
     captions, then score every language."""
     from openalign.embed import embed_images, embed_texts
     from openalign.eval.datasets import ImageSource
 
-    data = load_multi30k(captions_dir, image_list, languages, split)
+    data = load_multi30k(captions_dir, image_list, languages, split, max_annotation_bytes=max_annotation_bytes)
     files = [Path(image_root) / name for name in data.image_files]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -158,7 +156,7 @@ def run_multilingual(
 
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
-    from openalign.eval.tasks import max_file_bytes
+    from openalign.eval.tasks import max_annotation_bytes, max_file_bytes
 
     metrics = run_multilingual(
         model,
@@ -172,6 +170,7 @@ def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) 
         device=options["device"],
         progress=True,
         max_file_bytes=max_file_bytes(options),
+        max_annotation_bytes=max_annotation_bytes(options),
     )
     return {"dataset": f"multi30k-{options['split']}", **metrics}
 

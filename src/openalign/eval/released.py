@@ -23,7 +23,7 @@ keeps its released index as its id, so a train and a test split line up class by
 CLIP's published lists where they exist (Flowers, Pets, ImageNet, some VTAB tasks),
 otherwise the release's own (Cars' ``class_names``, Food-101's ``labels.txt``); ``classnames`` replaces them.
 
-Every metadata file is read through ``read_file`` (so the same size limit holds as for images), and a file
+Every metadata file is read through ``read_annotation`` (within ``max_annotation_bytes``), and a file
 that is missing, unreadable, lacks a variable or holds a bad label is a one-line error naming it; so is a
 listed image that is not on disk.
 """
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, read_file, scan_folder
+from openalign.data.sources import DEFAULT_MAX_ANNOTATION_BYTES, DEFAULT_MAX_FILE_BYTES, read_annotation, scan_folder
 from openalign.eval.datasets import ClassificationSet, ImageSource, read_classnames, resolve_images
 
 # Spec names, CLIP_benchmark's names for the same datasets among them (flowers, cars, imagenet1k, pets, food101).
@@ -93,7 +93,11 @@ def parse_spec(spec: str) -> DatasetSpec | None:
 
 
 def load_released(
-    spec: str, classnames: str | Path | None = None, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    spec: str,
+    classnames: str | Path | None = None,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES,
 ) -> ClassificationSet:
     """The labelled images of one split of a released dataset (see the module docstring)."""
     parsed = parse_spec(spec)
@@ -102,10 +106,10 @@ def load_released(
     if not parsed.root.is_dir():
         raise FileNotFoundError(f"{parsed.root}: no such {parsed.name} directory")
     reader = _LAYOUTS[parsed.name]
-    read = reader(parsed.root, parsed.split, max_file_bytes)
+    read = reader(parsed.root, parsed.split, max_annotation_bytes)  # the lists and .mat files
     name, names = read.name, read.classnames
     if classnames:
-        override = read_classnames(classnames)
+        override = read_classnames(classnames, max_annotation_bytes=max_annotation_bytes)
         if len(override) != len(names):
             raise ValueError(f"{classnames}: {len(override)} class names for the {len(names)} classes of {name}")
         names = override
@@ -132,12 +136,7 @@ class Read:
 
 
 def _bytes(path: Path, max_bytes: int) -> bytes:
-    try:
-        return read_file(path, max_bytes=max_bytes)
-    except BadInput as err:
-        if err.reason == "missing_file":
-            raise FileNotFoundError(f"{path}: no such file") from None
-        raise ValueError(f"{path}: cannot read ({err.detail.removeprefix(f'{path}: ')})") from None
+    return read_annotation(path, max_bytes=max_bytes)
 
 
 def _lines(path: Path, max_bytes: int) -> list[tuple[int, str]]:

@@ -567,10 +567,14 @@ def evaluate_retrieval(
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.eval.datasets import load_retrieval
-    from openalign.eval.tasks import max_file_bytes
+    from openalign.eval.tasks import max_annotation_bytes, max_file_bytes
 
     dataset = load_retrieval(
-        options["dataset"], options["images"], options["split"], max_file_bytes=max_file_bytes(options)
+        options["dataset"],
+        options["images"],
+        options["split"],
+        max_file_bytes=max_file_bytes(options),
+        max_annotation_bytes=max_annotation_bytes(options),
     )
     metrics = evaluate_retrieval(model, tokenizer, dataset, batch_size=options["batch_size"], device=options["device"])
     return {"dataset": dataset.name, **metrics}

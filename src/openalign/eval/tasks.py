@@ -90,6 +90,13 @@ COMMON_OPTIONS: tuple[Option, ...] = (
         64.0,
         help="an image file or shard member larger than this many MB is an error, never read (default 64)",
     ),
+    Option(
+        "max_annotation_mb",
+        float,
+        512.0,
+        help="an annotation file (captions JSON, lists, .mat; a .gz once decompressed) larger than this many MB"
+        " is an error, never read whole (default 512)",
+    ),
 )
 
 TASKS: dict[str, Task] = {}
@@ -169,9 +176,17 @@ def resolve_options(task: Task, options: Mapping[str, Any], where: str = "") -> 
         out[name] = value
     if out["batch_size"] < 1:
         raise ConfigError(f"{prefix}{task.name}.batch_size must be at least 1, got {out['batch_size']}")
-    if not out["max_file_mb"] > 0:
-        raise ConfigError(f"{prefix}{task.name}.max_file_mb must be positive, got {out['max_file_mb']}")
+    for limit in ("max_file_mb", "max_annotation_mb"):
+        if not out[limit] > 0:
+            raise ConfigError(f"{prefix}{task.name}.{limit} must be positive, got {out[limit]}")
     return out
+
+
+def max_annotation_bytes(options: Mapping[str, Any]) -> int:
+    """The ``max_annotation_mb`` option of resolved task options, in bytes."""
+    from openalign.data.sources import annotation_limit
+
+    return annotation_limit(options["max_annotation_mb"])
 
 
 def max_file_bytes(options: Mapping[str, Any]) -> int:

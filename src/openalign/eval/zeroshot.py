@@ -127,12 +127,12 @@ def evaluate_zeroshot(
 
 def _run(model: DualEncoder, tokenizer: TextTokenizer, options: dict[str, Any]) -> dict[str, Any]:
     from openalign.eval.datasets import load_classification
-    from openalign.eval.tasks import max_file_bytes
+    from openalign.eval.tasks import max_annotation_bytes, max_file_bytes
     from openalign.eval.templates import SINGLE_TEMPLATE, load_templates
 
     templates = load_templates(options["templates"]) if options["ensemble"] else [SINGLE_TEMPLATE]
-    limit = max_file_bytes(options)
-    dataset = load_classification(options["dataset"], options["layout"], options["classnames"], max_file_bytes=limit)
+    limits = {"max_file_bytes": max_file_bytes(options), "max_annotation_bytes": max_annotation_bytes(options)}
+    dataset = load_classification(options["dataset"], options["layout"], options["classnames"], **limits)
     metrics = evaluate_zeroshot(
         model, tokenizer, dataset, templates, batch_size=options["batch_size"], device=options["device"]
     )

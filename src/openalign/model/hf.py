@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openalign.config import ConfigError, ModelConfig, model_config
+from openalign.data.sources import read_annotation_json
 from openalign.model.dual_encoder import DualEncoder
 from openalign.model.efficientnet import round_filters, round_repeats, same_padding
 
@@ -195,7 +196,7 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(st))
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(read_annotation_json(index)["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
             state.update(load_file(str(path / shard)))
@@ -210,9 +211,9 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_hf_align(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
     """A DualEncoder with the weights of a transformers AlignModel directory, in eval mode."""
     p = Path(path)
-    hf = json.loads((p / "config.json").read_text())
+    hf = read_annotation_json(p / "config.json")
     pre_path = p / "preprocessor_config.json"
-    pre = json.loads(pre_path.read_text()) if pre_path.is_file() else None
+    pre = read_annotation_json(pre_path) if pre_path.is_file() else None
     cfg = hf_config_to_model_config(hf, pre)
     model = DualEncoder(cfg)
     state = hf_state_to_ours(_read_hf_weights(p), cfg)

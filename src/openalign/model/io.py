@@ -62,7 +62,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path}: no config.json (expected an openalign or transformers AlignModel dir)")
-    config: dict[str, Any] = json.loads(cfg_path.read_text())
+    from openalign.data.sources import read_annotation_json
+
+    config = read_annotation_json(cfg_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: a model config is a JSON object")
     return config
 
 

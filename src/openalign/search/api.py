@@ -12,6 +12,8 @@ results name images by this server's ``/image/{id}``, never by a path on its dis
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -308,12 +310,46 @@ class ServeConfig:
             raise ValueError("--api-key is empty")
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until interrupted; freed image buffers go back to the system at once."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, taken before the index loads so that a port in use is a one-line
+    ``ValueError`` in a second rather than uvicorn's log lines once the index and model are up."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"cannot listen on {host}: {getattr(err, 'strerror', None) or err}") from None
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a port left in TIME_WAIT by a server just stopped is free, one with a listener is not.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use (another server?); choose another with --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def serve(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    sock: socket.socket | None = None,
+) -> None:
+    """Run ``app`` with uvicorn until interrupted, on ``sock`` (from ``listen``) when given, else binding
+    ``host:port``; freed image buffers go back to the system at once."""
     import uvicorn
 
     unmap_large_frees()
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level in ("debug", "info"))
+    access_log = log_level in ("debug", "info")
+    if sock is None:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
+        return
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 @contextmanager
@@ -322,8 +358,6 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> I
 
     ``port=0`` binds a free port. Useful in notebooks and tests that need a real HTTP server.
     """
-    import socket
-
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -405,13 +405,19 @@ def _build_into(
         "chunk_size": cfg.chunk_size,
         "base_images": info.get("counts", {}).get("image", 0),
         "thumbnail_size": cfg.thumbnail_size,
+        # The limits that decide which items are kept: finished chunks were cut under them, so a resume under
+        # others would keep an item in one chunk that it skips in the next.
+        "max_file_mb": cfg.max_file_mb,
+        "max_pixels": cfg.max_pixels,
+        "allow_outside_root": cfg.allow_outside_root,
     }
     if (pending / "manifest.json").is_file():
         previous = json.loads((pending / "manifest.json").read_text())
         if previous != manifest:
-            diff = sorted(k for k in manifest if previous.get(k) != manifest[k])
+            diff = [k for k in manifest if previous.get(k) != manifest[k]]
+            changes = ", ".join(f"{k} (was {previous.get(k)!r}, now {manifest[k]!r})" for k in diff)
             raise ValueError(
-                f"{pending} holds an unfinished build with different {', '.join(diff)}; "
+                f"{pending} holds an unfinished build with different {changes}; "
                 "rerun it with the same arguments or delete that directory"
             )
     pending.mkdir(exist_ok=True)

@@ -182,7 +182,10 @@ def load_tokenizer(path: str | Path, max_length: int = 64) -> Tokenizer:
     lowercase = True
     config = p.parent / TOKENIZER_CONFIG
     if config.is_file():
-        lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True))
+        from openalign.data.sources import read_annotation_json
+
+        settings = read_annotation_json(config)
+        lowercase = bool(settings.get("do_lower_case", True)) if isinstance(settings, dict) else True
     backend = Backend(models.WordPiece.from_file(str(p), unk_token="[UNK]"))
     return Tokenizer(_bert_pipeline(backend, lowercase), max_length)
 

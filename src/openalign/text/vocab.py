@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 from tqdm import tqdm
@@ -22,11 +22,13 @@ from openalign.config import ConfigError
 from openalign.data.sources import (
     CAPTION_MEMBER,
     CAPTION_TEXT_SUFFIXES,
+    MAX_LINE_BYTES,
     SHARD_SUFFIXES,
     expand_urls,
     iter_samples,
     open_parquet,
     parquet_batches,
+    read_annotation_json,
     table_format,
 )
 from openalign.data.tables import read_csv
@@ -114,21 +116,33 @@ def _csv_header(path: Path, column: str) -> None:
         raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(names)}); choose one with --column")
 
 
-def _json_rows(path: Path) -> Iterator[bytes | Any]:
+def _json_rows(path: Path, skipped: Counter[str]) -> Iterator[bytes | Any]:
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
         f.seek(0)
         if head.startswith(b"["):
-            # A JSON array is not streamable; it is loaded whole (JSON Lines is the format for big corpora).
-            rows = json.load(f)
-            yield from rows
+            # A JSON array is not streamable; it is loaded whole, within the annotation limit (JSON Lines is
+            # the format for big corpora).
+            yield from read_annotation_json(path)
             return
-        yield from f
+        yield from _bounded_lines(f, skipped)
+
+
+def _bounded_lines(f: IO[bytes], skipped: Counter[str]) -> Iterator[bytes]:
+    """The file's lines, each read with a limit: a longer one is stepped over unkept and counted (``too_long``),
+    so that a file of one endless line cannot fill memory."""
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if len(line) > MAX_LINE_BYTES:
+            while line and not line.endswith(b"\n"):
+                line = f.readline(1 << 20)
+            skipped["too_long"] += 1
+            continue
+        yield line
 
 
 def _jsonl(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
     seen_column = False
-    for line in _json_rows(path):
+    for line in _json_rows(path, skipped):
         if isinstance(line, bytes | bytearray):
             if not line.strip():
                 continue
@@ -151,7 +165,7 @@ def _jsonl(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
 
 def _lines(path: Path, skipped: Counter[str]) -> Iterator[str]:
     with open(path, "rb") as f:
-        for line in f:
+        for line in _bounded_lines(f, skipped):
             if (text := _decode(line.rstrip(b"\r\n"), skipped)) is not None:
                 yield text
 
