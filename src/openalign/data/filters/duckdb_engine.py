@@ -28,7 +28,7 @@ from typing import Any
 from openalign.data.filters.inputs import ROW_ID_COLUMN, TEXT_ERROR_COLUMN, StagedInput
 from openalign.data.filters.person import PersonHook
 from openalign.data.filters.plan import EngineResult, FilterPlan
-from openalign.data.filters.rules import PUNCTUATION, frequent_threshold
+from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, segment_patterns
 
 # RE2 syntax. The words of rules.tokenize are separated by maximal runs of punctuation and whitespace that
 # contain whitespace, and the text's ends by the runs touching them. One pass turns every such run into a
@@ -58,9 +58,16 @@ def literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def segment_sql(text_sql: str) -> str:
+    """rules.segment as a DuckDB expression: scripts written without spaces set apart character by character."""
+    touched, unit, seps = (literal(p) for p in segment_patterns("re2"))
+    spaced = f"regexp_replace(regexp_replace({text_sql}, {seps}, ' ', 'g'), {unit}, ' \\0 ', 'g')"
+    return f"CASE WHEN regexp_matches({text_sql}, {touched}) THEN {spaced} ELSE {text_sql} END"
+
+
 def norm_sql(text_sql: str) -> str:
     """The normalised alt-text (its words joined by single spaces, see rules.tokenize) as a DuckDB expression."""
-    low, sep = f"lower({text_sql})", literal(SEPARATOR_PATTERN)
+    low, sep = segment_sql(f"lower({text_sql})"), literal(SEPARATOR_PATTERN)
     spaced = f"regexp_replace({low}, {sep}, ' ', 'g')"
     # Most alt-texts are already normal once lowercased, and RE2 finds out faster than it rewrites.
     return f"CASE WHEN regexp_matches({low}, {sep}) THEN regexp_replace({spaced}, '^ | $', '', 'g') ELSE {low} END"

@@ -6,11 +6,20 @@ filters of Conceptual 12M). A YAML file may start from either (``preset: cc12m``
 
 Semantics shared by every engine (DuckDB, Spark, and the plain-Python reference in :func:`tokenize`):
 
-* **Tokenisation.** The alt-text is lowercased (Unicode), split on runs of ASCII whitespace (space, tab,
+* **Tokenisation.** The alt-text is lowercased (Unicode), scripts written without spaces are segmented
+  (below), then it is split on runs of ASCII whitespace (space, tab,
   newline, vertical tab, form feed, carriage return), and each piece is stripped of leading and trailing
   ASCII punctuation (``string.punctuation``); pieces that become empty are dropped. The remaining pieces
   are the *words* (unigrams); a *bigram* is two adjacent words joined by one space. "Red car!" and
   "red  car" are both ``["red", "car"]``; "e-mail" stays one word, "1920x1080" is one word.
+* **Scripts without spaces.** Chinese, Japanese and Thai do not put spaces between words, so splitting on
+  spaces would make a whole caption one "word" (and drop it as too short). Before the split, every character
+  of the Han, Hiragana, Katakana, Thai and Lao ranges in ``SEGMENTED_RANGES`` becomes a word of its own,
+  keeping the combining marks that follow it (Thai vowel and tone marks, kana voicing marks), and CJK
+  punctuation (。、「」・, full-width signs) separates words like whitespace: "白い猫。" is ``["白", "い",
+  "猫"]``. That is how BERT's tokenizer, which the text tower reads, treats CJK ideographs, so n-grams and
+  counts are over the units the model sees; a per-language dictionary segmenter would make the rules depend
+  on what is installed. Other scripts (Latin, Cyrillic, Korean, ...) are untouched.
 * **Alt-text identity** is its normalised form, the words joined by single spaces, so case, punctuation at
   word edges and spacing do not make two boilerplate captions distinct.
 * **Image identity** is the ``sha256`` column when present and non-empty, else the ``url``, else the
@@ -66,6 +75,7 @@ alt-texts; see :mod:`openalign.data.filters.person`.
 from __future__ import annotations
 
 import itertools
+import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,11 +276,90 @@ def _from_preset(data: dict[str, Any]) -> dict[str, Any]:
 
 _SPLIT_TABLE = str.maketrans({c: " " for c in WHITESPACE})
 
+# Scripts written without spaces between words. Each character (with the combining marks that follow it) is
+# one word: BERT's tokenizer, which ALIGN's text tower reads, already sets every CJK ideograph apart the same
+# way, so a word here is the unit the model sees; kana and Thai/Lao get the same treatment because a
+# dictionary segmenter per language would make the rules depend on which one is installed. Spelled as code
+# point ranges, not Unicode script properties, so that Python, RE2 (DuckDB) and Java (Spark) match exactly the
+# same characters whatever Unicode version each ships.
+SEGMENTED_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0E01, 0x0E30),
+    (0x0E32, 0x0E33),
+    (0x0E3F, 0x0E46),
+    (0x0E4F, 0x0E5B),  # Thai letters, digits, signs
+    (0x0E81, 0x0EB0),
+    (0x0EB2, 0x0EB3),
+    (0x0EBD, 0x0EC6),
+    (0x0ED0, 0x0EDF),  # Lao
+    (0x2E80, 0x2FDF),  # CJK and Kangxi radicals
+    (0x3005, 0x3007),
+    (0x3021, 0x3029),
+    (0x3038, 0x303B),  # 々 〆 〇, Hangzhou numerals
+    (0x3041, 0x3096),
+    (0x309D, 0x309F),  # Hiragana
+    (0x30A1, 0x30FA),
+    (0x30FC, 0x30FF),
+    (0x31F0, 0x31FF),  # Katakana (30FB ・ is a separator)
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF),  # CJK ideographs
+    (0xFF66, 0xFF9F),  # half-width Katakana
+    (0x20000, 0x2FA1F),
+    (0x30000, 0x323AF),  # CJK ideographs, supplementary planes
+)
+# Combining marks stay with the character before them (Thai and Lao vowel and tone marks, kana voicing marks).
+SEGMENT_MARK_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0E31, 0x0E31),
+    (0x0E34, 0x0E3A),
+    (0x0E47, 0x0E4E),
+    (0x0EB1, 0x0EB1),
+    (0x0EB4, 0x0EBC),
+    (0x0EC8, 0x0ECE),
+    (0x3099, 0x309A),
+)
+# CJK punctuation separates words the way whitespace does (。、「」・ and the full-width ASCII signs).
+CJK_SEPARATOR_RANGES: tuple[tuple[int, int], ...] = (
+    (0x3000, 0x3004), (0x3008, 0x3020), (0x3030, 0x3030), (0x303D, 0x303F), (0x30FB, 0x30FB),
+    (0xFF01, 0xFF0F), (0xFF1A, 0xFF20), (0xFF3B, 0xFF40), (0xFF5B, 0xFF65),
+)  # fmt: skip
+
+
+def regex_class(ranges: tuple[tuple[int, int], ...], flavour: str) -> str:
+    """A character class of ``ranges`` in ``flavour`` ``python``, ``re2`` or ``java`` escapes."""
+
+    def one(cp: int) -> str:
+        if flavour == "python":
+            return f"\\U{cp:08x}"
+        return f"\\x{{{cp:x}}}"
+
+    return "[" + "".join(one(a) if a == b else f"{one(a)}-{one(b)}" for a, b in ranges) + "]"
+
+
+def segment_patterns(flavour: str) -> tuple[str, str, str]:
+    """(any character segmentation touches, one segmented unit, one CJK separator) for a regex flavour."""
+    chars = regex_class(SEGMENTED_RANGES, flavour)
+    marks = regex_class(SEGMENT_MARK_RANGES, flavour)
+    seps = regex_class(CJK_SEPARATOR_RANGES, flavour)
+    touched = regex_class(SEGMENTED_RANGES + SEGMENT_MARK_RANGES + CJK_SEPARATOR_RANGES, flavour)
+    return touched, f"{chars}{marks}*", seps
+
+
+_SEGMENT_ANY_PY, _SEGMENT_UNIT_PY, _CJK_SEPARATOR_PY = (re.compile(p) for p in segment_patterns("python"))
+
 
 def tokenize(text: str) -> list[str]:
-    """Words of an alt-text: lowercase, split on ASCII whitespace, strip ASCII punctuation at both ends."""
-    words = (piece.strip(PUNCTUATION) for piece in text.lower().translate(_SPLIT_TABLE).split(" "))
+    """Words of an alt-text: lowercase, segment the scripts written without spaces (see ``segment``), split
+    on ASCII whitespace, strip ASCII punctuation at both ends."""
+    words = (piece.strip(PUNCTUATION) for piece in segment(text.lower()).translate(_SPLIT_TABLE).split(" "))
     return [w for w in words if w]
+
+
+def segment(text: str) -> str:
+    """``text`` with every character of a script written without spaces set apart by spaces, and CJK
+    punctuation turned into spaces (the first step of :func:`tokenize`; ASCII text comes back unchanged)."""
+    if not _SEGMENT_ANY_PY.search(text):
+        return text
+    return _SEGMENT_UNIT_PY.sub(r" \g<0> ", _CJK_SEPARATOR_PY.sub(" ", text))
 
 
 def ngrams(words: list[str], order: int) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 from openalign.data.filters.inputs import ROW_ID_COLUMN, TEXT_ERROR_COLUMN, StagedInput
 from openalign.data.filters.person import PersonHook
 from openalign.data.filters.plan import EngineResult, FilterPlan
-from openalign.data.filters.rules import PUNCTUATION, frequent_threshold
+from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, segment_patterns
 
 # Java regex, same construction as the DuckDB engine's (see there): whitespace runs with the punctuation
 # touching them become one space, then punctuation at the ends goes. \A and \z (not ^ and $) so that a
@@ -65,7 +65,11 @@ def norm_column(text: Any) -> Any:
     """The normalised alt-text (its words joined by single spaces, see rules.tokenize) as a Spark column."""
     from pyspark.sql import functions as F
 
-    spaced = F.regexp_replace(F.lower(text), SEPARATOR_PATTERN, " ")
+    low = F.lower(text)
+    touched, unit, seps = segment_patterns("java")
+    segmented = F.regexp_replace(F.regexp_replace(low, seps, " "), unit, " $0 ")
+    low = F.when(low.rlike(touched), segmented).otherwise(low)
+    spaced = F.regexp_replace(low, SEPARATOR_PATTERN, " ")
     return F.regexp_replace(F.regexp_replace(spaced, EDGE_PATTERN, ""), r"\A +| +\z", "")
 
 
