@@ -41,6 +41,14 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``small_image``     the shorter side is ≤ ``min_shorter_side`` px (ALIGN keeps shorter side > 200).
 ``aspect_ratio``    longer side / shorter side (float64) is ≥ ``max_aspect_ratio`` (ALIGN keeps < 3), or
                     > it when ``aspect_ratio_inclusive`` (CC12M keeps ≤ 2.5).
+``image_format``    the image is not encoded in one of ``image_formats`` (CC12M keeps "only JPEG images"). The
+                    format is read from ``columns.image_format`` when the input has that column (``jpg``,
+                    ``JPEG`` and ``image/jpeg`` are all ``jpeg``), else sniffed from the first bytes of the
+                    image (JPEG starts ``FF D8 FF``; PNG, GIF, WebP, BMP and TIFF by their magic numbers),
+                    never from a file name: a PNG saved as ``.jpg`` is a PNG. The bytes come from the shard's
+                    image member, a table's image-bytes column or its ``image_path`` file, read through
+                    :mod:`openalign.data.sources` with its size cap; an image that cannot be read has no
+                    format and is removed. With neither a format column nor images the rule is skipped.
 ``image_text_count``the image identity has > ``max_texts_per_image`` rows (ALIGN: 1000 alt-texts).
 ``shared_text``     the alt-text identity occurs with > ``max_images_per_text`` distinct image identities
                     (ALIGN: 10; catches "1920x1080", "alt img", "image").
@@ -54,6 +62,19 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``too_few_words``   fewer than ``min_words`` words (ALIGN and CC12M: 3).
 ``too_many_words``  more than ``max_words`` words (ALIGN: 20, CC12M: 256).
 ``repeated_words``  (words − distinct words) / words is > ``max_repeated_fraction`` (CC12M: 0.2).
+``tag_overlap``     fewer than ``min_tag_overlap`` distinct words of the image's tags are words of the alt-text
+                    (both tokenised as above, so lowercased). CC3M, whose image-text filter CC12M keeps,
+                    counted the Cloud Vision tags of the image that the text mentions; here the tags are a
+                    ``columns.tags`` column of the input or come from a tagger given to the run
+                    (``openalign filter --tagger CKPT``: zero-shot tagging with an ALIGN checkpoint over a
+                    tag vocabulary). A row with no tags has no overlap. Skipped when there are no tags.
+``missing_pos``     some group of ``required_pos`` has no token of the alt-text with one of its Universal POS
+                    tags. CC12M still "discards candidates with no noun or no determiner" but, unlike CC3M,
+                    keeps ones without a preposition: ``["NOUN|PROPN", "DET"]`` (a proper noun is a noun, as
+                    in the Google tag set CC3M used). Tags come from the NLP pipeline of the run
+                    (:mod:`openalign.data.filters.nlp`, ``--nlp en_core_web_sm``); without one the rule is
+                    skipped. Last in the funnel because it is the slow one: only rows every other rule keeps
+                    are analysed.
 
 **img2dataset metadata.** img2dataset's ``width``/``height`` are the sizes of the image it stored, after
 its resize; the crawled image's sizes are ``original_width``/``original_height``. So when both
@@ -68,8 +89,10 @@ column), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only whites
 (width or height missing, non-numeric, not finite or ≤ 0; only checked when a size rule is on) and
 ``bad_unsafe_score`` (present but non-numeric or NaN).
 
-After filtering, an optional person-name hook (CC12M's ``<PERSON>`` substitution) rewrites the kept
-alt-texts; see :mod:`openalign.data.filters.person`.
+After filtering, CC12M's person-name substitution rewrites the kept alt-texts: with ``nlp`` the NLP
+pipeline's PERSON entities become ``<PERSON>`` (CC12M used Google's Natural Language API for this); a
+``str -> str`` hook or the ``demo`` list also work (:mod:`openalign.data.filters.person`). It is a
+transformation, not a removal: the report counts the rows it changed (``transformed``).
 """
 
 from __future__ import annotations
@@ -102,6 +125,7 @@ RULE_STEPS = (
     "unsafe",
     "small_image",
     "aspect_ratio",
+    "image_format",
     "image_text_count",
     "shared_text",
     "rare_ngram",
@@ -109,6 +133,8 @@ RULE_STEPS = (
     "too_few_words",
     "too_many_words",
     "repeated_words",
+    "tag_overlap",
+    "missing_pos",
 )
 STEP_DESCRIPTIONS = {
     "malformed_row": "input record that does not parse (or a JSON alt-text that is not text)",
@@ -128,7 +154,12 @@ STEP_DESCRIPTIONS = {
     "too_few_words": "fewer than min_words words",
     "too_many_words": "more than max_words words",
     "repeated_words": "repeated-word fraction > max_repeated_fraction",
+    "image_format": "image format not in image_formats (sniffed from the bytes)",
+    "tag_overlap": "fewer than min_tag_overlap image-tag words in the alt-text",
+    "missing_pos": "a required_pos group has no token (no noun or no determiner)",
 }
+# Transformations: rows changed, not removed (reported beside the funnel).
+TRANSFORM_DESCRIPTIONS = {"person_substitution": "people's names replaced by <PERSON>"}
 
 
 @dataclass
@@ -146,6 +177,8 @@ class ColumnNames:
     original_height: str | None = "original_height"
     status: str | None = "status"  # img2dataset's download status: rows not "success" are dropped
     unsafe: str = "punsafe"  # the user's unsafe-content probability (0-1), e.g. LAION's punsafe
+    image_format: str = "format"  # the image's encoding (jpeg, png, image/jpeg, ...); else sniffed from the bytes
+    tags: str = "tags"  # the image's tags (a list, or one string split at , ; |) for the tag-overlap rule
 
 
 @dataclass
@@ -166,7 +199,12 @@ class FilterRules:
     min_words: int | None = 3
     max_words: int | None = 20
     max_repeated_fraction: float | None = None  # (words - distinct words) / words must be ≤ this
-    # After filtering: "demo" (the built-in demo gazetteer) or "package.module:function" (str -> str)
+    image_formats: list[str] | None = None  # keep only images encoded in these formats (CC12M: jpeg)
+    min_tag_overlap: int | None = None  # words of the image's tags that must be words of the alt-text
+    # Universal POS groups the alt-text needs a token of each (CC12M: a noun and a determiner); needs --nlp
+    required_pos: list[str] | None = None
+    # After filtering: "nlp" (the NLP pipeline's PERSON entities), "demo" (a short built-in list of first
+    # names, a demonstration only) or "package.module:function" (str -> str)
     person_substitution: str | None = None
 
     def active_rules(self) -> list[str]:
@@ -182,6 +220,9 @@ class FilterRules:
             "too_few_words": self.min_words is not None,
             "too_many_words": self.max_words is not None,
             "repeated_words": self.max_repeated_fraction is not None,
+            "image_format": self.image_formats is not None,
+            "tag_overlap": self.min_tag_overlap is not None,
+            "missing_pos": self.required_pos is not None,
         }
         return [step for step in RULE_STEPS if on[step]]
 
@@ -213,6 +254,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "min_words": 3,
         "max_words": 256,
         "max_repeated_fraction": 0.2,
+        # "We still keep only JPEG images", "discard candidates with no noun or no determiner, but permit
+        # ones without prepositions", the image-text (tag overlap) filter "intact", and people's names
+        # replaced by <PERSON>. Each needs something the input may not have (image bytes or a format column,
+        # image tags or a tagger, an NLP pipeline); without it the rule is skipped and the report says so.
+        "image_formats": ["jpeg"],
+        "min_tag_overlap": 1,
+        "required_pos": ["NOUN|PROPN", "DET"],
+        "person_substitution": "nlp",
     },
 }
 
@@ -238,7 +287,29 @@ def validate_rules(rules: FilterRules) -> FilterRules:
         raise ConfigError(f"max_repeated_fraction must be in [0, 1], got {rules.max_repeated_fraction}")
     if rules.max_unsafe is not None and rules.max_unsafe != rules.max_unsafe:
         raise ConfigError("max_unsafe must be a number, got NaN")
+    if rules.min_tag_overlap is not None and rules.min_tag_overlap < 1:
+        raise ConfigError(f"min_tag_overlap must be positive, got {rules.min_tag_overlap}")
+    if rules.image_formats is not None:
+        if not rules.image_formats or not all(isinstance(f, str) and f.strip() for f in rules.image_formats):
+            raise ConfigError(f"image_formats must be a non-empty list of formats, got {rules.image_formats}")
+        rules.image_formats = sorted({normalise_format(f) or "" for f in rules.image_formats})
+    if rules.required_pos is not None:
+        groups = [frozenset(t for t in str(g).upper().split("|") if t.strip()) for g in rules.required_pos]
+        if not groups or not all(groups):
+            example = "['NOUN|PROPN', 'DET']"
+            raise ConfigError(f"required_pos must be groups of POS tags like {example}, got {rules.required_pos}")
     return rules
+
+
+_FORMAT_ALIASES = {"jpg": "jpeg", "jpe": "jpeg", "jfif": "jpeg", "pjpeg": "jpeg", "tif": "tiff", "x-ms-bmp": "bmp"}
+
+
+def normalise_format(value: object) -> str | None:
+    """An image format name as the rules compare it: ``JPG``, ``.jpeg``, ``image/jpeg`` are all ``jpeg``."""
+    if value is None:
+        return None
+    name = str(value).strip().lower().removeprefix("image/").lstrip(".")
+    return _FORMAT_ALIASES.get(name, name) or None
 
 
 def load_rules(spec: str | Path | dict[str, Any] | FilterRules = "align", **overrides: Any) -> FilterRules:
