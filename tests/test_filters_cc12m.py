@@ -192,6 +192,17 @@ def test_jpeg_only_in_shards_sniffs_the_image_member(tmp_path):
     assert not any(c.startswith("__oa_") for c in table.column_names)
 
 
+def test_the_header_read_keeps_the_size_cap(tmp_path):
+    from openalign.data.sources import BadInput, read_file_head
+
+    path = tmp_path / "big.jpg"
+    path.write_bytes(encode("JPEG") + b"\0" * 4096)
+    assert read_file_head(path, 3) == b"\xff\xd8\xff"
+    with pytest.raises(BadInput, match="limit") as err:
+        read_file_head(path, 3, max_bytes=1024)
+    assert err.value.reason == "too_large_file"
+
+
 # --------------------------------------------------------------------------------------------------
 # Image-text tag overlap
 
@@ -228,6 +239,28 @@ def test_a_tagger_hook_tags_the_images_of_the_table(tmp_path):
     rows = [row(0, "an apple", jpg=RED), row(1, "an apple", jpg=encode("PNG", 9)), row(2, "blue sky", jpg=None)]
     report, kept = run(tmp_path, rows, cc12m(min_tag_overlap=1), image_tagger=tagger)
     assert kept == [0] and report.removed["tag_overlap"] == 2 and seen == [3]
+
+
+def test_shards_are_tagged_from_their_image_member_or_read_from_their_json(tmp_path):
+    red, other = encode("JPEG"), encode("JPEG", 9)
+    meta = {"caption": "an apple on a plate", "width": 640, "height": 480}
+    shard = write_shard(tmp_path / "00000.tar", [("000", red, meta), ("001", other, meta)])
+
+    def tagger(images):
+        return [["apple"] if b == red else ["sky"] for b in images]
+
+    rules = cc12m(min_tag_overlap=1)
+    report = filter_corpus(shard, tmp_path / "t.parquet", rules, input_format="webdataset", image_tagger=tagger)
+    assert pq.read_table(tmp_path / "t.parquet").column("key").to_pylist() == ["000"]
+    assert report.removed["tag_overlap"] == 1
+    tagged = write_shard(
+        tmp_path / "00001.tar", [("000", red, {**meta, "tags": ["plate"]}), ("001", red, {**meta, "tags": ["sky"]})]
+    )
+    report = filter_corpus(tagged, tmp_path / "j.parquet", rules, input_format="webdataset")
+    assert pq.read_table(tmp_path / "j.parquet").column("key").to_pylist() == ["000"]
+    # shards with no tags and no tagger: the rule has nothing to read
+    report = filter_corpus(shard, tmp_path / "n.parquet", rules, input_format="webdataset")
+    assert "tag_overlap" in report.skipped and report.rows_out == 2
 
 
 def test_the_tagger_of_a_real_checkpoint_drives_the_rule_end_to_end(tmp_path, capsys):
