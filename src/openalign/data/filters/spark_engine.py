@@ -136,7 +136,9 @@ def run_spark(
     if plan.unsafe is not None:
         invalid = invalid.when(F.col("u_given") & F.coalesce(F.isnan("u"), F.lit(True)), "bad_unsafe_score")
     norm = norm_column(F.col("txt"))
-    rows = rows.select("rid", "ident", "w", "h", "u", "fmt", "tw", "txt", norm.alias("norm"), invalid.alias("invalid"))
+    # The raw alt-text is kept only for the text pass (the NLP pipeline reads case and punctuation).
+    raw = F.col("txt") if plan.annotator is not None else F.lit(None).cast("string").alias("txt")
+    rows = rows.select("rid", "ident", "w", "h", "u", "fmt", "tw", raw, norm.alias("norm"), invalid.alias("invalid"))
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     good = rows.where(F.col("invalid").isNull())
 
