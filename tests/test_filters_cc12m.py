@@ -341,3 +341,32 @@ def test_spark_and_duckdb_agree_on_every_cc12m_rule(tmp_path, pipeline):
     d = pq.read_table(tmp_path / "duck.parquet").to_pylist()
     s = pq.read_table(tmp_path / "spark.parquet").to_pylist()
     assert sorted((r["id"], r["caption"]) for r in d) == sorted((r["id"], r["caption"]) for r in s)
+
+
+def test_the_tagger_reads_a_transformers_align_directory_too(tmp_path):
+    import torch
+
+    import openalign
+    from conftest import tiny_overrides
+    from openalign.model.efficientnet import round_filters
+    from openalign.model.hf import export_hf_align
+    from openalign.pipeline.tagging import ZeroShotTagger
+    from openalign.text import train_wordpiece
+
+    tags = ["apple", "banana", "cherry", "grape", "lemon"]
+    tokenizer = train_wordpiece([f"a photo of a {t}" for t in tags] * 20, vocab_size=120)
+    torch.manual_seed(0)
+    # transformers' AlignModel has no image projection and pools the [CLS] token: a model it can express
+    text = {"vocab_size": tokenizer.vocab_size, "pooling": "cls"}
+    model = openalign.create_model(
+        "nano", **tiny_overrides(image={"width_coefficient": 0.5}, text=text, embed_dim=round_filters(320, 0.5))
+    )
+    openalign.save_model(model, tmp_path / "ours")
+    tokenizer.save(tmp_path / "ours")
+    export_hf_align(model, tmp_path / "hf", tokenizer_dir=tmp_path / "ours")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "align"
+    images = [encode("JPEG", 40), encode("PNG", 40), None]
+    ours, theirs = ZeroShotTagger(tmp_path / "ours", tags, 2), ZeroShotTagger(tmp_path / "hf", tags, 2)
+    a, b = ours.scores(images)[0], theirs.scores(images)[0]
+    assert torch.allclose(a, b, atol=1e-5)
+    assert ours(images) == theirs(images) and ours(images)[2] is None and len(ours(images)[0] or []) == 2
