@@ -59,7 +59,9 @@ def _filter(parser: Parser) -> None:
     parser.epilog = (
         "examples:\n"
         "  openalign filter pairs.parquet kept.parquet --report funnel.json\n"
-        "  openalign filter pairs.csv kept.jsonl --rules cc12m --person-names demo\n"
+        "  openalign filter pairs.csv kept.jsonl --rules cc12m --nlp en_core_web_sm\n"
+        "  openalign filter 'shards/{00000..00009}.tar' kept.parquet --rules cc12m --nlp en_core_web_sm "
+        "--tagger runs/b3/final --tag-vocab tags.txt\n"
         "  openalign filter 'shards/{00000..00009}.tar' kept.parquet --set vocab_top_k=1000000 --rules.max_words 30\n"
         "  openalign filter 'parts/*.parquet' kept.parquet --engine spark --spark-master spark://head:7077\n"
         "  openalign filter pairs.parquet kept.parquet --rules my_rules.yaml   # YAML: preset: align, max_words: 30\n"
@@ -114,6 +116,11 @@ def run_filter(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(to_dict(cfg))
         return 0
+    tagger = None
+    if cfg.tagger is not None:
+        from openalign.pipeline.tagging import ZeroShotTagger
+
+        tagger = ZeroShotTagger.from_files(cfg.tagger, cfg.tag_vocab, cfg.tag_top_k)
     report = filter_corpus(
         args.input,
         args.output,
@@ -123,6 +130,9 @@ def run_filter(args: argparse.Namespace) -> int:
         max_malformed_rows=cfg.max_malformed_rows,
         report_path=cfg.report,
         person_hook=cfg.person_names,
+        nlp=cfg.nlp,
+        nlp_batch_size=cfg.nlp_batch_size,
+        image_tagger=tagger,
         overwrite=cfg.overwrite,
         progress=not args.quiet,
     )

@@ -105,10 +105,12 @@ __all__ = [
     "read_annotation_text",
     "read_caption_table",
     "read_file",
+    "read_file_head",
     "read_samples",
     "read_table_batches",
     "resolve_image_path",
     "scan_folder",
+    "sniff_image_format",
     "split_member_name",
     "table_format",
 ]
@@ -247,6 +249,38 @@ def read_file(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_FILE_BYTE
     The file is looked at before it is opened (opening a FIFO would wait for a writer, opening some devices
     has effects) and again once open, and never more than ``max_bytes`` + 1 bytes are read, so a file that
     is replaced or grows in between is still caught."""
+    return _read(path, max_bytes, None)
+
+
+def read_file_head(path: str | os.PathLike, size: int = 16, *, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The first ``size`` bytes of an input file (enough to tell its format), with ``read_file``'s checks:
+    a file over ``max_bytes`` is refused as it would be when read whole."""
+    return _read(path, max_bytes, size)
+
+
+# Magic numbers at the start of an encoded image: what the bytes are, whatever the file is called.
+_IMAGE_MAGIC: tuple[tuple[bytes, int, str], ...] = (
+    (b"\xff\xd8\xff", 0, "jpeg"),
+    (b"\x89PNG\r\n\x1a\n", 0, "png"),
+    (b"GIF87a", 0, "gif"),
+    (b"GIF89a", 0, "gif"),
+    (b"WEBP", 8, "webp"),  # after RIFF and the chunk size
+    (b"BM", 0, "bmp"),
+    (b"II*\x00", 0, "tiff"),
+    (b"MM\x00*", 0, "tiff"),
+)
+IMAGE_HEAD_BYTES = 16  # enough of a file for ``sniff_image_format``
+
+
+def sniff_image_format(data: bytes) -> str | None:
+    """``jpeg``, ``png``, ``gif``, ``webp``, ``bmp`` or ``tiff`` from an image's first bytes; None otherwise."""
+    for magic, offset, name in _IMAGE_MAGIC:
+        if data[offset : offset + len(magic)] == magic and (name != "webp" or data[:4] == b"RIFF"):
+            return name
+    return None
+
+
+def _read(path: str | os.PathLike, max_bytes: int, head: int | None) -> bytes:
     try:
         _check_stat(path, os.stat(path), max_bytes)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -260,6 +294,8 @@ def read_file(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_FILE_BYTE
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             _check_stat(path, st, max_bytes)
+            if head is not None:
+                return f.read(head)
             # The first read asks for one byte more than the size seen, so a regular file is read in one go
             # without a buffer of the limit's size; a file that grew since is read on, up to the limit.
             chunks, total, want = [], 0, min(st.st_size, max_bytes) + 1

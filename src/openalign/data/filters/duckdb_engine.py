@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from openalign.data.filters.inputs import ROW_ID_COLUMN, TEXT_ERROR_COLUMN, StagedInput
-from openalign.data.filters.person import PersonHook
 from openalign.data.filters.plan import EngineResult, FilterPlan
-from openalign.data.filters.rules import PUNCTUATION, frequent_threshold
+from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, segment_patterns
 
 # RE2 syntax. The words of rules.tokenize are separated by maximal runs of punctuation and whitespace that
 # contain whitespace, and the text's ends by the runs touching them. One pass turns every such run into a
@@ -58,9 +57,16 @@ def literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def segment_sql(text_sql: str) -> str:
+    """rules.segment as a DuckDB expression: scripts written without spaces set apart character by character."""
+    touched, unit, seps = (literal(p) for p in segment_patterns("re2"))
+    spaced = f"regexp_replace(regexp_replace({text_sql}, {seps}, ' ', 'g'), {unit}, ' \\0 ', 'g')"
+    return f"CASE WHEN regexp_matches({text_sql}, {touched}) THEN {spaced} ELSE {text_sql} END"
+
+
 def norm_sql(text_sql: str) -> str:
     """The normalised alt-text (its words joined by single spaces, see rules.tokenize) as a DuckDB expression."""
-    low, sep = f"lower({text_sql})", literal(SEPARATOR_PATTERN)
+    low, sep = segment_sql(f"lower({text_sql})"), literal(SEPARATOR_PATTERN)
     spaced = f"regexp_replace({low}, {sep}, ' ', 'g')"
     # Most alt-texts are already normal once lowercased, and RE2 finds out faster than it rewrites.
     return f"CASE WHEN regexp_matches({low}, {sep}) THEN regexp_replace({spaced}, '^ | $', '', 'g') ELSE {low} END"
@@ -102,6 +108,9 @@ def _row_reason_sql(plan: FilterPlan) -> str | None:
         op = ">" if r.aspect_ratio_inclusive else ">="
         ratio = "greatest(r.w, r.h) / least(r.w, r.h)"
         cases.append(f"WHEN {ratio} {op} {float(r.max_aspect_ratio)!r} THEN 'aspect_ratio'")
+    if plan.image_format is not None:
+        formats = ", ".join(literal(f) for f in r.image_formats or [])
+        cases.append(f"WHEN r.fmt IS NULL OR r.fmt NOT IN ({formats}) THEN 'image_format'")
     if r.max_texts_per_image is not None:
         cases.append("WHEN i.ident IS NOT NULL THEN 'image_text_count'")
     return "CASE " + " ".join(cases) + " END" if cases else None
@@ -125,6 +134,13 @@ def _text_reason_sql(plan: FilterPlan) -> str | None:
     if r.max_repeated_fraction is not None:
         cases.append(f"WHEN t.repeated > {float(r.max_repeated_fraction)!r} THEN 'repeated_words'")
     return "CASE " + " ".join(cases) + " END" if cases else None
+
+
+def _tag_overlap_sql(plan: FilterPlan) -> str:
+    """Words of the image's tags that are words of the alt-text (``r``: rows with norm and tw)."""
+    both = "len(list_intersect(string_split(r.norm, ' '), string_split(r.tw, ' ')))"
+    overlap = f"CASE WHEN r.norm = '' OR coalesce(r.tw, '') = '' THEN 0 ELSE {both} END"
+    return f"CASE WHEN {overlap} < {int(plan.rules.min_tag_overlap or 0)} THEN 'tag_overlap' END"
 
 
 def _word_stream_sql(texts_sql: str, successors: bool) -> str:
@@ -186,7 +202,6 @@ def run_duckdb(
     out_format: str,
     work_dir: Path,
     settings: DuckDBSettings | None = None,
-    person_hook: PersonHook | None = None,
     log: Callable[[str], None] | None = None,
 ) -> EngineResult:
     """Filter ``staged`` by ``plan`` and write the survivors, in input order, to ``output``."""
@@ -195,7 +210,7 @@ def run_duckdb(
     settings = settings or DuckDBSettings()
     con = duckdb.connect()
     try:
-        return _run(con, staged, plan, output, out_format, work_dir, settings, person_hook, log)
+        return _run(con, staged, plan, output, out_format, work_dir, settings, log)
     except duckdb.Error as err:  # DuckDB's message names no file: a damaged Parquet page reads "don't know what type"
         inputs = ", ".join(str(p) for p in staged.paths[:3]) + (", ..." if len(staged.paths) > 3 else "")
         raise ValueError(f"cannot filter {inputs}: {' '.join(str(err).split()) or type(err).__name__}") from None
@@ -221,7 +236,6 @@ def _run(
     out_format: str,
     work_dir: Path,
     settings: DuckDBSettings,
-    person_hook: PersonHook | None,
     log: Callable[[str], None] | None,
 ) -> EngineResult:
     r = plan.rules
@@ -262,8 +276,14 @@ def _run(
         inner += [f"try_cast({quote(plan.width)} AS DOUBLE) AS w", f"try_cast({quote(plan.height)} AS DOUBLE) AS h"]
     if plan.unsafe is not None:
         inner += [f"try_cast({quote(plan.unsafe)} AS DOUBLE) AS u", f"{quote(plan.unsafe)} IS NOT NULL AS u_given"]
+    if plan.image_format is not None:
+        inner.append(f"{quote(plan.image_format)} AS fmt")
+    if plan.tag_words is not None:
+        inner.append(f"{quote(plan.tag_words)} AS tw")
     outer = ["rid", "ident", f"{norm_sql('txt')} AS norm", f"{_invalid_sql(plan)} AS invalid"]
-    outer += [c for c, on in (("w", plan.width), ("h", plan.width), ("u", plan.unsafe)) if on is not None]
+    derived: list[tuple[str, object]] = [("w", plan.width), ("h", plan.width), ("u", plan.unsafe)]
+    derived += [("fmt", plan.image_format), ("tw", plan.tag_words), ("txt", plan.annotator)]
+    outer += [c for c, on in derived if on is not None]
     ex(f"CREATE TEMP TABLE rows AS SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)} FROM src)")
 
     stats: dict[str, int] = {}
@@ -348,28 +368,65 @@ def _run(
         )
         joins.append("LEFT JOIN txtreason x ON r.norm = x.norm")
         reasons.append("x.reason")
+    if plan.tag_words is not None:
+        reasons.append(_tag_overlap_sql(plan))
     ex(
         f"CREATE TEMP TABLE decisions AS SELECT r.rid, coalesce({', '.join(reasons)}) AS reason "
         f"FROM rows r {' '.join(joins)}"
     )
+    transformed: dict[str, int] = {}
+    survivors = f"src SEMI JOIN (SELECT rid FROM decisions WHERE reason IS NULL) k ON src.{ROW_ID_COLUMN} = k.rid"
+    columns = [f"src.{quote(name)}" for name in staged.columns]
+    if plan.annotator is not None:
+        _annotate_texts(con, ex, plan, work_dir)
+        if r.required_pos is not None and plan.annotator.required_pos is not None:
+            ex(
+                "UPDATE decisions SET reason = 'missing_pos' FROM rows r, nlp n "
+                "WHERE decisions.reason IS NULL AND decisions.rid = r.rid AND r.txt = n.txt AND NOT n.pos_ok"
+            )
+        if plan.annotator.person is not None:
+            ex(
+                "CREATE TEMP TABLE kept AS SELECT d.rid, n.person_txt, n.person_txt IS DISTINCT FROM r.txt AS changed "
+                "FROM decisions d JOIN rows r ON d.rid = r.rid LEFT JOIN nlp n ON r.txt = n.txt WHERE d.reason IS NULL"
+            )
+            transformed["person_substitution"] = ex("SELECT count(*) FROM kept WHERE changed").fetchone()[0]
+            survivors = f"src JOIN kept k ON src.{ROW_ID_COLUMN} = k.rid"
+            columns[staged.columns.index(plan.text)] = f"k.person_txt AS {quote(plan.text)}"
     removed_sql = "SELECT reason, count(*) FROM decisions WHERE reason IS NOT NULL GROUP BY reason"
     removed = dict(ex(removed_sql).fetchall())
 
-    columns = []
-    for name in staged.columns:
-        if name == plan.text and person_hook is not None:
-            columns.append(f"oa_person(CAST({quote(name)} AS VARCHAR)) AS {quote(name)}")
-        else:
-            columns.append(quote(name))
-    if person_hook is not None:
-        con.create_function("oa_person", person_hook, ["VARCHAR"], "VARCHAR")
     partial = output.with_name(output.name + ".partial")
     written = ex(
-        f"COPY (SELECT {', '.join(columns)} FROM src WHERE {ROW_ID_COLUMN} IN "
-        f"(SELECT rid FROM decisions WHERE reason IS NULL) ORDER BY {ROW_ID_COLUMN}) "
+        f"COPY (SELECT {', '.join(columns)} FROM {survivors} ORDER BY src.{ROW_ID_COLUMN}) "
         f"TO {literal(str(partial))} ({_copy_options(out_format)})"
     ).fetchone()[0]
     if output.is_dir():
         shutil.rmtree(output)
     os.replace(partial, output)
-    return EngineResult(source_rows=source_rows, removed=removed, rows_written=written, stats=stats)
+    return EngineResult(
+        source_rows=source_rows, removed=removed, rows_written=written, stats=stats, transformed=transformed
+    )
+
+
+def _annotate_texts(con: Any, ex: Callable[[str], Any], plan: FilterPlan, work_dir: Path) -> None:
+    """Create ``nlp`` (txt, pos_ok, person_txt): the text pass over the distinct alt-texts of the kept rows,
+    in batches, so an NLP pipeline sees many texts per call (spaCy's ``nlp.pipe``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assert plan.annotator is not None
+    path = work_dir / "nlp.parquet"
+    schema = pa.schema([("txt", pa.string()), ("pos_ok", pa.bool_()), ("person_txt", pa.string())])
+    texts = con.sql(
+        "SELECT DISTINCT r.txt FROM rows r SEMI JOIN (SELECT rid FROM decisions WHERE reason IS NULL) d "
+        "ON r.rid = d.rid"
+    ).to_arrow_reader(_TEXT_BATCH)
+    with pq.ParquetWriter(path, schema) as writer:
+        for batch in texts:
+            values = batch.column(0).to_pylist()
+            ok, changed = plan.annotator(values)
+            writer.write_table(pa.table([values, ok, changed], schema=schema))
+    ex(f"CREATE TEMP TABLE nlp AS SELECT * FROM read_parquet({literal(str(path))})")
+
+
+_TEXT_BATCH = 4096

@@ -30,7 +30,7 @@ import itertools
 import json
 import operator
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from openalign.data.filters.images import HIDDEN_PREFIX, TAG_WORDS_COLUMN, ImageAnnotator, annotate_table
 from openalign.data.filters.rules import TEXT_COLUMN_CANDIDATES, ColumnNames
 from openalign.data.sources import MAX_LINE_BYTES, read_annotation
 from openalign.data.tables import (
@@ -81,6 +82,7 @@ class StagedInput:
     malformed: int = 0  # rows that never reached a table (unparseable lines)
     has_text_error_column: bool = False
     input_errors: list[str] = field(default_factory=list)  # unreadable shards or members
+    hidden: list[str] = field(default_factory=list)  # columns staging added for the image rules (images.py)
 
 
 def _format_of(path: str) -> str | None:
@@ -144,23 +146,43 @@ def resolve_text_column(columns: list[str], configured: str | None) -> str:
 
 
 def stage_input(
-    spec: str, fmt: str | None, columns: ColumnNames, work_dir: Path, max_malformed_rows: int = 0
+    spec: str,
+    fmt: str | None,
+    columns: ColumnNames,
+    work_dir: Path,
+    max_malformed_rows: int = 0,
+    annotator: Callable[..., ImageAnnotator] | None = None,
+    max_image_bytes: int | None = None,
 ) -> StagedInput:
     """Make ``spec`` readable by the engines; see the module docstring for what is counted where.
     ``max_malformed_rows``: CSV/TSV records that may fail to parse before the run stops (JSON lines that do
-    not parse are always skipped and counted)."""
+    not parse are always skipped and counted). ``annotator``: given the input's columns, what the image rules
+    need (formats, tags); its hidden columns are added to the staged table (see :mod:`.images`)."""
     fmt = fmt or detect_format(spec)
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"unknown input format '{fmt}'; valid: {', '.join(INPUT_FORMATS)}")
     files = input_files(spec, fmt)
     work_dir.mkdir(parents=True, exist_ok=True)
+    from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
+
+    max_bytes = max_image_bytes or DEFAULT_MAX_FILE_BYTES
+    if fmt == "webdataset":
+        return _stage_webdataset(files, columns, work_dir, annotator, max_bytes)
     if fmt == "parquet":
-        return _stage_parquet(files, columns, work_dir)
-    if fmt in ("csv", "tsv"):
-        return _stage_csv(files, fmt, columns, work_dir, max_malformed_rows)
-    if fmt == "jsonl":
-        return _stage_json(files, columns, work_dir, fmt)
-    return _stage_webdataset(files, columns, work_dir)
+        staged = _stage_parquet(files, columns, work_dir)
+    elif fmt in ("csv", "tsv"):
+        staged = _stage_csv(files, fmt, columns, work_dir, max_malformed_rows)
+    else:
+        staged = _stage_json(files, columns, work_dir, fmt)
+    images = annotator(staged.columns) if annotator is not None else None
+    if images is None or not images.columns:
+        return staged
+    # Relative image paths start at the table's folder (or the folder given as INPUT).
+    root = Path(spec) if os.path.isdir(spec) else Path(spec).parent
+    names = staged.columns + [TEXT_ERROR_COLUMN] * staged.has_text_error_column
+    out = annotate_table(staged.paths, names, images, root, work_dir / "images.parquet", max_bytes, staged.input_errors)
+    staged.paths, staged.hidden = [out], images.columns
+    return staged
 
 
 # --------------------------------------------------------------------------------------------------
@@ -481,26 +503,58 @@ def _stage_json(
                 if len(batch[TEXT_ERROR_COLUMN]) >= _BATCH_ROWS:
                     flush()
         flush()
-    return StagedInput([out], names, text, fmt, malformed=len(errors), has_text_error_column=True, input_errors=errors)
+    visible = [n for n in names if not n.startswith(HIDDEN_PREFIX)]
+    hidden = [n for n in names if n.startswith(HIDDEN_PREFIX)]
+    return StagedInput(
+        [out], visible, text, fmt, malformed=len(errors), has_text_error_column=True, input_errors=errors, hidden=hidden
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # WebDataset
 
 
-def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) -> StagedInput:
+def _stage_webdataset(
+    files: list[str],
+    columns: ColumnNames,
+    work_dir: Path,
+    annotator: Callable[..., ImageAnnotator] | None,
+    max_bytes: int,
+) -> StagedInput:
     """Per-sample ``.json`` metadata (img2dataset writes url, caption, width, height, sha256, ...), with the
-    ``.txt`` member as the alt-text when the json has none and the sample key as ``key`` when it has none."""
-    from openalign.data.sources import CAPTION_MEMBER, METADATA_MEMBER, read_samples
+    ``.txt`` member as the alt-text when the json has none and the sample key as ``key`` when it has none.
+    The image rules read the image member itself: its format is sniffed from its bytes."""
+    from openalign.data.sources import CAPTION_MEMBER, METADATA_MEMBER, image_member, read_samples
 
     errors: list[str] = []
     text_name = columns.text or "caption"
     rows_path = work_dir / "samples.jsonl"
     malformed = 0
     origins: list[str] = []  # the sample behind each line of rows_path
+    # A shard's samples carry their image, so the format always comes from the bytes here.
+    images = annotator([columns.tags], images_present=True) if annotator is not None else None
+    if images is not None:
+        images.format_column = None
+    pending: list[tuple[dict, bytes | None]] = []
+    saw_tags = False
+
+    def flush(out: Any) -> None:
+        nonlocal saw_tags
+        if images is not None and images.columns and pending:
+            tags = [meta.get(columns.tags) for meta, _ in pending]
+            saw_tags = saw_tags or any(t is not None for t in tags)
+            hidden = images([data for _, data in pending], None, tags)
+            for i, (meta, _) in enumerate(pending):
+                meta.update({name: values[i] for name, values in hidden.items()})
+        for meta, _ in pending:
+            # ensure_ascii writes lone surrogates as \udcXX escapes, which parse back unchanged
+            out.write(json.dumps(meta, ensure_ascii=True) + "\n")
+        pending.clear()
+
     with open(rows_path, "w", encoding="utf-8") as out:
         for url in files:
-            for sample in read_samples(url, on_error=lambda reason, detail: errors.append(f"{reason}: {detail}")):
+            on_error = lambda reason, detail: errors.append(f"{reason}: {detail}")  # noqa: E731
+            for sample in read_samples(url, on_error=on_error, max_member_bytes=max_bytes):
                 meta: Any = {}
                 if METADATA_MEMBER in sample:
                     try:
@@ -514,13 +568,19 @@ def _stage_webdataset(files: list[str], columns: ColumnNames, work_dir: Path) ->
                 if CAPTION_MEMBER in sample and not any(c in meta for c in (text_name, *TEXT_COLUMN_CANDIDATES)):
                     meta[text_name] = sample[CAPTION_MEMBER].decode("utf-8", "surrogateescape")
                 meta.setdefault(columns.key, sample["__key__"])
-                # ensure_ascii writes lone surrogates as \udcXX escapes, which parse back unchanged
-                out.write(json.dumps(meta, ensure_ascii=True) + "\n")
+                member = image_member(sample)
+                pending.append((meta, sample[member] if member is not None else None))
                 origins.append(f"{sample.get('__url__', url)}:{sample['__key__']}")
+                if len(pending) >= 256:
+                    flush(out)
+        flush(out)
     if rows_path.stat().st_size == 0:
         raise ValueError(f"no readable samples in {len(files)} WebDataset shard(s): {'; '.join(errors[:3])}")
     staged = _stage_json([str(rows_path)], columns, work_dir / "json", "webdataset", origins=origins)
     staged.malformed += malformed
+    if images is not None and images.tagger is None and not saw_tags:
+        # No sample had tags and nothing tags them: the rule has nothing to read (the plan skips it).
+        staged.hidden = [c for c in staged.hidden if c != TAG_WORDS_COLUMN]
     staged.input_errors = errors + staged.input_errors
     return staged
 

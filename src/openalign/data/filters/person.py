@@ -1,9 +1,11 @@
 """CC12M's person-name substitution: names of people in kept alt-texts become ``<PERSON>``.
 
 CC12M ran a named-entity recogniser (Google Cloud Natural Language) and replaced every Person entity,
-for privacy. The hook here is any ``str -> str`` callable, named in the rules as
-``person_substitution: package.module:function`` or passed to :func:`filter_corpus` directly, so a real
-NER model (spaCy, a transformers token classifier) plugs in without changes to the filter.
+for privacy. ``person_substitution: nlp`` does the same with the run's NLP pipeline
+(:mod:`openalign.data.filters.nlp`, e.g. spaCy's ``en_core_web_sm``): every PERSON entity becomes
+``<PERSON>``. Any other ``str -> str`` callable also works, named in the rules as
+``person_substitution: package.module:function`` or passed to :func:`filter_corpus` directly. Either way it
+is applied to the distinct alt-texts of the kept rows, in batches, and the report counts the rows changed.
 
 :func:`demo_person_names` is only a demonstration: a capitalised first name from a short built-in list,
 with up to two capitalised words after it, is replaced. It misses most names and it will replace some
@@ -38,15 +40,16 @@ def demo_person_names(text: str) -> str:
     return _DEMO_PATTERN.sub(PERSON_TOKEN, text)
 
 
-def resolve_person_hook(spec: str | PersonHook | None) -> PersonHook | None:
-    """``None``, a callable, ``"demo"``, or ``"package.module:function"`` naming a ``str -> str`` callable."""
-    if spec is None or callable(spec):
+def resolve_person_hook(spec: str | PersonHook | None) -> PersonHook | str | None:
+    """``None``, a callable, ``"nlp"`` (kept as is: the NLP pipeline's PERSON entities), ``"demo"``, or
+    ``"package.module:function"`` naming a ``str -> str`` callable."""
+    if spec is None or callable(spec) or spec == "nlp":
         return spec
     if spec == "demo":
         return demo_person_names
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"person_substitution must be 'demo' or 'package.module:function', got '{spec}'")
+        raise ValueError(f"person_substitution must be 'nlp', 'demo' or 'package.module:function', got '{spec}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import shutil
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from openalign.config import to_dict
+from openalign.data.filters.images import ImageTagger, make_annotator
 from openalign.data.filters.inputs import output_format, stage_input
 from openalign.data.filters.person import PersonHook, resolve_person_hook
 from openalign.data.filters.plan import build_plan
-from openalign.data.filters.rules import STEP_DESCRIPTIONS, FilterRules, load_rules
+from openalign.data.filters.rules import STEP_DESCRIPTIONS, TRANSFORM_DESCRIPTIONS, FilterRules, load_rules
 from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
 
 
@@ -43,7 +45,16 @@ class FilterConfig:
     # CSV/TSV records that may fail to parse (each counted as malformed_row, its line in the report) before
     # the run stops with an error naming the line; JSON lines that do not parse are always skipped and counted
     max_malformed_rows: int = 0
-    person_names: str | None = None  # names -> <PERSON> after filtering: demo or module:function
+    person_names: str | None = None  # names -> <PERSON> after filtering: nlp, demo or module:function
+    # spaCy pipeline (installed name such as en_core_web_sm, or a saved pipeline's path) for the POS rule
+    # and person_names nlp
+    nlp: str | None = None
+    nlp_batch_size: int = 256  # alt-texts per nlp.pipe batch
+    # ALIGN checkpoint (openalign or transformers AlignModel) that tags images zero-shot for the
+    # image-text tag-overlap rule; off unless given
+    tagger: str | None = None
+    tag_vocab: str | None = None  # the tagger's tags, one per line (needed with tagger)
+    tag_top_k: int = 5  # tags kept per image, best first
     overwrite: bool = False  # replace OUTPUT if it exists (never an input: that is refused)
 
 
@@ -56,6 +67,7 @@ class FunnelReport:
     rows_out: int
     skipped: dict[str, str] = field(default_factory=dict)  # rule -> why it did not run
     stats: dict[str, int] = field(default_factory=dict)  # corpus statistics the rules used
+    transformed: dict[str, int] = field(default_factory=dict)  # transformation -> output rows it changed
     input_errors: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # input, output, engine, rules, seconds
 
@@ -81,6 +93,7 @@ class FunnelReport:
             "rows_out": self.rows_out,
             "skipped": self.skipped,
             "stats": self.stats,
+            "transformed": self.transformed,
             "input_errors": self.input_errors[:1000],
             "input_error_count": len(self.input_errors),
             **self.meta,
@@ -100,6 +113,8 @@ class FunnelReport:
         lines.append(f"{'rows out':<{width}}{'':>12}{self.rows_out:>12,}{share:>7.1f}%")
         if self.meta.get("size_columns"):
             lines.append(f"sizes from {' x '.join(self.meta['size_columns'])}")
+        for name, n in self.transformed.items():
+            lines.append(f"transformed {name}: {n:,} of {self.rows_out:,} rows ({TRANSFORM_DESCRIPTIONS[name]})")
         for rule, why in self.skipped.items():
             lines.append(f"skipped {rule}: {why}")
         if self.input_errors:
@@ -117,6 +132,9 @@ def filter_corpus(
     max_malformed_rows: int = 0,
     report_path: str | Path | None = None,
     person_hook: PersonHook | str | None = None,
+    nlp: str | None = None,
+    nlp_batch_size: int = 256,
+    image_tagger: ImageTagger | None = None,
     spark: Any = None,
     overwrite: bool = False,
     progress: bool = False,
@@ -128,7 +146,10 @@ def filter_corpus(
     input column kept (DuckDB: one file, in input order; Spark: a directory of part files). ``rules``: a
     preset name, YAML path, mapping or FilterRules. ``max_malformed_rows``: CSV/TSV records that may fail to
     parse before the run stops with an error naming the line (nothing is written then). ``person_hook``: a
-    ``str -> str`` callable, ``"demo"`` or ``"module:function"`` (default: the rules' ``person_substitution``).
+    ``str -> str`` callable, ``"nlp"``, ``"demo"`` or ``"module:function"`` (default: the rules'
+    ``person_substitution``). ``nlp``: a spaCy pipeline name or path, for the POS rule and ``"nlp"`` person
+    substitution. ``image_tagger``: encoded images -> tags, for the tag-overlap rule (see
+    ``openalign.pipeline.tagging``).
     ``spark``: an existing SparkSession to use. Returns the funnel; also written as JSON to ``report_path``
     when given.
     """
@@ -140,6 +161,10 @@ def filter_corpus(
     if max_malformed_rows < 0:
         raise ValueError(f"--max-malformed-rows must be ≥ 0, got {max_malformed_rows}")
     hook = resolve_person_hook(person_hook if person_hook is not None else rules.person_substitution)
+    if nlp is not None and (rules.required_pos is not None or hook == "nlp"):
+        from openalign.data.filters.nlp import check_backend
+
+        check_backend(nlp)  # a missing pipeline is an error now, not deep in an engine
     out = Path(output)
     out_fmt = output_format(out)
     refuse_input_as_output(out, [input, *glob.glob(str(input))])
@@ -160,20 +185,25 @@ def filter_corpus(
     work = Path(tempfile.mkdtemp(prefix="openalign-filter-", dir=cfg.temp_directory))
     try:
         say(f"reading {input}")
-        staged = stage_input(str(input), input_format, rules.columns, work / "staged", max_malformed_rows)
-        plan = build_plan(staged, rules)
+        annotator = None
+        if rules.image_formats is not None or rules.min_tag_overlap is not None:
+            annotator = functools.partial(make_annotator, rules.columns, rules=rules, tagger=image_tagger)
+        staged = stage_input(
+            str(input), input_format, rules.columns, work / "staged", max_malformed_rows, annotator=annotator
+        )
+        plan = build_plan(staged, rules, nlp, hook, nlp_batch_size)
         say(f"running {len(plan.steps)} steps on {cfg.engine} ({', '.join(plan.steps)})")
         if cfg.engine == "duckdb":
             from openalign.data.filters.duckdb_engine import DuckDBSettings, run_duckdb
 
             # Spill files go under the run's work directory, itself under temp_directory when set.
             settings = DuckDBSettings(threads=cfg.threads, memory_limit=cfg.memory_limit)
-            result = run_duckdb(staged, plan, out, out_fmt, work, settings, hook, log=say if progress else None)
+            result = run_duckdb(staged, plan, out, out_fmt, work, settings, log=say if progress else None)
         else:
             from openalign.data.filters.spark_engine import SparkSettings, run_spark, spark_session
 
             session = spark or spark_session(SparkSettings(cfg.spark_master, dict(cfg.spark_conf)))
-            result = run_spark(staged, plan, out, out_fmt, session, hook)
+            result = run_spark(staged, plan, out, out_fmt, session)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     unknown = set(result.removed) - set(plan.steps)
@@ -189,6 +219,7 @@ def filter_corpus(
         rows_out=result.rows_written,
         skipped=plan.skipped,
         stats=result.stats,
+        transformed=result.transformed,
         input_errors=staged.input_errors,
         meta={
             "input": str(input),
@@ -199,7 +230,10 @@ def filter_corpus(
             "output": str(out),
             "engine": cfg.engine,
             "rules": to_dict(rules),
-            "person_substitution": getattr(hook, "__name__", None) if hook else None,
+            "person_substitution": (hook if isinstance(hook, str) else getattr(hook, "__name__", None))
+            if hook and "person_substitution" not in plan.skipped
+            else None,
+            "nlp": nlp,
             "seconds": round(seconds, 3),
         },
     )

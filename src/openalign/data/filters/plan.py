@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from openalign.data.filters.images import IMAGE_FORMAT_COLUMN, TAG_WORDS_COLUMN
 from openalign.data.filters.inputs import StagedInput
+from openalign.data.filters.nlp import TextAnnotator
+from openalign.data.filters.person import PersonHook
 from openalign.data.filters.rules import VALIDITY_STEPS, FilterRules
 
 
@@ -24,10 +27,22 @@ class FilterPlan:
     has_text_error_column: bool
     steps: list[str]  # funnel lines the engine reports, in order (malformed_row is counted while staging)
     skipped: dict[str, str] = field(default_factory=dict)  # rule -> why it did not run
+    image_format: str | None = None  # the staged format column, when the image_format rule runs
+    tag_words: str | None = None  # the staged tag-words column, when the tag_overlap rule runs
+    # The text pass over the kept rows (POS rule, person substitution), when one runs
+    annotator: TextAnnotator | None = None
 
 
-def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
-    """Check the input has what the rules need; raises ValueError naming every missing column."""
+def build_plan(
+    staged: StagedInput,
+    rules: FilterRules,
+    nlp: str | None = None,
+    person: PersonHook | str | None = None,
+    nlp_batch_size: int = 256,
+) -> FilterPlan:
+    """Check the input has what the rules need; raises ValueError naming every missing column.
+    ``nlp``: the NLP pipeline (name or path) for the POS rule and ``person == "nlp"``; ``person``: the
+    person substitution (``"nlp"`` or a ``str -> str`` hook)."""
     cols, names = staged.columns, rules.columns
     missing: dict[str, list[str]] = {}
     width, height = names.width, names.height
@@ -53,6 +68,22 @@ def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
             unsafe = names.unsafe
         else:
             skipped["unsafe"] = f"no unsafe-score column '{names.unsafe}' in the input"
+    image_format = IMAGE_FORMAT_COLUMN if IMAGE_FORMAT_COLUMN in staged.hidden else None
+    if rules.image_formats is not None and image_format is None:
+        skipped["image_format"] = f"no format column '{names.image_format}' and no images to sniff in the input"
+    tag_words = TAG_WORDS_COLUMN if TAG_WORDS_COLUMN in staged.hidden else None
+    if rules.min_tag_overlap is not None and tag_words is None:
+        skipped["tag_overlap"] = f"no image tags: no '{names.tags}' column and no tagger (--tagger CKPT)"
+    no_nlp = "no NLP pipeline (--nlp en_core_web_sm after `python -m spacy download en_core_web_sm`, or a path)"
+    if rules.required_pos is not None and nlp is None:
+        skipped["missing_pos"] = no_nlp
+    if person == "nlp" and nlp is None:
+        skipped["person_substitution"] = no_nlp
+        person = None
+    required_pos = tuple(rules.required_pos) if rules.required_pos is not None and nlp is not None else None
+    annotator = None
+    if required_pos is not None or person is not None:
+        annotator = TextAnnotator(nlp, required_pos, person, batch_size=nlp_batch_size)
     status = names.status if names.status in cols else None
     validity = [s for s in VALIDITY_STEPS if s != "malformed_row"]
     if status is None:
@@ -75,6 +106,9 @@ def build_plan(staged: StagedInput, rules: FilterRules) -> FilterPlan:
         has_text_error_column=staged.has_text_error_column,
         steps=steps,
         skipped=skipped,
+        image_format=image_format,
+        tag_words=tag_words,
+        annotator=annotator,
     )
 
 
@@ -86,3 +120,4 @@ class EngineResult:
     removed: dict[str, int]  # reason -> rows removed for it
     rows_written: int  # rows in the output, counted from what was written
     stats: dict[str, int] = field(default_factory=dict)
+    transformed: dict[str, int] = field(default_factory=dict)  # transformation -> rows of the output it changed

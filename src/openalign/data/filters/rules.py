@@ -6,11 +6,20 @@ filters of Conceptual 12M). A YAML file may start from either (``preset: cc12m``
 
 Semantics shared by every engine (DuckDB, Spark, and the plain-Python reference in :func:`tokenize`):
 
-* **Tokenisation.** The alt-text is lowercased (Unicode), split on runs of ASCII whitespace (space, tab,
+* **Tokenisation.** The alt-text is lowercased (Unicode), scripts written without spaces are segmented
+  (below), then it is split on runs of ASCII whitespace (space, tab,
   newline, vertical tab, form feed, carriage return), and each piece is stripped of leading and trailing
   ASCII punctuation (``string.punctuation``); pieces that become empty are dropped. The remaining pieces
   are the *words* (unigrams); a *bigram* is two adjacent words joined by one space. "Red car!" and
   "red  car" are both ``["red", "car"]``; "e-mail" stays one word, "1920x1080" is one word.
+* **Scripts without spaces.** Chinese, Japanese and Thai do not put spaces between words, so splitting on
+  spaces would make a whole caption one "word" (and drop it as too short). Before the split, every character
+  of the Han, Hiragana, Katakana, Thai and Lao ranges in ``SEGMENTED_RANGES`` becomes a word of its own,
+  keeping the combining marks that follow it (Thai vowel and tone marks, kana voicing marks), and CJK
+  punctuation (。、「」・, full-width signs) separates words like whitespace: "白い猫。" is ``["白", "い",
+  "猫"]``. That is how BERT's tokenizer, which the text tower reads, treats CJK ideographs, so n-grams and
+  counts are over the units the model sees; a per-language dictionary segmenter would make the rules depend
+  on what is installed. Other scripts (Latin, Cyrillic, Korean, ...) are untouched.
 * **Alt-text identity** is its normalised form, the words joined by single spaces, so case, punctuation at
   word edges and spacing do not make two boilerplate captions distinct.
 * **Image identity** is the ``sha256`` column when present and non-empty, else the ``url``, else the
@@ -32,6 +41,14 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``small_image``     the shorter side is ≤ ``min_shorter_side`` px (ALIGN keeps shorter side > 200).
 ``aspect_ratio``    longer side / shorter side (float64) is ≥ ``max_aspect_ratio`` (ALIGN keeps < 3), or
                     > it when ``aspect_ratio_inclusive`` (CC12M keeps ≤ 2.5).
+``image_format``    the image is not encoded in one of ``image_formats`` (CC12M keeps "only JPEG images"). The
+                    format is read from ``columns.image_format`` when the input has that column (``jpg``,
+                    ``JPEG`` and ``image/jpeg`` are all ``jpeg``), else sniffed from the first bytes of the
+                    image (JPEG starts ``FF D8 FF``; PNG, GIF, WebP, BMP and TIFF by their magic numbers),
+                    never from a file name: a PNG saved as ``.jpg`` is a PNG. The bytes come from the shard's
+                    image member, a table's image-bytes column or its ``image_path`` file, read through
+                    :mod:`openalign.data.sources` with its size cap; an image that cannot be read has no
+                    format and is removed. With neither a format column nor images the rule is skipped.
 ``image_text_count``the image identity has > ``max_texts_per_image`` rows (ALIGN: 1000 alt-texts).
 ``shared_text``     the alt-text identity occurs with > ``max_images_per_text`` distinct image identities
                     (ALIGN: 10; catches "1920x1080", "alt img", "image").
@@ -45,6 +62,19 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``too_few_words``   fewer than ``min_words`` words (ALIGN and CC12M: 3).
 ``too_many_words``  more than ``max_words`` words (ALIGN: 20, CC12M: 256).
 ``repeated_words``  (words − distinct words) / words is > ``max_repeated_fraction`` (CC12M: 0.2).
+``tag_overlap``     fewer than ``min_tag_overlap`` distinct words of the image's tags are words of the alt-text
+                    (both tokenised as above, so lowercased). CC3M, whose image-text filter CC12M keeps,
+                    counted the Cloud Vision tags of the image that the text mentions; here the tags are a
+                    ``columns.tags`` column of the input or come from a tagger given to the run
+                    (``openalign filter --tagger CKPT``: zero-shot tagging with an ALIGN checkpoint over a
+                    tag vocabulary). A row with no tags has no overlap. Skipped when there are no tags.
+``missing_pos``     some group of ``required_pos`` has no token of the alt-text with one of its Universal POS
+                    tags. CC12M still "discards candidates with no noun or no determiner" but, unlike CC3M,
+                    keeps ones without a preposition: ``["NOUN|PROPN", "DET"]`` (a proper noun is a noun, as
+                    in the Google tag set CC3M used). Tags come from the NLP pipeline of the run
+                    (:mod:`openalign.data.filters.nlp`, ``--nlp en_core_web_sm``); without one the rule is
+                    skipped. Last in the funnel because it is the slow one: only rows every other rule keeps
+                    are analysed.
 
 **img2dataset metadata.** img2dataset's ``width``/``height`` are the sizes of the image it stored, after
 its resize; the crawled image's sizes are ``original_width``/``original_height``. So when both
@@ -59,13 +89,16 @@ column), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only whites
 (width or height missing, non-numeric, not finite or ≤ 0; only checked when a size rule is on) and
 ``bad_unsafe_score`` (present but non-numeric or NaN).
 
-After filtering, an optional person-name hook (CC12M's ``<PERSON>`` substitution) rewrites the kept
-alt-texts; see :mod:`openalign.data.filters.person`.
+After filtering, CC12M's person-name substitution rewrites the kept alt-texts: with ``nlp`` the NLP
+pipeline's PERSON entities become ``<PERSON>`` (CC12M used Google's Natural Language API for this); a
+``str -> str`` hook or the ``demo`` list also work (:mod:`openalign.data.filters.person`). It is a
+transformation, not a removal: the report counts the rows it changed (``transformed``).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +125,7 @@ RULE_STEPS = (
     "unsafe",
     "small_image",
     "aspect_ratio",
+    "image_format",
     "image_text_count",
     "shared_text",
     "rare_ngram",
@@ -99,6 +133,8 @@ RULE_STEPS = (
     "too_few_words",
     "too_many_words",
     "repeated_words",
+    "tag_overlap",
+    "missing_pos",
 )
 STEP_DESCRIPTIONS = {
     "malformed_row": "input record that does not parse (or a JSON alt-text that is not text)",
@@ -118,7 +154,12 @@ STEP_DESCRIPTIONS = {
     "too_few_words": "fewer than min_words words",
     "too_many_words": "more than max_words words",
     "repeated_words": "repeated-word fraction > max_repeated_fraction",
+    "image_format": "image format not in image_formats (sniffed from the bytes)",
+    "tag_overlap": "fewer than min_tag_overlap image-tag words in the alt-text",
+    "missing_pos": "a required_pos group has no token (no noun or no determiner)",
 }
+# Transformations: rows changed, not removed (reported beside the funnel).
+TRANSFORM_DESCRIPTIONS = {"person_substitution": "people's names replaced by <PERSON>"}
 
 
 @dataclass
@@ -136,6 +177,8 @@ class ColumnNames:
     original_height: str | None = "original_height"
     status: str | None = "status"  # img2dataset's download status: rows not "success" are dropped
     unsafe: str = "punsafe"  # the user's unsafe-content probability (0-1), e.g. LAION's punsafe
+    image_format: str = "format"  # the image's encoding (jpeg, png, image/jpeg, ...); else sniffed from the bytes
+    tags: str = "tags"  # the image's tags (a list, or one string split at , ; |) for the tag-overlap rule
 
 
 @dataclass
@@ -156,7 +199,12 @@ class FilterRules:
     min_words: int | None = 3
     max_words: int | None = 20
     max_repeated_fraction: float | None = None  # (words - distinct words) / words must be ≤ this
-    # After filtering: "demo" (the built-in demo gazetteer) or "package.module:function" (str -> str)
+    image_formats: list[str] | None = None  # keep only images encoded in these formats (CC12M: jpeg)
+    min_tag_overlap: int | None = None  # words of the image's tags that must be words of the alt-text
+    # Universal POS groups the alt-text needs a token of each (CC12M: a noun and a determiner); needs --nlp
+    required_pos: list[str] | None = None
+    # After filtering: "nlp" (the NLP pipeline's PERSON entities), "demo" (a short built-in list of first
+    # names, a demonstration only) or "package.module:function" (str -> str)
     person_substitution: str | None = None
 
     def active_rules(self) -> list[str]:
@@ -172,6 +220,9 @@ class FilterRules:
             "too_few_words": self.min_words is not None,
             "too_many_words": self.max_words is not None,
             "repeated_words": self.max_repeated_fraction is not None,
+            "image_format": self.image_formats is not None,
+            "tag_overlap": self.min_tag_overlap is not None,
+            "missing_pos": self.required_pos is not None,
         }
         return [step for step in RULE_STEPS if on[step]]
 
@@ -203,6 +254,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "min_words": 3,
         "max_words": 256,
         "max_repeated_fraction": 0.2,
+        # "We still keep only JPEG images", "discard candidates with no noun or no determiner, but permit
+        # ones without prepositions", the image-text (tag overlap) filter "intact", and people's names
+        # replaced by <PERSON>. Each needs something the input may not have (image bytes or a format column,
+        # image tags or a tagger, an NLP pipeline); without it the rule is skipped and the report says so.
+        "image_formats": ["jpeg"],
+        "min_tag_overlap": 1,
+        "required_pos": ["NOUN|PROPN", "DET"],
+        "person_substitution": "nlp",
     },
 }
 
@@ -228,7 +287,29 @@ def validate_rules(rules: FilterRules) -> FilterRules:
         raise ConfigError(f"max_repeated_fraction must be in [0, 1], got {rules.max_repeated_fraction}")
     if rules.max_unsafe is not None and rules.max_unsafe != rules.max_unsafe:
         raise ConfigError("max_unsafe must be a number, got NaN")
+    if rules.min_tag_overlap is not None and rules.min_tag_overlap < 1:
+        raise ConfigError(f"min_tag_overlap must be positive, got {rules.min_tag_overlap}")
+    if rules.image_formats is not None:
+        if not rules.image_formats or not all(isinstance(f, str) and f.strip() for f in rules.image_formats):
+            raise ConfigError(f"image_formats must be a non-empty list of formats, got {rules.image_formats}")
+        rules.image_formats = sorted({normalise_format(f) or "" for f in rules.image_formats})
+    if rules.required_pos is not None:
+        groups = [frozenset(t for t in str(g).upper().split("|") if t.strip()) for g in rules.required_pos]
+        if not groups or not all(groups):
+            example = "['NOUN|PROPN', 'DET']"
+            raise ConfigError(f"required_pos must be groups of POS tags like {example}, got {rules.required_pos}")
     return rules
+
+
+_FORMAT_ALIASES = {"jpg": "jpeg", "jpe": "jpeg", "jfif": "jpeg", "pjpeg": "jpeg", "tif": "tiff", "x-ms-bmp": "bmp"}
+
+
+def normalise_format(value: object) -> str | None:
+    """An image format name as the rules compare it: ``JPG``, ``.jpeg``, ``image/jpeg`` are all ``jpeg``."""
+    if value is None:
+        return None
+    name = str(value).strip().lower().removeprefix("image/").lstrip(".")
+    return _FORMAT_ALIASES.get(name, name) or None
 
 
 def load_rules(spec: str | Path | dict[str, Any] | FilterRules = "align", **overrides: Any) -> FilterRules:
@@ -266,11 +347,90 @@ def _from_preset(data: dict[str, Any]) -> dict[str, Any]:
 
 _SPLIT_TABLE = str.maketrans({c: " " for c in WHITESPACE})
 
+# Scripts written without spaces between words. Each character (with the combining marks that follow it) is
+# one word: BERT's tokenizer, which ALIGN's text tower reads, already sets every CJK ideograph apart the same
+# way, so a word here is the unit the model sees; kana and Thai/Lao get the same treatment because a
+# dictionary segmenter per language would make the rules depend on which one is installed. Spelled as code
+# point ranges, not Unicode script properties, so that Python, RE2 (DuckDB) and Java (Spark) match exactly the
+# same characters whatever Unicode version each ships.
+SEGMENTED_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0E01, 0x0E30),
+    (0x0E32, 0x0E33),
+    (0x0E3F, 0x0E46),
+    (0x0E4F, 0x0E5B),  # Thai letters, digits, signs
+    (0x0E81, 0x0EB0),
+    (0x0EB2, 0x0EB3),
+    (0x0EBD, 0x0EC6),
+    (0x0ED0, 0x0EDF),  # Lao
+    (0x2E80, 0x2FDF),  # CJK and Kangxi radicals
+    (0x3005, 0x3007),
+    (0x3021, 0x3029),
+    (0x3038, 0x303B),  # 々 〆 〇, Hangzhou numerals
+    (0x3041, 0x3096),
+    (0x309D, 0x309F),  # Hiragana
+    (0x30A1, 0x30FA),
+    (0x30FC, 0x30FF),
+    (0x31F0, 0x31FF),  # Katakana (30FB ・ is a separator)
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF),  # CJK ideographs
+    (0xFF66, 0xFF9F),  # half-width Katakana
+    (0x20000, 0x2FA1F),
+    (0x30000, 0x323AF),  # CJK ideographs, supplementary planes
+)
+# Combining marks stay with the character before them (Thai and Lao vowel and tone marks, kana voicing marks).
+SEGMENT_MARK_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0E31, 0x0E31),
+    (0x0E34, 0x0E3A),
+    (0x0E47, 0x0E4E),
+    (0x0EB1, 0x0EB1),
+    (0x0EB4, 0x0EBC),
+    (0x0EC8, 0x0ECE),
+    (0x3099, 0x309A),
+)
+# CJK punctuation separates words the way whitespace does (。、「」・ and the full-width ASCII signs).
+CJK_SEPARATOR_RANGES: tuple[tuple[int, int], ...] = (
+    (0x3000, 0x3004), (0x3008, 0x3020), (0x3030, 0x3030), (0x303D, 0x303F), (0x30FB, 0x30FB),
+    (0xFF01, 0xFF0F), (0xFF1A, 0xFF20), (0xFF3B, 0xFF40), (0xFF5B, 0xFF65),
+)  # fmt: skip
+
+
+def regex_class(ranges: tuple[tuple[int, int], ...], flavour: str) -> str:
+    """A character class of ``ranges`` in ``flavour`` ``python``, ``re2`` or ``java`` escapes."""
+
+    def one(cp: int) -> str:
+        if flavour == "python":
+            return f"\\U{cp:08x}"
+        return f"\\x{{{cp:x}}}"
+
+    return "[" + "".join(one(a) if a == b else f"{one(a)}-{one(b)}" for a, b in ranges) + "]"
+
+
+def segment_patterns(flavour: str) -> tuple[str, str, str]:
+    """(any character segmentation touches, one segmented unit, one CJK separator) for a regex flavour."""
+    chars = regex_class(SEGMENTED_RANGES, flavour)
+    marks = regex_class(SEGMENT_MARK_RANGES, flavour)
+    seps = regex_class(CJK_SEPARATOR_RANGES, flavour)
+    touched = regex_class(SEGMENTED_RANGES + SEGMENT_MARK_RANGES + CJK_SEPARATOR_RANGES, flavour)
+    return touched, f"{chars}{marks}*", seps
+
+
+_SEGMENT_ANY_PY, _SEGMENT_UNIT_PY, _CJK_SEPARATOR_PY = (re.compile(p) for p in segment_patterns("python"))
+
 
 def tokenize(text: str) -> list[str]:
-    """Words of an alt-text: lowercase, split on ASCII whitespace, strip ASCII punctuation at both ends."""
-    words = (piece.strip(PUNCTUATION) for piece in text.lower().translate(_SPLIT_TABLE).split(" "))
+    """Words of an alt-text: lowercase, segment the scripts written without spaces (see ``segment``), split
+    on ASCII whitespace, strip ASCII punctuation at both ends."""
+    words = (piece.strip(PUNCTUATION) for piece in segment(text.lower()).translate(_SPLIT_TABLE).split(" "))
     return [w for w in words if w]
+
+
+def segment(text: str) -> str:
+    """``text`` with every character of a script written without spaces set apart by spaces, and CJK
+    punctuation turned into spaces (the first step of :func:`tokenize`; ASCII text comes back unchanged)."""
+    if not _SEGMENT_ANY_PY.search(text):
+        return text
+    return _SEGMENT_UNIT_PY.sub(r" \g<0> ", _CJK_SEPARATOR_PY.sub(" ", text))
 
 
 def ngrams(words: list[str], order: int) -> list[str]:

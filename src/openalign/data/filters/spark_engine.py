@@ -10,15 +10,16 @@ Row order is not kept (ordering a cluster-sized table costs a full sort); the ro
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from openalign.data.filters.inputs import ROW_ID_COLUMN, TEXT_ERROR_COLUMN, StagedInput
-from openalign.data.filters.person import PersonHook
 from openalign.data.filters.plan import EngineResult, FilterPlan
-from openalign.data.filters.rules import PUNCTUATION, frequent_threshold
+from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, segment_patterns
 
 # Java regex, same construction as the DuckDB engine's (see there): whitespace runs with the punctuation
 # touching them become one space, then punctuation at the ends goes. \A and \z (not ^ and $) so that a
@@ -43,6 +44,10 @@ def spark_session(settings: SparkSettings | None = None) -> Any:
     except ImportError as err:
         raise ImportError("the spark engine needs pyspark: pip install 'openalign[spark]'") from err
     settings = settings or SparkSettings()
+    if settings.master.startswith("local"):
+        # Python work on executors (the NLP pass) needs this package's dependencies: on one machine, run the
+        # workers with the driver's interpreter rather than whatever `python3` is first on the PATH.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.master(settings.master).appName("openalign-filter")
     conf = {
         "spark.sql.shuffle.partitions": "8",
@@ -65,7 +70,11 @@ def norm_column(text: Any) -> Any:
     """The normalised alt-text (its words joined by single spaces, see rules.tokenize) as a Spark column."""
     from pyspark.sql import functions as F
 
-    spaced = F.regexp_replace(F.lower(text), SEPARATOR_PATTERN, " ")
+    low = F.lower(text)
+    touched, unit, seps = segment_patterns("java")
+    segmented = F.regexp_replace(F.regexp_replace(low, seps, " "), unit, " $0 ")
+    low = F.when(low.rlike(touched), segmented).otherwise(low)
+    spaced = F.regexp_replace(low, SEPARATOR_PATTERN, " ")
     return F.regexp_replace(F.regexp_replace(spaced, EDGE_PATTERN, ""), r"\A +| +\z", "")
 
 
@@ -88,7 +97,6 @@ def run_spark(
     output: Path,
     out_format: str,
     spark: Any,
-    person_hook: PersonHook | None = None,
 ) -> EngineResult:
     """Filter ``staged`` by ``plan`` with ``spark`` and write the survivors to directory ``output``."""
     from pyspark import StorageLevel
@@ -113,6 +121,8 @@ def run_spark(
         (_try_double(plan.height) if plan.height else F.lit(None).cast("double")).alias("h"),
         (_try_double(plan.unsafe) if plan.unsafe else F.lit(None).cast("double")).alias("u"),
         (_col(plan.unsafe).isNotNull() if plan.unsafe else F.lit(False)).alias("u_given"),
+        (_col(plan.image_format) if plan.image_format else F.lit(None).cast("string")).alias("fmt"),
+        (_col(plan.tag_words) if plan.tag_words else F.lit(None).cast("string")).alias("tw"),
     )
     invalid = F.when(~F.coalesce(F.col("status") == "success", F.lit(False)), "download_failed")
     invalid = invalid.when(F.col("text_error").isNotNull(), F.col("text_error"))
@@ -126,7 +136,9 @@ def run_spark(
     if plan.unsafe is not None:
         invalid = invalid.when(F.col("u_given") & F.coalesce(F.isnan("u"), F.lit(True)), "bad_unsafe_score")
     norm = norm_column(F.col("txt"))
-    rows = rows.select("rid", "ident", "w", "h", "u", norm.alias("norm"), invalid.alias("invalid"))
+    # The raw alt-text is kept only for the text pass (the NLP pipeline reads case and punctuation).
+    raw = F.col("txt") if plan.annotator is not None else F.lit(None).cast("string").alias("txt")
+    rows = rows.select("rid", "ident", "w", "h", "u", "fmt", "tw", raw, norm.alias("norm"), invalid.alias("invalid"))
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     good = rows.where(F.col("invalid").isNull())
 
@@ -182,6 +194,8 @@ def run_spark(
     if r.max_aspect_ratio is not None:
         ratio = F.greatest(w, h) / F.least(w, h)
         add(ratio > r.max_aspect_ratio if r.aspect_ratio_inclusive else ratio >= r.max_aspect_ratio, "aspect_ratio")
+    if plan.image_format is not None:
+        add(F.col("fmt").isNull() | ~F.col("fmt").isin(*(r.image_formats or [])), "image_format")
     if r.max_texts_per_image is not None:
         add(F.col("n_texts") > r.max_texts_per_image, "image_text_count")
     if r.max_images_per_text is not None:
@@ -196,21 +210,39 @@ def run_spark(
         add(n_words > r.max_words, "too_many_words")
     if r.max_repeated_fraction is not None:
         add(F.col("repeated") > r.max_repeated_fraction, "repeated_words")
+    if plan.tag_words is not None:
+        both = F.size(F.array_intersect(F.split("norm", " "), F.split("tw", " ")))
+        empty = (F.col("norm") == "") | (F.coalesce(F.col("tw"), F.lit("")) == "")
+        add(F.when(empty, F.lit(0)).otherwise(both) < int(r.min_tag_overlap or 0), "tag_overlap")
     content = reason if reason is not None else F.lit(None).cast("string")
     decisions = (
         rows.join(img, "ident", "left")
         .join(flags, "norm", "left")
-        .select("rid", F.coalesce(F.col("invalid"), content).alias("reason"))
-        .persist(StorageLevel.MEMORY_AND_DISK)
+        .select("rid", "txt", F.coalesce(F.col("invalid"), content).alias("reason"))
     )
+    annotated = None
+    if plan.annotator is not None:
+        decisions = decisions.persist(StorageLevel.MEMORY_AND_DISK)
+        annotated = _annotate_texts(decisions, plan).persist(StorageLevel.MEMORY_AND_DISK)
+        decisions = decisions.join(annotated, "txt", "left")
+        if plan.annotator.required_pos is not None:
+            missing = F.col("reason").isNull() & ~F.coalesce(F.col("pos_ok"), F.lit(True))
+            decisions = decisions.withColumn("reason", F.when(missing, F.lit("missing_pos")).otherwise(F.col("reason")))
+    decisions = decisions.persist(StorageLevel.MEMORY_AND_DISK)
     by_reason = decisions.where(F.col("reason").isNotNull()).groupBy("reason").agg(F.count(F.lit(1)).alias("n"))
     removed = {row["reason"]: row["n"] for row in by_reason.collect()}
-    kept = decisions.where(F.col("reason").isNull()).select(F.col("rid").alias(ROW_ID_COLUMN))
-    out = src.join(kept, ROW_ID_COLUMN, "left_semi")
+    transformed: dict[str, int] = {}
+    person = plan.annotator is not None and plan.annotator.person is not None
+    kept_cols = [F.col("rid").alias(ROW_ID_COLUMN)] + ([F.col("person_txt").alias("__oa_person")] if person else [])
+    kept = decisions.where(F.col("reason").isNull()).select(*kept_cols, "txt")
     columns = [_col(c) for c in staged.columns]
-    if person_hook is not None:
-        hook = F.udf(lambda s: None if s is None else person_hook(s), "string")
-        columns = [hook(_col(c).cast("string")).alias(c) if c == plan.text else _col(c) for c in staged.columns]
+    if person:
+        changed = kept.where(~F.col("__oa_person").eqNullSafe(F.col("txt")))
+        transformed["person_substitution"] = changed.count()
+        out = src.join(kept.drop("txt"), ROW_ID_COLUMN, "inner")
+        columns = [F.col("__oa_person").alias(c) if c == plan.text else _col(c) for c in staged.columns]
+    else:
+        out = src.join(kept.drop("txt"), ROW_ID_COLUMN, "left_semi")
     out = out.select(*columns)
     partial = output.with_name(output.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -223,9 +255,33 @@ def run_spark(
         writer.json(str(partial))
     # Counted from what was written where the format allows reading it back exactly.
     written = spark.read.parquet(str(partial)).count() if out_format == "parquet" else kept.count()
-    for frame in (decisions, txt_df, rows, src):
-        frame.unpersist()
+    for frame in (decisions, txt_df, rows, src, annotated):
+        if frame is not None:
+            frame.unpersist()
     if output.exists():
         shutil.rmtree(output) if output.is_dir() else output.unlink()
     partial.rename(output)
-    return EngineResult(source_rows=source_rows, removed=removed, rows_written=written, stats=stats)
+    return EngineResult(
+        source_rows=source_rows, removed=removed, rows_written=written, stats=stats, transformed=transformed
+    )
+
+
+def _annotate_texts(decisions: Any, plan: FilterPlan) -> Any:
+    """(txt, pos_ok, person_txt) for the distinct alt-texts of the kept rows, by ``plan.annotator`` on the
+    executors: each partition is fed to it in Arrow batches, and the annotator loads its NLP pipeline once
+    per executor process (it ships a pipeline's name, never the pipeline)."""
+    from pyspark.sql import functions as F
+
+    annotator = plan.annotator
+    assert annotator is not None
+
+    def run(batches: Any) -> Any:
+        import pandas as pd
+
+        for frame in batches:
+            texts = frame["txt"].tolist()
+            ok, changed = annotator(texts)
+            yield pd.DataFrame({"txt": texts, "pos_ok": ok, "person_txt": changed})
+
+    texts = decisions.where(F.col("reason").isNull()).select("txt").distinct()
+    return texts.mapInPandas(run, "txt string, pos_ok boolean, person_txt string")
