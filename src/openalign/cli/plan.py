@@ -42,7 +42,13 @@ def _build(parser: Parser) -> None:
     )
     parser.add_argument("--config", metavar="CONFIG", help="YAML file or packaged recipe name")
     parser.add_argument("--device", default="h100-80gb", metavar=DEVICE_NAMES, help="default h100-80gb")
-    parser.add_argument("--world-size", type=int, default=1, metavar="N", help="devices (DDP); default 1")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="devices (DDP or FSDP2, as --train.strategy says); default 1",
+    )
     parser.add_argument("--mfu", type=float, help="fraction of peak FLOP/s a step reaches (default: the device's)")
     parser.add_argument("--tflops", type=float, help="the device's peak TFLOP/s in the step's precision")
     parser.add_argument(
