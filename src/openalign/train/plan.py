@@ -155,8 +155,12 @@ class LiveBytes(TorchDispatchMode):
     def resized(self, t: torch.Tensor, before: int) -> None:
         """``t``'s storage was resized from ``before`` bytes to what it holds now."""
         storage = t.untyped_storage()
-        if storage not in self._seen:
+        if storage not in self._seen:  # first seen here: what it holds now is gathered
             self.add(t)
+            self._resizable.add(storage)
+            self.gathered += storage.nbytes()
+            self._update()
+            return
         box = self._seen[storage]
         delta = storage.nbytes() - box[0]
         box[0] = storage.nbytes()
@@ -167,11 +171,17 @@ class LiveBytes(TorchDispatchMode):
         self.live += delta
         self._update()
 
+    def transient(self, extra: int) -> None:
+        """``extra`` bytes more alive for a moment (a step measured before and not run again)."""
+        self.live += extra
+        self._update()
+        self.live -= extra
+
     def _free(self, box: list[int]) -> None:
         self.live -= box[0]
 
     def _update(self) -> None:
-        if self.live > self.peak:
+        if self.live >= self.peak:
             self.peak = self.live
             self.gathered_at_peak = self.gathered
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
@@ -246,19 +256,18 @@ def input_shapes(cfg: TrainConfig) -> tuple[int, int]:
     return cfg.data.image_size or model.image_size, cfg.data.max_text_length
 
 
-def build_step(
-    cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | None = None, mesh: Any = None
-) -> StepSetup:
-    """Model, optimizer (with its state, as after a first step) and a batch of ``rows`` on the CPU. Inside a
-    ``FakeTensorMode``, ``meta`` (the model built on the meta device) is given fake storage, so even
-    L2 + BERT-Large costs no memory. With ``train.strategy fsdp`` in a process group of several ranks the
-    model is sharded by ``wrap_model``, as the loop shards it (``mesh``: its device mesh, made outside fake
-    tensors)."""
+def build_model(
+    cfg: TrainConfig, bf16: bool, *, meta: DualEncoder | None = None, mesh: Any = None
+) -> tuple[DualEncoder, torch.optim.Optimizer, bool]:
+    """Model and optimizer (with its state, as after a first step) on the CPU, and whether FSDP2 shards them.
+    Inside a ``FakeTensorMode``, ``meta`` (the model built on the meta device) is given fake storage, so
+    even L2 + BERT-Large costs no memory. With ``train.strategy fsdp`` in a process group of several ranks
+    the model is sharded by ``wrap_model``, as the loop shards it (``mesh``: its device mesh, made outside
+    fake tensors)."""
     from openalign.train.distributed import DistInfo, is_distributed, wrap_model
 
-    mc = cfg.model.resolve()
     torch.manual_seed(cfg.train.seed)
-    model = meta.to_empty(device="cpu") if meta is not None else DualEncoder(mc)
+    model = meta.to_empty(device="cpu") if meta is not None else DualEncoder(cfg.model.resolve())
     model.set_grad_checkpointing(cfg.train.grad_checkpointing)
     model.train()
     fsdp = cfg.train.strategy == "fsdp" and is_distributed()
@@ -274,17 +283,36 @@ def build_step(
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, fsdp
+
+
+def make_batch(cfg: TrainConfig, rows: int) -> dict[str, torch.Tensor]:
+    """A batch of ``rows`` pairs at the sizes the training stream makes (captions at full length)."""
     side, length = input_shapes(cfg)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, mc.text.vocab_size, (rows, length), generator=gen)
-    batch = {
+    ids = torch.randint(1, cfg.model.resolve().text.vocab_size, (rows, length), generator=gen)
+    return {
         "pixel_values": torch.randn(rows, 3, side, side, generator=gen),
         "input_ids": ids,
         "attention_mask": torch.ones(rows, length, dtype=torch.long),
     }
+
+
+def _setup(
+    cfg: TrainConfig, model: DualEncoder, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], bf16: bool
+) -> StepSetup:
     t = cfg.train
     loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
+    fsdp = hasattr(model, "set_requires_gradient_sync")  # an FSDPModule
     return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip, fsdp)
+
+
+def build_step(
+    cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | None = None, mesh: Any = None
+) -> StepSetup:
+    """``build_model`` and a batch of ``rows``: one rank's whole step."""
+    model, optimizer, _ = build_model(cfg, bf16, meta=meta, mesh=mesh)
+    return _setup(cfg, model, optimizer, make_batch(cfg, rows), bf16)
 
 
 def run_step(s: StepSetup, loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
@@ -358,15 +386,55 @@ def _fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
-    """Run one fake training step of ``rows`` per-rank rows (process group already set up) and measure it."""
-    from torch.utils.flop_counter import FlopCounterMode
+@dataclass
+class _OptimizerStep:
+    """What the optimizer step adds over the bytes alive when it starts, and its FLOPs: the same for every
+    batch size, so measured once per model and reused."""
 
-    with torch.device("meta"):
-        meta = DualEncoder(cfg.model.resolve())
-    mesh = _fsdp_mesh(cfg)
-    with _fake_mode():
-        s = build_step(cfg, rows, bf16, meta=meta, mesh=mesh)
+    extra: int
+    flops: int
+
+
+class StepSession:
+    """One fake model, optimizer and state for all the steps a plan measures: building them (and, under
+    FSDP2, each optimizer step over sharded tensors) costs far more than a step's forward and backward. The
+    first step measured runs the optimizer; later ones stop before it and add what it added then. Steps
+    are cached by (rows, chunk size, checkpointing). Enter it inside the process group the plan runs in."""
+
+    def __init__(self, cfg: TrainConfig, bf16: bool, world_size: int = 1) -> None:
+        with torch.device("meta"):
+            meta = DualEncoder(cfg.model.resolve())
+        self.cfg, self.bf16, self.world_size = cfg, bf16, world_size
+        mesh = _fsdp_mesh(cfg)
+        self.mode = _fake_mode()
+        with self.mode:
+            self.model, self.optimizer, _ = build_model(cfg, bf16, meta=meta, mesh=mesh)
+        self.optimizer_step: _OptimizerStep | None = None
+        self.cache: dict[tuple[int, int | None, bool], StepMeasure] = {}
+        self.losses: dict[int, tuple[int, int]] = {}
+
+    def loss(self, rows: int) -> tuple[int, int]:
+        """``measure_loss`` for ``rows`` cached embeddings per rank."""
+        if rows not in self.losses:
+            self.losses[rows] = measure_loss(self.cfg, rows, self.cfg.model.resolve().embed_dim)
+        return self.losses[rows]
+
+    def measure(self, cfg: TrainConfig, rows: int) -> StepMeasure:
+        """One fake step of ``cfg`` (this session's model and optimizer; its batch, chunk size and
+        checkpointing) of ``rows`` per-rank rows."""
+        if cfg.model != self.cfg.model or cfg.optim != self.cfg.optim or cfg.train.strategy != self.cfg.train.strategy:
+            raise ValueError("a step session measures one model, optimizer and strategy")
+        key = (rows, cfg.train.chunk_size, cfg.train.grad_checkpointing)
+        if key not in self.cache:
+            with self.mode:
+                self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
+                s = _setup(cfg, self.model, self.optimizer, make_batch(cfg, rows), self.bf16)
+                self.cache[key] = self._measure(s, rows)
+        return self.cache[key]
+
+    def _measure(self, s: StepSetup, rows: int) -> StepMeasure:
+        from torch.utils.flop_counter import FlopCounterMode
+
         tracker = LiveBytes()
         params = [p for p in s.model.parameters()]
         state = [v for st in s.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
@@ -385,27 +453,43 @@ def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
 
         hook = s.model.register_forward_pre_hook(back_to_model)
         grads = 0
+        counter = FlopCounterMode(display=False)
+        optimizer_flops = 0
         original_step = s.optimizer.step
 
         def step_and_count(*args: Any, **kwargs: Any) -> Any:
-            nonlocal grads
+            nonlocal grads, optimizer_flops
             tracker.phase = "step"
             grads = _nbytes(p.grad for p in params if p.grad is not None)
-            return original_step(*args, **kwargs)
+            start = tracker.live
+            if self.optimizer_step is not None:
+                tracker.transient(self.optimizer_step.extra)
+                optimizer_flops = self.optimizer_step.flops
+                return None
+            before = counter.get_total_flops()
+            tracker.phase = "optimizer"
+            out = original_step(*args, **kwargs)
+            self.optimizer_step = _OptimizerStep(0, counter.get_total_flops() - before)
+            extra = tracker.phase_peaks.get("optimizer", start) - start
+            self.optimizer_step.extra = extra
+            tracker.phase_peaks["step"] = max(tracker.phase_peaks.get("step", 0), start + extra)
+            tracker.phase = "step"
+            return out
 
         s.optimizer.step = step_and_count  # type: ignore[method-assign]
-        counter = FlopCounterMode(display=False)
         try:
             with tracker, counter, following_fsdp_storage(tracker):
                 run_step(s, loss_fn if s.chunk_size is not None else None)
         finally:
             hook.remove()
+            del s.optimizer.step
+        flops = int(counter.get_total_flops()) + optimizer_flops  # the optimizer's when its step was skipped
         return StepMeasure(
             rows=rows,
             peak=tracker.peak,
             outside_loss_peak=tracker.phase_peaks.get("step", 0),
             live_at_loss=live_at_loss,
-            flops=int(counter.get_total_flops()),
+            flops=flops,
             params=_nbytes(params),
             buffers=_nbytes(s.model.buffers()),
             grads=grads,
@@ -413,6 +497,22 @@ def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
             inputs=_nbytes(s.batch.values()),
             gathered=tracker.gathered_at_peak,
         )
+
+
+@contextlib.contextmanager
+def session(cfg: TrainConfig, device: Device, world_size: int = 1) -> Iterator[StepSession]:
+    """A fake process group of ``world_size`` ranks and one ``StepSession`` in it, for the plans of ``cfg``
+    on ``device`` at any batch, chunk size and checkpointing."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be positive, got {world_size}")
+    with fake_world(world_size):
+        yield StepSession(cfg, resolve_bf16(cfg, device), world_size)
+
+
+def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
+    """One fake training step of ``rows`` per-rank rows on a model built for it (process group already set
+    up), optimizer step included."""
+    return StepSession(cfg, bf16).measure(cfg, rows)
 
 
 def _fsdp_mesh(cfg: TrainConfig) -> Any:
@@ -502,34 +602,43 @@ def resolve_bf16(cfg: TrainConfig, device: Device) -> bool:
     return p == "bf16" or (p == "auto" and device.cuda)
 
 
-def plan(cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | None = None) -> Plan:
+def plan(
+    cfg: TrainConfig,
+    device: Device,
+    world_size: int = 1,
+    *,
+    mfu: float | None = None,
+    steps: StepSession | None = None,
+) -> Plan:
     """Predict one step of ``cfg`` on ``world_size`` devices like ``device`` (one device, DDP or FSDP2: the
     strategy is ``train.strategy``; with FSDP2 parameters, gradients and optimizer state are this rank's
-    shards, and the peak includes the units FSDP gathers and the buffers it reduce-scatters)."""
-    if world_size < 1:
-        raise ConfigError(f"world size must be positive, got {world_size}")
+    shards, and the peak includes the units FSDP gathers and the buffers it reduce-scatters). ``steps``: a
+    ``session`` of the same config, device and world size to measure in (one is opened when not given)."""
+    if steps is None:
+        with session(cfg, device, world_size) as steps:
+            return plan(cfg, device, world_size, mfu=mfu, steps=steps)
+    if steps.world_size != world_size or steps.bf16 != resolve_bf16(cfg, device):
+        raise ValueError("the step session was opened for another world size or precision")
     per_rank = cfg.per_rank_batch(world_size)
     chunk = cfg.train.chunk_size
-    bf16 = resolve_bf16(cfg, device)
-    width = cfg.model.resolve().embed_dim
-    with fake_world(world_size):
-        if chunk is not None and per_rank > 3 * chunk:
-            a = measure(_with_batch(cfg, 2 * chunk * world_size), 2 * chunk, bf16)
-            b = measure(_with_batch(cfg, 3 * chunk * world_size), 3 * chunk, bf16)
-            loss_a, loss_b = (measure_loss(cfg, m.rows, width) for m in (a, b))
-            loss_n = measure_loss(cfg, per_rank, width)
+    bf16 = steps.bf16
+    if chunk is not None and per_rank > 3 * chunk:
+        a = steps.measure(_with_batch(cfg, 2 * chunk * world_size), 2 * chunk)
+        b = steps.measure(_with_batch(cfg, 3 * chunk * world_size), 3 * chunk)
+        loss_a, loss_b = steps.loss(a.rows), steps.loss(b.rows)
+        loss_n = steps.loss(per_rank)
 
-            def line(x_a: float, x_b: float) -> int:
-                return round(x_a + (x_b - x_a) * (per_rank - a.rows) / chunk)
+        def line(x_a: float, x_b: float) -> int:
+            return round(x_a + (x_b - x_a) * (per_rank - a.rows) / chunk)
 
-            inputs = line(a.inputs, b.inputs)
-            peak = max(line(a.outside_loss_peak, b.outside_loss_peak), line(a.live_at_loss, b.live_at_loss) + loss_n[0])
-            flops = line(a.flops - loss_a[1], b.flops - loss_b[1]) + loss_n[1]
-            base, extrapolated = a, True
-        else:
-            base = measure(cfg, per_rank, bf16)
-            inputs, peak, flops, extrapolated = base.inputs, base.peak, base.flops, False
-            loss_n = measure_loss(cfg, per_rank, width) if chunk is not None else (0, 0)
+        inputs = line(a.inputs, b.inputs)
+        peak = max(line(a.outside_loss_peak, b.outside_loss_peak), line(a.live_at_loss, b.live_at_loss) + loss_n[0])
+        flops = line(a.flops - loss_a[1], b.flops - loss_b[1]) + loss_n[1]
+        base, extrapolated = a, True
+    else:
+        base = steps.measure(cfg, per_rank)
+        inputs, peak, flops, extrapolated = base.inputs, base.peak, base.flops, False
+        loss_n = steps.loss(per_rank) if chunk is not None else (0, 0)
     buckets = base.grads if world_size > 1 and cfg.train.strategy == "ddp" else 0
     peak += buckets
     persistent = base.params + base.buffers + base.optimizer + inputs + buckets
@@ -590,19 +699,27 @@ def chunk_candidates(cfg: TrainConfig, per_rank: int) -> list[int]:
 
 
 def largest_chunk(
-    cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | None = None
+    cfg: TrainConfig,
+    device: Device,
+    world_size: int = 1,
+    *,
+    mfu: float | None = None,
+    steps: StepSession | None = None,
 ) -> tuple[int | None, Plan | None]:
     """The largest chunk size whose step fits (``None`` with a plan: the whole per-rank batch fits without
     caching), found by bisection since memory grows with the chunk; ``(None, None)`` when none fits."""
+    if steps is None:
+        with session(cfg, device, world_size) as steps:
+            return largest_chunk(cfg, device, world_size, mfu=mfu, steps=steps)
     per_rank = cfg.per_rank_batch(world_size)
-    whole = plan(_with_chunk(cfg, None), device, world_size, mfu=mfu)
+    whole = plan(_with_chunk(cfg, None), device, world_size, mfu=mfu, steps=steps)
     if whole.fits:
         return None, whole
     sizes = [c for c in chunk_candidates(cfg, per_rank) if c < per_rank]
     lo, hi, best = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        p = plan(_with_chunk(cfg, sizes[mid]), device, world_size, mfu=mfu)
+        p = plan(_with_chunk(cfg, sizes[mid]), device, world_size, mfu=mfu, steps=steps)
         if p.fits:
             best, lo = (sizes[mid], p), mid + 1
         else:
@@ -610,15 +727,21 @@ def largest_chunk(
     return best if best is not None else (None, None)
 
 
-def suggestion(cfg: TrainConfig, device: Device, world_size: int, *, mfu: float | None = None) -> str:
+def suggestion(
+    cfg: TrainConfig, device: Device, world_size: int, *, mfu: float | None = None, steps: StepSession | None = None
+) -> str:
     """What makes a step fit that does not: gradient checkpointing, or sharding when the state alone is too big."""
+    if steps is None:
+        with session(cfg, device, world_size) as steps:
+            return suggestion(cfg, device, world_size, mfu=mfu, steps=steps)
     if not cfg.train.grad_checkpointing:
-        chunk, p = largest_chunk(_with_chunk(cfg, cfg.train.chunk_size, True), device, world_size, mfu=mfu)
+        ckpt = _with_chunk(cfg, cfg.train.chunk_size, True)
+        chunk, p = largest_chunk(ckpt, device, world_size, mfu=mfu, steps=steps)
         if p is not None:
             size = "no chunking" if chunk is None else f"--train.chunk_size {chunk}"
             return f"fits with --train.grad_checkpointing true and {size} (peak {p.peak / GiB:.1f} GiB)"
     smallest = min(chunk_candidates(cfg, cfg.per_rank_batch(world_size)))
-    p = plan(_with_chunk(cfg, smallest, True), device, world_size, mfu=mfu)
+    p = plan(_with_chunk(cfg, smallest, True), device, world_size, mfu=mfu, steps=steps)
     state = p.params + p.buffers + p.grads + p.optimizer + p.ddp_buckets
     if state > p.capacity and cfg.train.strategy == "fsdp" and world_size > 1:
         return (
