@@ -707,7 +707,10 @@ def largest_chunk(
     steps: StepSession | None = None,
 ) -> tuple[int | None, Plan | None]:
     """The largest chunk size whose step fits (``None`` with a plan: the whole per-rank batch fits without
-    caching), found by bisection since memory grows with the chunk; ``(None, None)`` when none fits."""
+    caching); ``(None, None)`` when none fits. Memory grows with the chunk, so the answer lies between the
+    largest size known to fit and the smallest known not to; each probe is the size a line through the
+    peaks measured so far predicts to be the last that fits, kept strictly between the two, so a good
+    prediction ends the search in two probes and a bad one is no worse than walking the sizes."""
     if steps is None:
         with session(cfg, device, world_size) as steps:
             return largest_chunk(cfg, device, world_size, mfu=mfu, steps=steps)
@@ -716,14 +719,25 @@ def largest_chunk(
     if whole.fits:
         return None, whole
     sizes = [c for c in chunk_candidates(cfg, per_rank) if c < per_rank]
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
+    # What does not grow with the chunk: state, the per-rank batch, gathered units (the loss's buffers do not
+    # either, but a step without caching has none; the line is a guess, every answer is measured).
+    fixed = whole.params + whole.buffers + whole.grads + whole.optimizer + whole.inputs + whole.ddp_buckets
+    points = [(0, fixed + whole.gathered), (per_rank, whole.peak)]
+    lo, hi, best = -1, len(sizes), None
+    while hi - lo > 1:
+        (c0, p0), (c1, p1) = sorted(points[-2:])
+        slope = (p1 - p0) / (c1 - c0) if c1 != c0 else 0.0
+        guess = lo + 1
+        if slope > 0:
+            limit = c0 + (whole.capacity - p0) / slope
+            guess = max([i for i, c in enumerate(sizes) if c <= limit], default=lo + 1)
+        mid = min(max(guess, lo + 1), hi - 1)
         p = plan(_with_chunk(cfg, sizes[mid]), device, world_size, mfu=mfu, steps=steps)
+        points.append((sizes[mid], p.peak))
         if p.fits:
-            best, lo = (sizes[mid], p), mid + 1
+            best, lo = (sizes[mid], p), mid
         else:
-            hi = mid - 1
+            hi = mid
     return best if best is not None else (None, None)
 
 
