@@ -46,6 +46,7 @@ print(json.dumps([[c.label, c.predicted_peak, c.measured_peak, c.predicted_flops
         ["nano b32", "nano b32 chunk 8 ckpt"],
         ["nano b64 bf16", "nano ghost-bn b32 chunk 16"],
         ["b0-mini 32px b8 chunk 4"],
+        ["nano fsdp×2 b32 chunk 8", "nano fsdp×2 b16 ckpt"],
     ],
 )
 def test_planned_peak_and_flops_match_a_real_cpu_step(labels: list[str]) -> None:
@@ -138,6 +139,33 @@ def test_data_parallel_plan_gathers_the_global_batch() -> None:
     assert buckets == grads > 0 and one_buckets == 0
 
 
+def test_fsdp_plan_shards_the_state_and_gathers_units() -> None:
+    # The real fully_shard step under fake tensors: this rank holds a quarter of parameters, gradients and
+    # optimizer state (each tensor's shard padded to divide by 4), no DDP bucket, and gathered units at its peak.
+    code = (
+        "from openalign.train import plan as P\n"
+        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 4, "
+        "'train.precision': 'fp32'})\n"
+        "ddp = P.plan(P._with_strategy(cfg, 'ddp'), P.device_spec('cpu'), 4)\n"
+        "fsdp = P.plan(P._with_strategy(cfg, 'fsdp'), P.device_spec('cpu'), 4)\n"
+        "print(*(getattr(p, k) for p in (ddp, fsdp) for k in ('params', 'grads', 'optimizer', 'gathered', "
+        "'ddp_buckets', 'flops', 'strategy')))\n"
+    )
+    out = run_limited(code, gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    values = out.stdout.split()[-14:]
+    ddp, fsdp = [
+        dict(zip(("params", "grads", "optimizer", "gathered", "buckets", "flops"), map(int, v[:6]), strict=True))
+        for v in (values[:7], values[7:])
+    ]
+    assert (values[6], values[13]) == ("ddp", "fsdp")
+    for key in ("params", "grads", "optimizer"):
+        assert ddp[key] / 4 <= fsdp[key] < ddp[key] / 4 * 1.05, key
+    assert fsdp["gathered"] > 0 and fsdp["buckets"] == 0 and ddp["gathered"] == 0 and ddp["buckets"] > 0
+    # Sharding moves no arithmetic: one rank computes the same forward and backward.
+    assert abs(fsdp["flops"] - ddp["flops"]) / ddp["flops"] < 1e-3
+
+
 def test_device_table_and_sizes() -> None:
     assert set(P.DEVICES) == {"h100-80gb", "a100-40gb", "a100-80gb", "l4-24gb"}
     h100 = P.device_spec("h100-80gb")
@@ -156,10 +184,6 @@ def test_device_table_and_sizes() -> None:
         (["plan", "--config", "nano_cpu", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
         (["plan"], "--config is required"),
         (["plan", "--config", "nano_cpu", "--train.chunk_size", "7", "--train.batch_size", "32"], "does not divide"),
-        (
-            ["plan", "--config", "pretrain_align", "--world-size", "8"],
-            "FSDP2's sharded step is not planned",
-        ),
     ],
 )
 def test_plan_rejects_bad_input_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

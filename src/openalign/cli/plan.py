@@ -42,7 +42,13 @@ def _build(parser: Parser) -> None:
     )
     parser.add_argument("--config", metavar="CONFIG", help="YAML file or packaged recipe name")
     parser.add_argument("--device", default="h100-80gb", metavar=DEVICE_NAMES, help="default h100-80gb")
-    parser.add_argument("--world-size", type=int, default=1, metavar="N", help="devices (DDP); default 1")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="devices (DDP or FSDP2, as --train.strategy says); default 1",
+    )
     parser.add_argument("--mfu", type=float, help="fraction of peak FLOP/s a step reaches (default: the device's)")
     parser.add_argument("--tflops", type=float, help="the device's peak TFLOP/s in the step's precision")
     parser.add_argument(
@@ -69,24 +75,26 @@ def run(args: argparse.Namespace) -> int:
     device = P.device_spec(args.device)
     if args.tflops is not None:
         device = P.with_tflops(device, args.tflops)
-    p = P.plan(cfg, device, args.world_size, mfu=args.mfu)
-    best = None
-    if not args.no_search:
-        best = P.largest_chunk(cfg, device, args.world_size, mfu=args.mfu)
-    if args.row:
-        print(_table_row(args, best[1] if best and best[1] else p, found=best))
-        return 0
-    for label, value in P.describe(p):
-        print(f"{label:16} {value}")
-    if best is not None:
-        chunk, fitting = best
-        if fitting is None:
-            print(f"{'largest chunk':16} none fits: {P.suggestion(cfg, device, args.world_size, mfu=args.mfu)}")
-        elif chunk is None:
-            print(f"{'largest chunk':16} no caching needed: the per-device batch of {fitting.per_rank} fits whole")
-        else:
-            rate = f", {fitting.pairs_per_second:,.0f} pairs/s" if fitting.pairs_per_second else ""
-            print(f"{'largest chunk':16} --train.chunk_size {chunk} (peak {P.fmt_gib(fitting.peak)}{rate})")
+    with P.session(cfg, device, args.world_size) as steps:
+        p = P.plan(cfg, device, args.world_size, mfu=args.mfu, steps=steps)
+        best = None
+        if not args.no_search:
+            best = P.largest_chunk(cfg, device, args.world_size, mfu=args.mfu, steps=steps)
+        if args.row:
+            print(_table_row(args, best[1] if best and best[1] else p, found=best))
+            return 0
+        for label, value in P.describe(p):
+            print(f"{label:16} {value}")
+        if best is not None:
+            chunk, fitting = best
+            if fitting is None:
+                why = P.suggestion(cfg, device, args.world_size, mfu=args.mfu, steps=steps)
+                print(f"{'largest chunk':16} none fits: {why}")
+            elif chunk is None:
+                print(f"{'largest chunk':16} no caching needed: the per-device batch of {fitting.per_rank} fits whole")
+            else:
+                rate = f", {fitting.pairs_per_second:,.0f} pairs/s" if fitting.pairs_per_second else ""
+                print(f"{'largest chunk':16} --train.chunk_size {chunk} (peak {P.fmt_gib(fitting.peak)}{rate})")
     return 0
 
 

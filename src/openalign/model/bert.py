@@ -90,8 +90,11 @@ class Bert(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         mask = None
-        # Without values (a planned step) the mask is taken as all ones: full-length captions.
-        if attention_mask is not None and has_values(attention_mask) and not bool(attention_mask.all()):
+        # Without values (a planned step) the mask is taken as all ones: full-length captions. A compiled
+        # graph cannot branch on the mask's values, so it always applies the mask (all ones: the same result).
+        if attention_mask is not None and (
+            torch.compiler.is_compiling() or (has_values(attention_mask) and not bool(attention_mask.all()))
+        ):
             mask = attention_mask.bool()[:, None, None, :]
         x: torch.Tensor = self.embeddings(input_ids)
         checkpoint = self.gradient_checkpointing and self.training

@@ -7,7 +7,9 @@ with NCCL on GPUs and gloo on CPUs. Without them training runs in one process.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -22,6 +24,8 @@ __all__ = [
     "average_replicated_grads",
     "broadcast_object",
     "cleanup",
+    "fsdp_no_sync",
+    "grad_norm",
     "init_distributed",
     "is_distributed",
     "replicated_params",
@@ -104,14 +108,20 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap_model(
-    model: nn.Module, info: DistInfo, strategy: Literal["ddp", "fsdp"] = "ddp", *, bf16: bool = False
+    model: nn.Module,
+    info: DistInfo,
+    strategy: Literal["ddp", "fsdp"] = "ddp",
+    *,
+    bf16: bool = False,
+    mesh: Any = None,
 ) -> nn.Module:
     """Wrap ``model`` (already on ``info.device``) for data-parallel training; unchanged in one process.
 
     ``ddp``: every rank keeps the whole model and gradients are averaged. ``fsdp``: FSDP2
     (``fully_shard``) shards parameters, gradients and optimizer state per block, so a model that does
     not fit one device (EfficientNet-L2 + BERT-Large with a 16k batch) still trains; with ``bf16`` the
-    gathered parameters are cast to bf16 for compute while gradients are reduced in fp32.
+    gathered parameters are cast to bf16 for compute while gradients are reduced in fp32. ``mesh``: the
+    FSDP device mesh, made from the process group when not given (a plan makes it before faking tensors).
     """
     if info.world_size == 1:
         return model
@@ -127,6 +137,8 @@ def wrap_model(
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+        if mesh is not None:
+            kwargs["mesh"] = mesh
         # FSDP2 shards only contiguous tensors: NHWC conv weights go back to NCHW (activations stay NHWC).
         for p in model.parameters():
             if not p.is_contiguous():
@@ -155,6 +167,27 @@ def average_replicated_grads(params: list[nn.Parameter]) -> None:
     flat /= dist.get_world_size()
     for g, value in zip(grads, flat.unbind(0), strict=True):
         g.copy_(value)
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's counterpart of DDP's ``no_sync``: gradients accumulate unsharded, reduce-scattered on leaving
+    the next backward that runs outside it (the last chunk's)."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients, whole even where FSDP shards them."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads)
+    full = getattr(norm, "full_tensor", None)  # FSDP: a replicated DTensor
+    return full() if full is not None else norm
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 import yaml
-from torch import nn
 
 from openalign.config import ConfigError, ModelConfig
 from openalign.loss import contrastive_loss
@@ -41,6 +40,8 @@ from openalign.train.distributed import (
     all_gather_object,
     average_replicated_grads,
     broadcast_object,
+    fsdp_no_sync,
+    grad_norm,
     init_distributed,
     is_distributed,
     replicated_params,
@@ -365,7 +366,7 @@ class _Run:
             loss = self._forward_backward(batch, loss_fn)
             if self.fsdp:
                 average_replicated_grads(replicated_params(self.model))
-            norm = _grad_norm(params)
+            norm = grad_norm(params)
             loss_value, finite, checkpoint_due = self._reduce(loss, norm)
             if not finite:
                 self._skip_step(saved_buffers, guard)
@@ -442,7 +443,7 @@ class _Run:
                 return plain_step(self.wrapped, batch, loss_fn, temperature)
             no_sync = getattr(self.wrapped, "no_sync", None)
             if self.fsdp:
-                no_sync = partial(_fsdp_no_sync, self.model)
+                no_sync = partial(fsdp_no_sync, self.model)
             return cached_step(
                 self.wrapped,
                 batch,
@@ -527,16 +528,6 @@ class _Run:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-@contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    # FSDP2's counterpart of DDP.no_sync: accumulate unsharded gradients, reduce-scatter on the last chunk.
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
 def _saved_global_batch(trainer: dict[str, Any], saved_world: int) -> int | None:
     if "global_batch" in trainer:
         return int(trainer["global_batch"])
@@ -546,15 +537,6 @@ def _saved_global_batch(trainer: dict[str, Any], saved_world: int) -> int | None
         return int(train["batch_size"])
     per_rank = ((trainer.get("config") or {}).get("data") or {}).get("batch_size")
     return int(per_rank) * saved_world if per_rank is not None else None
-
-
-def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads)
-    full = getattr(norm, "full_tensor", None)  # FSDP: a replicated DTensor
-    return full() if full is not None else norm
 
 
 def _reduce_stats(stats: Any) -> dict[str, int]:

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -125,31 +125,65 @@ def load_plan_config(config: str, overrides: dict[str, Any]) -> TrainConfig:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive, and the most alive at once, over the ops run inside it."""
+    """Bytes of tensor storage alive, and the most alive at once, over the ops run inside it.
+
+    FSDP2 frees a gathered unit's parameters by resizing their storage to nothing and gathers them again
+    into the same storage; ``resized`` follows both, and ``gathered`` counts what such storages hold."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.gathered = 0  # bytes alive in storages FSDP resizes (unsharded parameters)
+        self.gathered_at_peak = 0
         self.phase_peaks: dict[str, int] = {}
         self.phase = "step"
-        self._seen: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._seen: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+        self._resizable: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def add(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        local = getattr(t, "_local_tensor", None)  # a DTensor: what this rank holds
+        storage = (local if local is not None else t).untyped_storage()
         if storage in self._seen:
             return
-        size = storage.nbytes()
-        self._seen[storage] = size
-        self.live += size
-        weakref.finalize(storage, self._free, size)
+        box = [storage.nbytes()]
+        self._seen[storage] = box
+        self.live += box[0]
+        weakref.finalize(storage, self._free, box)
         self._update()
 
-    def _free(self, size: int) -> None:
-        self.live -= size
+    def resized(self, t: torch.Tensor, before: int) -> None:
+        """``t``'s storage was resized from ``before`` bytes to what it holds now."""
+        storage = t.untyped_storage()
+        if storage not in self._seen:  # first seen here: what it holds now is gathered
+            self.add(t)
+            self._resizable.add(storage)
+            self.gathered += storage.nbytes()
+            self._update()
+            return
+        box = self._seen[storage]
+        delta = storage.nbytes() - box[0]
+        box[0] = storage.nbytes()
+        if storage not in self._resizable:
+            self._resizable.add(storage)
+            self.gathered += before
+        self.gathered += delta
+        self.live += delta
+        self._update()
+
+    def transient(self, extra: int) -> None:
+        """``extra`` bytes more alive for a moment (a step measured before and not run again)."""
+        self.live += extra
+        self._update()
+        self.live -= extra
+
+    def _free(self, box: list[int]) -> None:
+        self.live -= box[0]
 
     def _update(self) -> None:
-        self.peak = max(self.peak, self.live)
+        if self.live >= self.peak:
+            self.peak = self.live
+            self.gathered_at_peak = self.gathered
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -160,11 +194,41 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def following_fsdp_storage(tracker: LiveBytes) -> Iterator[None]:
+    """Tell ``tracker`` when FSDP2 frees or re-allocates a storage in place (``UntypedStorage.resize_`` is
+    not an op a dispatch mode sees)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+    # _fsdp_param_group imported alloc_storage by name: both module globals are replaced.
+    patched = [(_fsdp_param, "alloc_storage", alloc), (_fsdp_param_group, "alloc_storage", alloc)]
+    patched.append((_fsdp_param, "free_storage", free))
+
+    def following(fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def resize(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            fn(tensor)
+            if tensor.untyped_storage().nbytes() != before:
+                tracker.resized(tensor, before)
+
+        return resize
+
+    for module, name, fn in patched:
+        setattr(module, name, following(fn))
+    try:
+        yield
+    finally:
+        for module, name, fn in patched:
+            setattr(module, name, fn)
+
+
 def _nbytes(tensors: Any) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
+            local = getattr(t, "_local_tensor", None)
+            st = (local if local is not None else t).untyped_storage()
             seen[id(st)] = st.nbytes()
     return sum(seen.values())
 
@@ -183,6 +247,7 @@ class StepSetup:
     bf16: bool
     loss_fn: Callable[..., torch.Tensor]
     grad_clip: float | None
+    fsdp: bool = False  # sharded by FSDP2 over the process group, as the loop shards it
 
 
 def input_shapes(cfg: TrainConfig) -> tuple[int, int]:
@@ -191,18 +256,29 @@ def input_shapes(cfg: TrainConfig) -> tuple[int, int]:
     return cfg.data.image_size or model.image_size, cfg.data.max_text_length
 
 
-def build_step(cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | None = None) -> StepSetup:
-    """Model, optimizer (with its state, as after a first step) and a batch of ``rows`` on the CPU. Inside a
-    ``FakeTensorMode``, ``meta`` (the model built on the meta device) is given fake storage, so even
-    L2 + BERT-Large costs no memory."""
-    mc = cfg.model.resolve()
+def build_model(
+    cfg: TrainConfig, bf16: bool, *, meta: DualEncoder | None = None, mesh: Any = None
+) -> tuple[DualEncoder, torch.optim.Optimizer, bool]:
+    """Model and optimizer (with its state, as after a first step) on the CPU, and whether FSDP2 shards them.
+    Inside a ``FakeTensorMode``, ``meta`` (the model built on the meta device) is given fake storage, so
+    even L2 + BERT-Large costs no memory. With ``train.strategy fsdp`` in a process group of several ranks
+    the model is sharded by ``wrap_model``, as the loop shards it (``mesh``: its device mesh, made outside
+    fake tensors)."""
+    from openalign.train.distributed import DistInfo, is_distributed, wrap_model
+
     torch.manual_seed(cfg.train.seed)
-    model = meta.to_empty(device="cpu") if meta is not None else DualEncoder(mc)
+    model = meta.to_empty(device="cpu") if meta is not None else DualEncoder(cfg.model.resolve())
     model.set_grad_checkpointing(cfg.train.grad_checkpointing)
     for tower in ("image", "text"):
         if getattr(cfg.model, f"lock_{tower}"):
             model.lock_tower(tower)  # a locked tower keeps no gradients or optimizer state
     model.train()
+    fsdp = cfg.train.strategy == "fsdp" and is_distributed()
+    if fsdp:
+        import torch.distributed as dist
+
+        info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size())
+        wrap_model(model, info, "fsdp", bf16=bf16, mesh=mesh)
     optimizer = build_optimizer(model, cfg.optim)
     # The optimizer's state exists from the first step on; a step on zero gradients creates it.
     for p in model.parameters():
@@ -210,32 +286,58 @@ def build_step(cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | N
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, fsdp
+
+
+def make_batch(cfg: TrainConfig, rows: int) -> dict[str, torch.Tensor]:
+    """A batch of ``rows`` pairs at the sizes the training stream makes (captions at full length)."""
     side, length = input_shapes(cfg)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, mc.text.vocab_size, (rows, length), generator=gen)
-    batch = {
+    ids = torch.randint(1, cfg.model.resolve().text.vocab_size, (rows, length), generator=gen)
+    return {
         "pixel_values": torch.randn(rows, 3, side, side, generator=gen),
         "input_ids": ids,
         "attention_mask": torch.ones(rows, length, dtype=torch.long),
     }
+
+
+def _setup(
+    cfg: TrainConfig, model: DualEncoder, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], bf16: bool
+) -> StepSetup:
     t = cfg.train
     loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
-    return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip)
+    fsdp = hasattr(model, "set_requires_gradient_sync")  # an FSDPModule
+    return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip, fsdp)
+
+
+def build_step(
+    cfg: TrainConfig, rows: int, bf16: bool, *, meta: DualEncoder | None = None, mesh: Any = None
+) -> StepSetup:
+    """``build_model`` and a batch of ``rows``: one rank's whole step."""
+    model, optimizer, _ = build_model(cfg, bf16, meta=meta, mesh=mesh)
+    return _setup(cfg, model, optimizer, make_batch(cfg, rows), bf16)
 
 
 def run_step(s: StepSetup, loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """One training step as the loop takes it: forward and backward (gradient-cached or not), gradient norm,
     optional clipping, optimizer step, gradients dropped."""
+    from openalign.train.distributed import average_replicated_grads, fsdp_no_sync, grad_norm, replicated_params
+
     loss_fn = loss_fn or s.loss_fn
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if s.bf16 else contextlib.nullcontext()
+    # Under FSDP2 the mixed-precision policy casts the gathered parameters instead of autocast (as in the loop).
+    bf16_autocast = s.bf16 and not s.fsdp
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
     temperature = lambda: s.model.temperature  # noqa: E731
     with autocast:
         if s.chunk_size is None:
             loss = plain_step(s.model, s.batch, loss_fn, temperature)
         else:
-            loss = cached_step(s.model, s.batch, s.chunk_size, loss_fn, temperature)
+            no_sync = partial(fsdp_no_sync, s.model) if s.fsdp else None
+            loss = cached_step(s.model, s.batch, s.chunk_size, loss_fn, temperature, no_sync=no_sync)
+    if s.fsdp:
+        average_replicated_grads(replicated_params(s.model))
     params = [p for p in s.model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = grad_norm(params)
     if s.grad_clip is not None:
         torch.nn.utils.clip_grads_with_norm_(params, s.grad_clip, norm)
     s.optimizer.step()
@@ -257,6 +359,7 @@ class StepMeasure:
     grads: int
     optimizer: int
     inputs: int
+    gathered: int = 0  # FSDP2: unsharded parameters alive at the peak (units gathered at once)
 
 
 @contextlib.contextmanager
@@ -286,14 +389,55 @@ def _fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
-    """Run one fake training step of ``rows`` per-rank rows (process group already set up) and measure it."""
-    from torch.utils.flop_counter import FlopCounterMode
+@dataclass
+class _OptimizerStep:
+    """What the optimizer step adds over the bytes alive when it starts, and its FLOPs: the same for every
+    batch size, so measured once per model and reused."""
 
-    with torch.device("meta"):
-        meta = DualEncoder(cfg.model.resolve())
-    with _fake_mode():
-        s = build_step(cfg, rows, bf16, meta=meta)
+    extra: int
+    flops: int
+
+
+class StepSession:
+    """One fake model, optimizer and state for all the steps a plan measures: building them (and, under
+    FSDP2, each optimizer step over sharded tensors) costs far more than a step's forward and backward. The
+    first step measured runs the optimizer; later ones stop before it and add what it added then. Steps
+    are cached by (rows, chunk size, checkpointing). Enter it inside the process group the plan runs in."""
+
+    def __init__(self, cfg: TrainConfig, bf16: bool, world_size: int = 1) -> None:
+        with torch.device("meta"):
+            meta = DualEncoder(cfg.model.resolve())
+        self.cfg, self.bf16, self.world_size = cfg, bf16, world_size
+        mesh = _fsdp_mesh(cfg)
+        self.mode = _fake_mode()
+        with self.mode:
+            self.model, self.optimizer, _ = build_model(cfg, bf16, meta=meta, mesh=mesh)
+        self.optimizer_step: _OptimizerStep | None = None
+        self.cache: dict[tuple[int, int | None, bool], StepMeasure] = {}
+        self.losses: dict[int, tuple[int, int]] = {}
+
+    def loss(self, rows: int) -> tuple[int, int]:
+        """``measure_loss`` for ``rows`` cached embeddings per rank."""
+        if rows not in self.losses:
+            self.losses[rows] = measure_loss(self.cfg, rows, self.cfg.model.resolve().embed_dim)
+        return self.losses[rows]
+
+    def measure(self, cfg: TrainConfig, rows: int) -> StepMeasure:
+        """One fake step of ``cfg`` (this session's model and optimizer; its batch, chunk size and
+        checkpointing) of ``rows`` per-rank rows."""
+        if cfg.model != self.cfg.model or cfg.optim != self.cfg.optim or cfg.train.strategy != self.cfg.train.strategy:
+            raise ValueError("a step session measures one model, optimizer and strategy")
+        key = (rows, cfg.train.chunk_size, cfg.train.grad_checkpointing)
+        if key not in self.cache:
+            with self.mode:
+                self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
+                s = _setup(cfg, self.model, self.optimizer, make_batch(cfg, rows), self.bf16)
+                self.cache[key] = self._measure(s, rows)
+        return self.cache[key]
+
+    def _measure(self, s: StepSetup, rows: int) -> StepMeasure:
+        from torch.utils.flop_counter import FlopCounterMode
+
         tracker = LiveBytes()
         params = [p for p in s.model.parameters()]
         state = [v for st in s.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
@@ -312,33 +456,79 @@ def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
 
         hook = s.model.register_forward_pre_hook(back_to_model)
         grads = 0
+        counter = FlopCounterMode(display=False)
+        optimizer_flops = 0
         original_step = s.optimizer.step
 
         def step_and_count(*args: Any, **kwargs: Any) -> Any:
-            nonlocal grads
+            nonlocal grads, optimizer_flops
             tracker.phase = "step"
             grads = _nbytes(p.grad for p in params if p.grad is not None)
-            return original_step(*args, **kwargs)
+            start = tracker.live
+            if self.optimizer_step is not None:
+                tracker.transient(self.optimizer_step.extra)
+                optimizer_flops = self.optimizer_step.flops
+                return None
+            before = counter.get_total_flops()
+            tracker.phase = "optimizer"
+            out = original_step(*args, **kwargs)
+            self.optimizer_step = _OptimizerStep(0, counter.get_total_flops() - before)
+            extra = tracker.phase_peaks.get("optimizer", start) - start
+            self.optimizer_step.extra = extra
+            tracker.phase_peaks["step"] = max(tracker.phase_peaks.get("step", 0), start + extra)
+            tracker.phase = "step"
+            return out
 
         s.optimizer.step = step_and_count  # type: ignore[method-assign]
-        counter = FlopCounterMode(display=False)
         try:
-            with tracker, counter:
+            with tracker, counter, following_fsdp_storage(tracker):
                 run_step(s, loss_fn if s.chunk_size is not None else None)
         finally:
             hook.remove()
+            del s.optimizer.step
+        flops = int(counter.get_total_flops()) + optimizer_flops  # the optimizer's when its step was skipped
         return StepMeasure(
             rows=rows,
             peak=tracker.peak,
             outside_loss_peak=tracker.phase_peaks.get("step", 0),
             live_at_loss=live_at_loss,
-            flops=int(counter.get_total_flops()),
+            flops=flops,
             params=_nbytes(params),
             buffers=_nbytes(s.model.buffers()),
             grads=grads,
             optimizer=_nbytes(state),
             inputs=_nbytes(s.batch.values()),
+            gathered=tracker.gathered_at_peak,
         )
+
+
+@contextlib.contextmanager
+def session(cfg: TrainConfig, device: Device, world_size: int = 1) -> Iterator[StepSession]:
+    """A fake process group of ``world_size`` ranks and one ``StepSession`` in it, for the plans of ``cfg``
+    on ``device`` at any batch, chunk size and checkpointing."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be positive, got {world_size}")
+    with fake_world(world_size):
+        yield StepSession(cfg, resolve_bf16(cfg, device), world_size)
+
+
+def measure(cfg: TrainConfig, rows: int, bf16: bool) -> StepMeasure:
+    """One fake training step of ``rows`` per-rank rows on a model built for it (process group already set
+    up), optimizer step included."""
+    return StepSession(cfg, bf16).measure(cfg, rows)
+
+
+def _fsdp_mesh(cfg: TrainConfig) -> Any:
+    """The device mesh FSDP2 shards over, made from the (fake) process group before tensors are faked: making
+    it reads rank numbers out of a tensor, which a fake tensor does not hold."""
+    from openalign.train.distributed import is_distributed
+
+    if cfg.train.strategy != "fsdp" or not is_distributed():
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def measure_loss(cfg: TrainConfig, rows: int, width: int) -> tuple[int, int]:
@@ -388,6 +578,7 @@ class Plan:
     inputs: int  # the per-rank batch
     loss: int  # gathered embeddings, logits and their gradients, at the loss's peak
     ddp_buckets: int
+    gathered: int  # FSDP2: unsharded parameters of the units gathered at the peak
     activations: int  # the rest of the peak: saved activations and temporaries
     peak: int  # predicted peak per device
     capacity: int  # bytes a step may use on the device
@@ -414,38 +605,47 @@ def resolve_bf16(cfg: TrainConfig, device: Device) -> bool:
     return p == "bf16" or (p == "auto" and device.cuda)
 
 
-def plan(cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | None = None) -> Plan:
-    """Predict one step of ``cfg`` on ``world_size`` devices like ``device`` (DDP, or one device)."""
-    if world_size < 1:
-        raise ConfigError(f"world size must be positive, got {world_size}")
-    if world_size > 1 and cfg.train.strategy == "fsdp":
-        raise ConfigError("plans cover one device and DDP; FSDP2's sharded step is not planned (--train.strategy ddp)")
+def plan(
+    cfg: TrainConfig,
+    device: Device,
+    world_size: int = 1,
+    *,
+    mfu: float | None = None,
+    steps: StepSession | None = None,
+) -> Plan:
+    """Predict one step of ``cfg`` on ``world_size`` devices like ``device`` (one device, DDP or FSDP2: the
+    strategy is ``train.strategy``; with FSDP2 parameters, gradients and optimizer state are this rank's
+    shards, and the peak includes the units FSDP gathers and the buffers it reduce-scatters). ``steps``: a
+    ``session`` of the same config, device and world size to measure in (one is opened when not given)."""
+    if steps is None:
+        with session(cfg, device, world_size) as steps:
+            return plan(cfg, device, world_size, mfu=mfu, steps=steps)
+    if steps.world_size != world_size or steps.bf16 != resolve_bf16(cfg, device):
+        raise ValueError("the step session was opened for another world size or precision")
     per_rank = cfg.per_rank_batch(world_size)
     chunk = cfg.train.chunk_size
-    bf16 = resolve_bf16(cfg, device)
-    width = cfg.model.resolve().embed_dim
-    with fake_world(world_size):
-        if chunk is not None and per_rank > 3 * chunk:
-            a = measure(_with_batch(cfg, 2 * chunk * world_size), 2 * chunk, bf16)
-            b = measure(_with_batch(cfg, 3 * chunk * world_size), 3 * chunk, bf16)
-            loss_a, loss_b = (measure_loss(cfg, m.rows, width) for m in (a, b))
-            loss_n = measure_loss(cfg, per_rank, width)
+    bf16 = steps.bf16
+    if chunk is not None and per_rank > 3 * chunk:
+        a = steps.measure(_with_batch(cfg, 2 * chunk * world_size), 2 * chunk)
+        b = steps.measure(_with_batch(cfg, 3 * chunk * world_size), 3 * chunk)
+        loss_a, loss_b = steps.loss(a.rows), steps.loss(b.rows)
+        loss_n = steps.loss(per_rank)
 
-            def line(x_a: float, x_b: float) -> int:
-                return round(x_a + (x_b - x_a) * (per_rank - a.rows) / chunk)
+        def line(x_a: float, x_b: float) -> int:
+            return round(x_a + (x_b - x_a) * (per_rank - a.rows) / chunk)
 
-            inputs = line(a.inputs, b.inputs)
-            peak = max(line(a.outside_loss_peak, b.outside_loss_peak), line(a.live_at_loss, b.live_at_loss) + loss_n[0])
-            flops = line(a.flops - loss_a[1], b.flops - loss_b[1]) + loss_n[1]
-            base, extrapolated = a, True
-        else:
-            base = measure(cfg, per_rank, bf16)
-            inputs, peak, flops, extrapolated = base.inputs, base.peak, base.flops, False
-            loss_n = measure_loss(cfg, per_rank, width) if chunk is not None else (0, 0)
+        inputs = line(a.inputs, b.inputs)
+        peak = max(line(a.outside_loss_peak, b.outside_loss_peak), line(a.live_at_loss, b.live_at_loss) + loss_n[0])
+        flops = line(a.flops - loss_a[1], b.flops - loss_b[1]) + loss_n[1]
+        base, extrapolated = a, True
+    else:
+        base = steps.measure(cfg, per_rank)
+        inputs, peak, flops, extrapolated = base.inputs, base.peak, base.flops, False
+        loss_n = steps.loss(per_rank) if chunk is not None else (0, 0)
     buckets = base.grads if world_size > 1 and cfg.train.strategy == "ddp" else 0
     peak += buckets
     persistent = base.params + base.buffers + base.optimizer + inputs + buckets
-    activations = max(0, peak - persistent - base.grads - loss_n[0])
+    activations = max(0, peak - persistent - base.grads - loss_n[0] - base.gathered)
     tflops = device.bf16_tflops if bf16 else device.fp32_tflops
     use_mfu = device.mfu if mfu is None else mfu
     seconds = flops / (tflops * 1e12 * use_mfu) if tflops else None
@@ -465,6 +665,7 @@ def plan(cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | 
         inputs=inputs,
         loss=loss_n[0],
         ddp_buckets=buckets,
+        gathered=base.gathered,
         activations=activations,
         peak=peak,
         capacity=capacity_bytes(device),
@@ -488,6 +689,10 @@ def _with_chunk(cfg: TrainConfig, chunk: int | None, checkpointing: bool | None 
     return dataclasses.replace(cfg, train=train)
 
 
+def _with_strategy(cfg: TrainConfig, strategy: Literal["ddp", "fsdp"]) -> TrainConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy=strategy))
+
+
 def chunk_candidates(cfg: TrainConfig, per_rank: int) -> list[int]:
     """Chunk sizes that divide the per-rank batch; with ghost batch norm, multiples of its group size, so
     gradient caching keeps the statistics groups of plain training."""
@@ -497,36 +702,69 @@ def chunk_candidates(cfg: TrainConfig, per_rank: int) -> list[int]:
 
 
 def largest_chunk(
-    cfg: TrainConfig, device: Device, world_size: int = 1, *, mfu: float | None = None
+    cfg: TrainConfig,
+    device: Device,
+    world_size: int = 1,
+    *,
+    mfu: float | None = None,
+    steps: StepSession | None = None,
 ) -> tuple[int | None, Plan | None]:
     """The largest chunk size whose step fits (``None`` with a plan: the whole per-rank batch fits without
-    caching), found by bisection since memory grows with the chunk; ``(None, None)`` when none fits."""
+    caching); ``(None, None)`` when none fits. Memory grows with the chunk, so the answer lies between the
+    largest size known to fit and the smallest known not to; each probe is the size a line through the
+    peaks measured so far predicts to be the last that fits, kept strictly between the two, so a good
+    prediction ends the search in two probes and a bad one is no worse than walking the sizes."""
+    if steps is None:
+        with session(cfg, device, world_size) as steps:
+            return largest_chunk(cfg, device, world_size, mfu=mfu, steps=steps)
     per_rank = cfg.per_rank_batch(world_size)
-    whole = plan(_with_chunk(cfg, None), device, world_size, mfu=mfu)
+    whole = plan(_with_chunk(cfg, None), device, world_size, mfu=mfu, steps=steps)
     if whole.fits:
         return None, whole
     sizes = [c for c in chunk_candidates(cfg, per_rank) if c < per_rank]
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        p = plan(_with_chunk(cfg, sizes[mid]), device, world_size, mfu=mfu)
+    # What does not grow with the chunk: state, the per-rank batch, gathered units (the loss's buffers do not
+    # either, but a step without caching has none; the line is a guess, every answer is measured).
+    fixed = whole.params + whole.buffers + whole.grads + whole.optimizer + whole.inputs + whole.ddp_buckets
+    points = [(0, fixed + whole.gathered), (per_rank, whole.peak)]
+    lo, hi, best = -1, len(sizes), None
+    while hi - lo > 1:
+        (c0, p0), (c1, p1) = sorted(points[-2:])
+        slope = (p1 - p0) / (c1 - c0) if c1 != c0 else 0.0
+        guess = lo + 1
+        if slope > 0:
+            limit = c0 + (whole.capacity - p0) / slope
+            guess = max([i for i, c in enumerate(sizes) if c <= limit], default=lo + 1)
+        mid = min(max(guess, lo + 1), hi - 1)
+        p = plan(_with_chunk(cfg, sizes[mid]), device, world_size, mfu=mfu, steps=steps)
+        points.append((sizes[mid], p.peak))
         if p.fits:
-            best, lo = (sizes[mid], p), mid + 1
+            best, lo = (sizes[mid], p), mid
         else:
-            hi = mid - 1
+            hi = mid
     return best if best is not None else (None, None)
 
 
-def suggestion(cfg: TrainConfig, device: Device, world_size: int, *, mfu: float | None = None) -> str:
+def suggestion(
+    cfg: TrainConfig, device: Device, world_size: int, *, mfu: float | None = None, steps: StepSession | None = None
+) -> str:
     """What makes a step fit that does not: gradient checkpointing, or sharding when the state alone is too big."""
+    if steps is None:
+        with session(cfg, device, world_size) as steps:
+            return suggestion(cfg, device, world_size, mfu=mfu, steps=steps)
     if not cfg.train.grad_checkpointing:
-        chunk, p = largest_chunk(_with_chunk(cfg, cfg.train.chunk_size, True), device, world_size, mfu=mfu)
+        ckpt = _with_chunk(cfg, cfg.train.chunk_size, True)
+        chunk, p = largest_chunk(ckpt, device, world_size, mfu=mfu, steps=steps)
         if p is not None:
             size = "no chunking" if chunk is None else f"--train.chunk_size {chunk}"
             return f"fits with --train.grad_checkpointing true and {size} (peak {p.peak / GiB:.1f} GiB)"
     smallest = min(chunk_candidates(cfg, cfg.per_rank_batch(world_size)))
-    p = plan(_with_chunk(cfg, smallest, True), device, world_size, mfu=mfu)
+    p = plan(_with_chunk(cfg, smallest, True), device, world_size, mfu=mfu, steps=steps)
     state = p.params + p.buffers + p.grads + p.optimizer + p.ddp_buckets
+    if state > p.capacity and cfg.train.strategy == "fsdp" and world_size > 1:
+        return (
+            f"parameters, gradients and optimizer state alone take {state / GiB:.1f} GiB of "
+            f"{p.capacity / GiB:.1f} per device: shard them over more devices"
+        )
     if state > p.capacity:
         return (
             f"parameters, gradients and optimizer state alone take {state / GiB:.1f} GiB of "
@@ -558,6 +796,8 @@ def describe(p: Plan) -> list[tuple[str, str]]:
     ]
     if p.ddp_buckets:
         rows.append(("DDP buckets", fmt_gib(p.ddp_buckets)))
+    if p.gathered:
+        rows.append(("gathered units", f"{fmt_gib(p.gathered)} (FSDP2's unsharded parameters, at the peak)"))
     rows += [
         ("activations", f"{fmt_gib(p.activations)} (and temporaries, at the peak)"),
         ("peak", f"{fmt_gib(p.peak)} of {fmt_gib(p.capacity)} usable: {'fits' if p.fits else 'does NOT fit'}"),
@@ -575,15 +815,15 @@ def describe(p: Plan) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- validation
 
 # Small steps the CPU runs for real: presets, batches and chunk sizes, checkpointing and precision varied.
-# (label, overrides of nano_cpu)
-VALIDATION_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("nano b32", {"train.batch_size": 32}),
-    ("nano b32 chunk 8", {"train.batch_size": 32, "train.chunk_size": 8}),
-    ("nano b32 chunk 8 ckpt", {"train.batch_size": 32, "train.chunk_size": 8, "train.grad_checkpointing": True}),
-    ("nano b16 ckpt", {"train.batch_size": 16, "train.grad_checkpointing": True}),
+# (label, overrides of nano_cpu, processes: several run FSDP2 over gloo, and each rank's peak is compared)
+VALIDATION_CASES: tuple[tuple[str, dict[str, Any], int], ...] = (
+    ("nano b32", {"train.batch_size": 32}, 1),
+    ("nano b32 chunk 8", {"train.batch_size": 32, "train.chunk_size": 8}, 1),
+    ("nano b32 chunk 8 ckpt", {"train.batch_size": 32, "train.chunk_size": 8, "train.grad_checkpointing": True}, 1),
+    ("nano b16 ckpt", {"train.batch_size": 16, "train.grad_checkpointing": True}, 1),
     # bf16 at 64 rows: CPU bf16 kernels hold ~16 MiB of scratch no tensor owns (oneDNN's), which at 16 rows
     # is a quarter of the step's peak; a plan counts tensors, and keeps a reserve for such workspaces on GPUs.
-    ("nano b64 bf16", {"train.batch_size": 64, "train.precision": "bf16"}),
+    ("nano b64 bf16", {"train.batch_size": 64, "train.precision": "bf16"}, 1),
     (
         "nano ghost-bn b32 chunk 16",
         {
@@ -592,6 +832,7 @@ VALIDATION_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
             "model.image.batch_norm": "virtual",
             "model.image.virtual_batch_size": 8,
         },
+        1,
     ),
     (
         "b0-mini 32px b8 chunk 4",
@@ -602,7 +843,14 @@ VALIDATION_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
             "train.chunk_size": 4,
             "data.max_text_length": 16,
         },
+        1,
     ),
+    (
+        "nano fsdp×2 b32 chunk 8",
+        {"train.batch_size": 32, "train.chunk_size": 8, "train.strategy": "fsdp"},
+        2,
+    ),
+    ("nano fsdp×2 b16 ckpt", {"train.batch_size": 16, "train.grad_checkpointing": True, "train.strategy": "fsdp"}, 2),
 )
 
 
@@ -657,15 +905,51 @@ def measured_step(cfg: TrainConfig, rows: int, bf16: bool) -> tuple[int, int]:
     return peak, int(counter.get_total_flops())
 
 
-def validate(cases: tuple[tuple[str, dict[str, Any]], ...] = VALIDATION_CASES) -> list[Check]:
-    """Plan each case on the CPU, run it for real, compare peaks and FLOPs."""
+def validate(cases: tuple[tuple[str, dict[str, Any], int], ...] = VALIDATION_CASES) -> list[Check]:
+    """Plan each case on the CPU, run it for real, compare peaks and FLOPs (with several processes: the
+    largest rank's peak, and rank 0's FLOPs, against the plan of rank 0)."""
     from openalign.train.config import load_train_config
 
     cpu = device_spec("cpu")
     out = []
-    for label, overrides in cases:
+    for label, overrides, world in cases:
         cfg = load_train_config("nano_cpu", {"train.precision": "fp32", **overrides})
-        p = plan(cfg, cpu)
-        peak, flops = measured_step(cfg, p.per_rank, p.precision == "bf16")
+        p = plan(cfg, cpu, world)
+        bf16 = p.precision == "bf16"
+        if world == 1:
+            peak, flops = measured_step(cfg, p.per_rank, bf16)
+        else:
+            ranks = measured_ranks(cfg, world, bf16)
+            peak, flops = max(r[0] for r in ranks), ranks[0][1]
         out.append(Check(label, p.peak, peak, p.flops, flops))
     return out
+
+
+def measured_ranks(cfg: TrainConfig, world_size: int, bf16: bool) -> list[tuple[int, int]]:
+    """(peak bytes, FLOPs) of one real step on each of ``world_size`` CPU processes joined over gloo."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="openalign-plan-") as tmp:
+        mp.start_processes(
+            _measured_rank,
+            args=(world_size, cfg, bf16, tmp),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def _measured_rank(rank: int, world_size: int, cfg: TrainConfig, bf16: bool, tmp: str) -> None:
+    import torch.distributed as dist
+
+    # One thread per rank: the ranks share the cores, and kernels' scratch should not depend on their count.
+    torch.set_num_threads(1)
+    store = f"file://{os.path.join(tmp, 'store')}"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+    try:
+        result = measured_step(cfg, cfg.per_rank_batch(world_size), bf16)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
