@@ -208,13 +208,21 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 
+def hf_model_config(path: str | Path, hf: dict[str, Any] | None = None) -> ModelConfig:
+    """The ModelConfig of a transformers AlignModel directory: its ``config.json`` (or ``hf``, already read)
+    with the pixel scaling of its ``preprocessor_config.json``, when there is one."""
+    p = Path(path)
+    if hf is None:
+        hf = read_annotation_json(p / "config.json")
+    pre_path = p / "preprocessor_config.json"
+    pre = read_annotation_json(pre_path) if pre_path.is_file() else None
+    return hf_config_to_model_config(hf, pre)
+
+
 def load_hf_align(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
     """A DualEncoder with the weights of a transformers AlignModel directory, in eval mode."""
     p = Path(path)
-    hf = read_annotation_json(p / "config.json")
-    pre_path = p / "preprocessor_config.json"
-    pre = read_annotation_json(pre_path) if pre_path.is_file() else None
-    cfg = hf_config_to_model_config(hf, pre)
+    cfg = hf_model_config(p)
     model = DualEncoder(cfg)
     state = hf_state_to_ours(_read_hf_weights(p), cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -9,7 +9,6 @@ evaluate, scaled by the model's own pixel mean and std (a transformers checkpoin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -32,11 +31,9 @@ def model_config_of(path: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint directory (openalign or transformers), without reading its weights."""
     meta = read_config(path)
     if meta.get("model_type") == "align":
-        from openalign.model.hf import hf_config_to_model_config
+        from openalign.model.hf import hf_model_config
 
-        pre_path = Path(path) / "preprocessor_config.json"
-        pre = json.loads(pre_path.read_text()) if pre_path.is_file() else None
-        return hf_config_to_model_config(meta, pre)
+        return hf_model_config(path, meta)
     kind, config = architecture(meta, path)
     if kind != "dual_encoder":
         raise ConfigError(f"{path} holds a copy detector, not an ALIGN dual encoder")
