@@ -29,10 +29,9 @@ import pyarrow.parquet as pq
 from openalign.config import to_dict
 from openalign.search.build import PENDING, IndexBuildResult, commit_stage
 from openalign.search.catalog import FORMAT, FORMAT_VERSION, INFO, METADATA, SCHEMAS
-from openalign.search.index import AnnConfig, build_store
+from openalign.search.index import AnnConfig, build_store, save_vectors
 
 UNIT_TOLERANCE = 1e-3  # rows whose length is this far from 1 are normalised
-_BLOCK = 65_536  # rows checked and normalised at a time
 
 
 @dataclass(frozen=True)
@@ -131,26 +130,23 @@ def check_shards(shards: list[Shard]) -> tuple[int, int, bool]:
 def _write_unit_rows(path: Path, parts: list[Path], total: int, dim: int) -> tuple[np.ndarray, int]:
     """The parts, each row checked finite and scaled to unit length, as one float32 .npy; returns it
     memory-mapped and the number of rows that had to be normalised."""
-    tmp = path.with_name(path.name + ".tmp.npy")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(total, dim))
-    row, rescaled = 0, 0
-    for part in parts:
-        matrix = np.load(part, mmap_mode="r")
-        for start in range(0, len(matrix), _BLOCK):
-            block = np.asarray(matrix[start : start + _BLOCK], dtype=np.float64)
-            if not np.isfinite(block).all():
-                bad = start + int(np.argwhere(~np.isfinite(block))[0][0])
-                raise ValueError(f"{part}: row {bad} holds NaN or infinite values")
-            norms = np.linalg.norm(block, axis=1)
-            if (norms == 0).any():
-                raise ValueError(f"{part}: row {start + int(np.argmin(norms))} is all zeros and has no direction")
-            rescaled += int((np.abs(norms - 1) > UNIT_TOLERANCE).sum())
-            out[row : row + len(block)] = block / norms[:, None]
-            row += len(block)
-    out.flush()
-    del out
-    os.replace(tmp, path)
-    saved: np.ndarray = np.load(path, mmap_mode="r")
+    rescaled = 0
+
+    def unit_rows(index: int, start: int, rows: np.ndarray) -> np.ndarray:
+        nonlocal rescaled
+        block = np.asarray(rows, dtype=np.float64)
+        if not np.isfinite(block).all():
+            bad = start + int(np.argwhere(~np.isfinite(block))[0][0])
+            raise ValueError(f"{parts[index]}: row {bad} holds NaN or infinite values")
+        norms = np.linalg.norm(block, axis=1)
+        if (norms == 0).any():
+            raise ValueError(f"{parts[index]}: row {start + int(np.argmin(norms))} is all zeros and has no direction")
+        rescaled += int((np.abs(norms - 1) > UNIT_TOLERANCE).sum())
+        unit: np.ndarray = block / norms[:, None]
+        return unit
+
+    matrices = [np.load(part, mmap_mode="r") for part in parts]
+    saved = save_vectors(path, matrices, total, dim, each_block=unit_rows)
     return saved, rescaled
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -398,15 +399,25 @@ def extend_store(store: VectorStore, vectors: np.ndarray, cfg: AnnConfig | None 
     return build_store(vectors, cfg)
 
 
-def save_vectors(path: str | Path, parts: list[np.ndarray], total: int, dim: int) -> np.ndarray:
-    """Write the concatenation of ``parts`` to ``path`` as a float32 .npy (atomically) and memory-map it."""
+def save_vectors(
+    path: str | Path,
+    parts: list[np.ndarray],
+    total: int,
+    dim: int,
+    each_block: Callable[[int, int, np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Write the concatenation of ``parts`` to ``path`` as a float32 .npy (atomically) and memory-map it.
+
+    ``each_block(part_index, first_row_in_part, block)``, when given, sees every block of up to 65,536 rows
+    before it is written and returns what is written instead (a check or a rescaling)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp.npy")
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(total, dim))
     row = 0
-    for part in parts:
+    for index, part in enumerate(parts):
         for s in range(0, part.shape[0], 65_536):
-            block = np.asarray(part[s : s + 65_536], dtype=np.float32)
+            block = part[s : s + 65_536]
+            block = np.asarray(block, dtype=np.float32) if each_block is None else each_block(index, s, block)
             out[row : row + len(block)] = block
             row += len(block)
     if row != total:
