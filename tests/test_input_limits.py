@@ -10,10 +10,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,14 @@ from PIL import Image
 import openalign
 from conftest import save_tiny_checkpoint
 from openalign.cli import main
-from openalign.data.sources import BadInput, open_source, read_file, read_samples, resolve_image_path
+from openalign.data.sources import (
+    BadInput,
+    ImageRoot,
+    open_source,
+    read_file,
+    read_samples,
+    resolve_image_path,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs and /dev/zero")
 
@@ -329,6 +338,48 @@ def test_resolve_image_path_confines_to_the_root(tmp_path: Path) -> None:
         assert resolve_image_path(root, value, allow_outside_root=True) is not None
     with pytest.raises(BadInput, match="unreadable_file"):
         resolve_image_path(root, "img/nul\0.jpg")
+
+
+def test_image_root_resolves_as_path_resolve_does_while_remembering_folders(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "x.jpg").write_bytes(b"x")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "y.jpg").write_bytes(b"y")
+    (root / "alias").symlink_to(root / "a")  # a folder symlink that stays inside
+    (root / "escape").symlink_to(tmp_path / "outside")  # a folder symlink that leads out
+    (root / "a" / "b" / "link.jpg").symlink_to(tmp_path / "outside" / "y.jpg")  # a file symlink that leads out
+    (root / "a" / "b" / "same.jpg").symlink_to("x.jpg")  # a relative file symlink that stays inside
+    (root / "loop").symlink_to(root / "loop")
+    values = [
+        "a/b/x.jpg", "alias/b/x.jpg", "alias/b/same.jpg", "a/b/../b/x.jpg", "a/b/missing.jpg", "a/b/..",
+        "a/./b/x.jpg", "escape/y.jpg", "a/b/link.jpg", "alias/../escape/y.jpg", "loop/x.jpg", "a/b/nul\0.jpg",
+        str(root / "a" / "b" / "x.jpg"), str(tmp_path / "outside" / "y.jpg"),
+    ]  # fmt: skip
+
+    def outcome(resolve: Callable[[str], Path], value: str) -> object:
+        try:
+            return resolve(value)
+        except BadInput as err:
+            return err.reason
+
+    def reference(value: str) -> object:  # the whole path through Path.resolve, every time
+        try:
+            resolved = (root / value).resolve()
+        except (OSError, RuntimeError, ValueError):
+            return "unreadable_file"
+        return resolved if resolved.is_relative_to(root.resolve()) else "outside_root"
+
+    images = ImageRoot(root)
+    for value in values * 2:  # the second round answers from the remembered folders
+        assert outcome(images.resolve, value) == reference(value), value
+    assert outcome(images.resolve, "a/b/x.jpg") == (root / "a" / "b" / "x.jpg").resolve()
+    assert {outcome(images.resolve, v) for v in ("escape/y.jpg", "a/b/link.jpg")} == {"outside_root"}
+
+    # Another pass sees a folder that became a symlink leading out.
+    shutil.rmtree(root / "a" / "b")
+    (root / "a" / "b").symlink_to(tmp_path / "outside")
+    assert outcome(ImageRoot(root).resolve, "a/b/y.jpg") == "outside_root"
 
 
 def test_a_folder_source_carries_the_limit_to_its_records(tmp_path: Path) -> None:

@@ -20,14 +20,14 @@ the same inputs and name a skipped item with the same reason:
 Items that cannot be used are never raised mid-stream: they are reported as ``BadInput`` (a reason slug
 plus a detail), either through an ``on_skip(reason, detail)`` callback or in the stream itself
 (``Source.events``), so the caller counts them. Every file read of an input goes through ``read_file`` and
-every table path through ``resolve_image_path``, the two places that bound what an input can make a stage read:
+every table path through ``ImageRoot``, the two places that bound what an input can make a stage read:
 
 - ``read_file`` reads regular files only (``not_a_file``: a device such as ``/dev/zero``, a FIFO, a folder)
   of at most ``max_bytes`` (``too_large_file``; default ``DEFAULT_MAX_FILE_MB``), checked before reading and
   again while reading, so no input file can drive a stage out of memory; a WebDataset member whose header
   claims more than the limit is skipped unread (``too_large_member``), and a PAX or GNU long-name header
   claiming more than ``MAX_TAR_HEADER_BYTES`` ends its shard unread (``too_large_header``);
-- ``resolve_image_path`` keeps a table's ``image_path`` inside its image root once symlinks are resolved
+- ``ImageRoot`` keeps a table's ``image_path`` inside its image root once symlinks are resolved
   (``outside_root``: an absolute path elsewhere, a ``..`` escape, a symlink pointing out), because a table
   is data, often from someone else, and must not be able to pick files such as ``~/.ssh/id_rsa`` to be packed
   into shards or an index; ``allow_outside_root`` lifts this for tables one trusts.
@@ -86,6 +86,7 @@ __all__ = [
     "BadInput",
     "ErrorHandler",
     "FolderScan",
+    "ImageRoot",
     "Record",
     "Source",
     "SourceKind",
@@ -399,23 +400,60 @@ def read_annotation_json(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MA
         raise ValueError(f"{path}: not valid JSON ({err})") from None
 
 
-def resolve_image_path(root: Path, value: str, *, allow_outside_root: bool = False) -> Path:
-    """The file a table's image path names: relative paths are taken from ``root``.
+class ImageRoot:
+    """A table's image root: the files its ``image_path`` values name, confined to it.
 
-    Unless ``allow_outside_root``, the path is resolved (symlinks included) and must lie inside ``root``:
-    an absolute path elsewhere, a ``..`` escape or a symlink pointing out raises ``BadInput("outside_root")``.
-    The resolved path is what is returned, so the file checked is the file read."""
-    file = Path(value)
-    candidate = file if file.is_absolute() else root / file
-    if allow_outside_root:
-        return candidate
-    try:
-        base, resolved = root.resolve(), candidate.resolve()
-    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
-        raise BadInput("unreadable_file", f"{value!r}: {err}") from None
-    if not resolved.is_relative_to(base):
-        raise BadInput("outside_root", f"{value}: resolves to {resolved}, outside the image root {base}")
-    return resolved
+    Unless ``allow_outside_root``, a path is resolved (symlinks included) and must lie inside ``root``: an absolute
+    path elsewhere, a ``..`` escape or a symlink pointing out raises ``BadInput("outside_root")``. The resolved path
+    is what is returned, so the file checked is the file read. Resolving a path walks every one of its components;
+    the folders already walked are remembered, so a table of millions of images in thousands of folders costs one
+    ``lstat`` per image. Make one per pass over a table: a folder swapped for a symlink during the pass is seen by
+    the next one."""
+
+    _MAX_FOLDERS = 65_536
+
+    def __init__(self, root: Path, *, allow_outside_root: bool = False) -> None:
+        self.root = root
+        self.allow_outside_root = allow_outside_root
+        self._base: Path | None = None
+        self._folders: dict[Path, Path] = {}
+
+    def resolve(self, value: str) -> Path:
+        file = Path(value)
+        candidate = file if file.is_absolute() else self.root / file
+        if self.allow_outside_root:
+            return candidate
+        try:
+            if self._base is None:
+                self._base = self.root.resolve()
+            resolved = self._resolve(candidate)
+        except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
+            raise BadInput("unreadable_file", f"{value!r}: {err}") from None
+        if not resolved.is_relative_to(self._base):
+            raise BadInput("outside_root", f"{value}: resolves to {resolved}, outside the image root {self._base}")
+        return resolved
+
+    def _resolve(self, candidate: Path) -> Path:
+        """``candidate.resolve()``, with its folder's resolution remembered."""
+        if candidate.name in ("", ".", ".."):
+            return candidate.resolve()
+        folder = self._folders.get(candidate.parent)
+        if folder is None:
+            if len(self._folders) >= self._MAX_FOLDERS:
+                self._folders.clear()
+            folder = self._folders[candidate.parent] = candidate.parent.resolve()
+        joined = folder / candidate.name
+        try:
+            link = stat.S_ISLNK(os.lstat(joined).st_mode)  # unlike Path.is_symlink, raises on a NUL byte
+        except (FileNotFoundError, NotADirectoryError):
+            link = False
+        return joined.resolve() if link else joined
+
+
+def resolve_image_path(root: Path, value: str, *, allow_outside_root: bool = False) -> Path:
+    """The file a table's image path names, confined to ``root`` (see ``ImageRoot``, which a pass over a whole
+    table uses instead)."""
+    return ImageRoot(root, allow_outside_root=allow_outside_root).resolve(value)
 
 
 def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -1130,6 +1168,7 @@ def _table_events(
             f"{path}: no image bytes column ({' / '.join(IMAGE_BYTES_COLUMNS)}) or {IMAGE_PATH_COLUMN} column"
         )
     index = 0
+    images = ImageRoot(image_root, allow_outside_root=allow_outside_root)
     for batch in batches:
         yield from skipped  # lines of a JSON table that are not rows, in order with the rows around them
         skipped.clear()
@@ -1159,9 +1198,7 @@ def _table_events(
             file = None
             if data is None and row.get(IMAGE_PATH_COLUMN):
                 try:
-                    file = resolve_image_path(
-                        image_root, str(row[IMAGE_PATH_COLUMN]), allow_outside_root=allow_outside_root
-                    )
+                    file = images.resolve(str(row[IMAGE_PATH_COLUMN]))
                 except BadInput as err:
                     yield BadInput(err.reason, f"row {key}: {err.detail}")
                     index += 1

@@ -22,12 +22,15 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from openalign.data.filters.rules import ColumnNames, normalise_format, tokenize
+
+if TYPE_CHECKING:
+    from openalign.data.sources import ImageRoot
 
 IMAGE_FORMAT_COLUMN = "__oa_image_format"
 TAG_WORDS_COLUMN = "__oa_tag_words"
@@ -128,7 +131,7 @@ def make_annotator(
 
 
 def _row_image(
-    row: dict[str, Any], bytes_columns: list[str], root: Path, whole: bool, max_bytes: int, errors: list[str]
+    row: dict[str, Any], bytes_columns: list[str], root: ImageRoot, whole: bool, max_bytes: int, errors: list[str]
 ) -> bytes | None:
     """A table row's image (whole, or only its head when the format is all that is needed)."""
     from openalign.data.sources import (
@@ -137,7 +140,6 @@ def _row_image(
         BadInput,
         read_file,
         read_file_head,
-        resolve_image_path,
     )
 
     for column in bytes_columns:
@@ -148,7 +150,7 @@ def _row_image(
             return value
     if row.get(IMAGE_PATH_COLUMN):
         try:
-            path = resolve_image_path(root, str(row[IMAGE_PATH_COLUMN]))
+            path = root.resolve(str(row[IMAGE_PATH_COLUMN]))
             return read_file(path, max_bytes=max_bytes) if whole else read_file_head(path, IMAGE_HEAD_BYTES)
         except BadInput as err:
             errors.append(f"{err.reason}: {err.detail}")
@@ -165,7 +167,7 @@ def annotate_table(
     errors: list[str],
 ) -> Path:
     """Copy the staged Parquet ``paths`` (columns ``names``) to ``out`` with the annotator's hidden columns."""
-    from openalign.data.sources import IMAGE_BYTES_COLUMNS, IMAGE_PATH_COLUMN
+    from openalign.data.sources import IMAGE_BYTES_COLUMNS, IMAGE_PATH_COLUMN, ImageRoot
 
     schema = pa.unify_schemas([pq.read_schema(p) for p in paths], promote_options="permissive")
     schema = pa.schema([schema.field(n) if n in schema.names else pa.field(n, pa.null()) for n in names])
@@ -177,6 +179,7 @@ def annotate_table(
         )
     hidden = [pa.field(c, pa.string()) for c in annotator.columns]
     writer = pq.ParquetWriter(out, pa.schema([*schema, *hidden]))
+    root = ImageRoot(image_root)
     try:
         for p in paths:
             for batch in pq.ParquetFile(p).iter_batches(batch_size=_BATCH_ROWS):
@@ -189,7 +192,7 @@ def annotate_table(
                 if annotator.needs_images:
                     rows = table.select([c for c in [*bytes_columns, IMAGE_PATH_COLUMN] if c in names]).to_pylist()
                     whole = annotator.needs_whole_images
-                    images = [_row_image(r, bytes_columns, image_root, whole, max_bytes, errors) for r in rows]
+                    images = [_row_image(r, bytes_columns, root, whole, max_bytes, errors) for r in rows]
                 fmt = annotator.format_column
                 formats = table.column(fmt).to_pylist() if fmt is not None else None
                 tags = table.column(annotator.tags_column).to_pylist() if annotator.tags_column else None
