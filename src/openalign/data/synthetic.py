@@ -32,6 +32,9 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance
 
+from openalign.data import synthetic_languages
+from openalign.data.synthetic_languages import LANGUAGES
+
 # --------------------------------------------------------------------------------------------------
 # Vocabulary of the world. The first synonym of each entry is its canonical name.
 
@@ -171,7 +174,16 @@ HUB_TEXTS = 40  # alt-texts per hub image on average
 HUB_BLOCK = 10_000  # hubs are drawn per block of rows so a stream of any length keeps ~HUB_TEXTS per hub
 
 Split = Literal["train", "hub", "retrieval", "classification"]
-_DOMAINS = {"train": 1, "hub": 2, "retrieval": 3, "classification": 4, "duplicate": 5, "caption": 6, "plant": 7}
+_DOMAINS = {
+    "train": 1,
+    "hub": 2,
+    "retrieval": 3,
+    "classification": 4,
+    "duplicate": 5,
+    "caption": 6,
+    "plant": 7,
+    "language": 8,
+}
 ClassMode = Literal["shape_colour", "shape"]
 
 
@@ -313,8 +325,11 @@ def _noun_phrase(r: random.Random, obj: Shape, with_size: bool = True) -> str:
     return f"{_article(words[0])} {' '.join(words)}"
 
 
-def caption_scene(scene: Scene, r: random.Random) -> str:
-    """An accurate caption (3–20 words) naming colours, shapes, background and position/count/relation."""
+def caption_scene(scene: Scene, r: random.Random, language: str = "en") -> str:
+    """An accurate caption (3–20 words) naming colours, shapes, background and position/count/relation,
+    in ``language`` (one of ``LANGUAGES``)."""
+    if language != "en":
+        return synthetic_languages.caption(scene, r, language)
     prefix = r.choice(PREFIXES)
     bg = r.choice(BACKGROUND_WORDS[scene.background])
     if scene.layout == "single":
@@ -531,6 +546,7 @@ class Row:
     height: int
     punsafe: float
     planted_duplicate_of: str | None = None  # "retrieval/12" or "classification/3" for planted copies
+    language: str = "en"  # the language of an accurate caption (noise kinds are the web's, in any language)
 
 
 def _web_size(r: random.Random, image_noise: str | None) -> tuple[int, int]:
@@ -545,13 +561,18 @@ def _web_size(r: random.Random, image_noise: str | None) -> tuple[int, int]:
 
 
 class SyntheticWorld:
-    """The generator behind every function of this module; ``seed`` picks the training stream."""
+    """The generator behind every function of this module; ``seed`` picks the training stream.
 
-    def __init__(self, seed: int = 0, image_size: int = 64):
+    ``languages``: the caption languages of training rows. Row ``i`` gets one of them, drawn from its own
+    random stream (seed, i), so its scene is the same whatever the languages; with the default ``("en",)``
+    no draw is made and every row is what it always was."""
+
+    def __init__(self, seed: int = 0, image_size: int = 64, languages: Sequence[str] = ("en",)):
         if image_size < 16:
             raise ValueError(f"image_size must be at least 16, got {image_size}")
         self.seed = int(seed)
         self.image_size = int(image_size)
+        self.languages = check_languages(languages)
 
     # scenes -------------------------------------------------------------------------------------
     def scene(self, index: int, split: Split = "train") -> Scene:
@@ -562,9 +583,15 @@ class SyntheticWorld:
         """The image of ``scene`` at this world's size."""
         return render_scene(scene, self.image_size)
 
-    def caption(self, scene: Scene, r: random.Random) -> str:
-        """An accurate caption of ``scene`` using randomness from ``r``."""
-        return caption_scene(scene, r)
+    def caption(self, scene: Scene, r: random.Random, language: str = "en") -> str:
+        """An accurate caption of ``scene`` in ``language`` using randomness from ``r``."""
+        return caption_scene(scene, r, language)
+
+    def language(self, index: int) -> str:
+        """The caption language of training row ``index``."""
+        if len(self.languages) == 1:
+            return self.languages[0]
+        return self.languages[_rng(self.seed, "language", index).randrange(len(self.languages))]
 
     # training rows ------------------------------------------------------------------------------
     def row(self, index: int, noise: float = 0.25, n_rows: int | None = None) -> Row:
@@ -573,7 +600,8 @@ class SyntheticWorld:
             raise ValueError(f"noise must be in [0, 1], got {noise}")
         r = _rng(self.seed, "train", index)
         scene = sample_scene(r, self.image_size)
-        accurate = caption_scene(scene, r)
+        language = self.language(index)
+        accurate = caption_scene(scene, r, language)
         kind = "clean"
         if r.random() < noise:
             kind = r.choices(tuple(NOISE_WEIGHTS), weights=tuple(NOISE_WEIGHTS.values()))[0]
@@ -589,7 +617,7 @@ class SyntheticWorld:
         if kind in ("mismatch", "hub"):
             other_index = r.randrange(1 << 40)
             o = _rng(self.seed, "caption", other_index)
-            other = caption_scene(sample_scene(o, self.image_size), o)
+            other = caption_scene(sample_scene(o, self.image_size), o, language)
         if kind == "hub":
             block = min(n_rows, HUB_BLOCK) if n_rows else HUB_BLOCK
             hubs = max(1, round(block * noise * NOISE_WEIGHTS["hub"] / HUB_TEXTS))
@@ -604,7 +632,7 @@ class SyntheticWorld:
             width, height = _web_size(r, image_noise)
             punsafe = round(r.uniform(0.6, 1.0) if image_noise == "unsafe" else r.betavariate(1, 40), 4)
         caption = accurate if kind == "clean" else _noise_text(kind, r, accurate, other)
-        return Row(index, scene, caption, kind, image_noise, image_id, width, height, punsafe)
+        return Row(index, scene, caption, kind, image_noise, image_id, width, height, punsafe, language=language)
 
     def iter_rows(self, n: int | None, noise: float = 0.25, start: int = 0) -> Iterator[Row]:
         """Rows ``start``, ``start + 1``, … (``n`` of them, or forever)."""
@@ -634,13 +662,18 @@ class SyntheticWorld:
             ids.extend([i] * len(texts))
         return images, captions, ids
 
-    def retrieval_item(self, index: int, captions_per_image: int = 5) -> tuple[Scene, list[str]]:
-        """Scene and distinct captions of retrieval image ``index``."""
+    def retrieval_item(self, index: int, captions_per_image: int = 5, language: str = "en") -> tuple[Scene, list[str]]:
+        """Scene and distinct captions of retrieval image ``index``, in ``language``: the scene is the same in
+        every language, as Multi30K's images are (one wording per concept outside English, so a caption
+        in another language has fewer distinct variants)."""
         r = _rng(self.seed, "retrieval", index)
         scene = sample_scene(r, self.image_size)
+        if language != "en":
+            check_languages([language])
+            r = random.Random(f"openalign-synthetic/{self.seed}/{_DOMAINS['retrieval']}/{index}/{language}")
         texts: list[str] = []
         for _ in range(50 * captions_per_image):
-            text = caption_scene(scene, r)
+            text = caption_scene(scene, r, language)
             if text not in texts:
                 texts.append(text)
             if len(texts) == captions_per_image:
@@ -701,6 +734,19 @@ class SyntheticWorld:
         return augment_near_duplicate(self.render(scene), _rng(self.seed, "duplicate", hash_index(source)))
 
 
+def check_languages(languages: Sequence[str]) -> tuple[str, ...]:
+    """``languages`` as a tuple; ValueError for none, a repeat or one the world has no lexicon for."""
+    out = tuple(languages)
+    if not out:
+        raise ValueError("no caption languages given")
+    unknown = [lang for lang in out if lang not in LANGUAGES]
+    if unknown:
+        raise ValueError(f"no synthetic captions in {unknown[0]!r}; languages: {', '.join(LANGUAGES)}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"caption languages repeat: {', '.join(out)}")
+    return out
+
+
 def hash_index(text: str) -> int:
     """A stable integer for a string (Python's ``hash`` of a str changes between runs)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
@@ -711,10 +757,11 @@ def hash_index(text: str) -> int:
 
 
 def iter_pairs(
-    n: int | None, *, seed: int = 0, noise: float = 0.25, image_size: int = 64
+    n: int | None, *, seed: int = 0, noise: float = 0.25, image_size: int = 64, languages: Sequence[str] = ("en",)
 ) -> Iterator[tuple[Image.Image, str]]:
-    """``n`` (or endless, with None) noisy (image, alt-text) training pairs, generated in memory."""
-    return SyntheticWorld(seed, image_size).iter_pairs(n, noise)
+    """``n`` (or endless, with None) noisy (image, alt-text) training pairs, generated in memory; each
+    caption in one of ``languages``."""
+    return SyntheticWorld(seed, image_size, languages).iter_pairs(n, noise)
 
 
 def retrieval_set(
@@ -749,6 +796,7 @@ def write_corpus(
     retrieval_images: int = 1000,
     classification_per_class: int = 10,
     progress: bool = False,
+    languages: Sequence[str] = ("en",),
 ) -> Path:
     """Write a crawl-like training corpus: ``images/`` (JPEG files) and ``metadata.parquet``.
 
@@ -758,6 +806,7 @@ def write_corpus(
     are augmented copies of images of the held-out sets with ``test_seed``, half from the first
     ``retrieval_images`` retrieval images and half from the classification set of
     ``classification_per_class`` per class. Returns the metadata path. The same arguments give the same files.
+    With several ``languages`` each row's caption is in one of them and a ``language`` column says which.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -771,7 +820,7 @@ def write_corpus(
         raise ValueError(f"test_duplicates must be in 0..{min(n, retrieval_images + n_cls)}, got {test_duplicates}")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    world = SyntheticWorld(seed, image_size)
+    world = SyntheticWorld(seed, image_size, languages)
     test_world = SyntheticWorld(test_seed, image_size)
     plant_rng = _rng(seed, "plant", 0)
     positions = plant_rng.sample(range(n), test_duplicates)
@@ -797,6 +846,7 @@ def write_corpus(
         )
     }
     hub_files: dict[str, tuple[str, str]] = {}
+    languages_seen: list[str] = []
     rows: Iterable[Row] = world.iter_rows(n, noise)
     if progress:
         from tqdm import tqdm
@@ -818,7 +868,7 @@ def write_corpus(
             row = Row(
                 index=row.index,
                 scene=scene,
-                caption=caption_scene(scene, r),
+                caption=caption_scene(scene, r, row.language),
                 noise="clean",
                 image_noise=None,
                 image_id=f"planted/{row.index}",
@@ -826,6 +876,7 @@ def write_corpus(
                 height=height,
                 punsafe=round(r.betavariate(1, 40), 4),
                 planted_duplicate_of=source,
+                language=row.language,
             )
             data = _jpeg(test_world.planted_duplicate(source))
         elif row.image_id in hub_files:
@@ -848,6 +899,7 @@ def write_corpus(
         values = (key, url, row.caption, row.width, row.height, digest, row.punsafe, rel, row.noise, row.image_noise)
         for name, value in zip(columns, (*values, row.planted_duplicate_of), strict=True):
             columns[name].append(value)
+        languages_seen.append(row.language)
     table = pa.table(
         {
             **{k: pa.array(v, pa.string()) for k, v in columns.items() if k not in ("width", "height", "punsafe")},
@@ -856,6 +908,8 @@ def write_corpus(
             "punsafe": pa.array(columns["punsafe"], pa.float64()),
         }
     ).select(list(columns))
+    if world.languages != ("en",):  # an English corpus keeps the columns it always had
+        table = table.append_column("language", pa.array(languages_seen, pa.string()))
     path = out / "metadata.parquet"
     pq.write_table(table, path)
     return path
@@ -921,3 +975,40 @@ def write_classification_set(
         (out / "val" / folders[label] / f"{i:05d}.jpg").write_bytes(_jpeg(world.render(scene)))
     (out / "classnames.txt").write_text("\n".join(names) + "\n")
     return out / "val"
+
+
+def write_multi30k_set(
+    out_dir: str | Path,
+    n_images: int = 1000,
+    languages: Sequence[str] = LANGUAGES,
+    *,
+    seed: int = 0,
+    image_size: int = 64,
+    split: str = "test_2016_flickr",
+) -> Path:
+    """Write the retrieval set in Multi30K's task-1 layout, one caption per image in each language:
+    ``image_splits/<split>.txt`` (line i names image i), ``raw/<split>.<lang>`` (line i is its caption) and
+    ``images/``. The scenes are the retrieval set's, so the English captions are the first of
+    ``write_retrieval_set``'s. Returns ``out_dir``; ``eval/multilingual.py`` reads it as it reads Multi30K."""
+    languages = check_languages(languages)
+    if n_images < 1:
+        raise ValueError(f"n_images must be positive, got {n_images}")
+    if not split or "/" in split or split.startswith("."):
+        raise ValueError(f"split must be a plain file stem, got {split!r}")
+    out = Path(out_dir)
+    for folder in ("images", "image_splits", "raw"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    world = SyntheticWorld(seed, image_size)
+    names: list[str] = []
+    captions: dict[str, list[str]] = {lang: [] for lang in languages}
+    for i in range(n_images):
+        name = f"{i:06d}.jpg"
+        scene = world.retrieval_item(i, 1)[0]
+        (out / "images" / name).write_bytes(_jpeg(world.render(scene)))
+        names.append(name)
+        for lang in languages:
+            captions[lang].extend(world.retrieval_item(i, 1, lang)[1])
+    (out / "image_splits" / f"{split}.txt").write_text("\n".join(names) + "\n")
+    for lang, lines in captions.items():
+        (out / "raw" / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out

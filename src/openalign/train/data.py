@@ -77,6 +77,7 @@ class SyntheticDataConfig:
     noise: float = 0.25  # fraction of captions replaced by alt-text noise of the paper's kinds; 0 = clean
     image_size: int = 64  # rendered scene size in pixels (then resized and cropped like any image)
     size: int | None = None  # scenes per epoch, repeated every epoch; None = an endless stream of new scenes
+    languages: tuple[str, ...] = ("en",)  # caption languages, one per row drawn from the seed (en, de, fr, cs)
 
 
 @dataclass
@@ -138,6 +139,12 @@ class DataConfig:
             raise ConfigError(f"data.synthetic.noise must be in [0, 1], got {syn.noise}")
         if syn.image_size < 8 or (syn.size is not None and syn.size < 1):
             raise ConfigError("data.synthetic.image_size must be ≥ 8 and data.synthetic.size ≥ 1 (or null)")
+        from openalign.data.synthetic import check_languages
+
+        try:
+            check_languages(syn.languages)
+        except ValueError as err:
+            raise ConfigError(f"data.synthetic.languages: {err}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,12 +398,14 @@ class _SyntheticSource:
         from openalign.data.synthetic import SyntheticWorld
 
         self.cfg, self.size = cfg, cfg.synthetic.size
-        self.world = SyntheticWorld(seed, cfg.synthetic.image_size)
+        self.world = SyntheticWorld(seed, cfg.synthetic.image_size, cfg.synthetic.languages)
         self._perm: tuple[int, np.ndarray] | None = None
 
     def fingerprint(self) -> str:
         s = self.cfg.synthetic
-        return json.dumps(["synthetic", self.world.seed, s.noise, s.image_size, s.size])
+        # An English world keeps the fingerprint its checkpoints were written with.
+        languages = [list(s.languages)] if tuple(s.languages) != ("en",) else []
+        return json.dumps(["synthetic", self.world.seed, s.noise, s.image_size, s.size, *languages])
 
     def describe(self) -> str:
         return "the synthetic world"

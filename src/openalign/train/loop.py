@@ -579,14 +579,17 @@ def _load_tokenizer(cfg: TrainConfig, resume: Path | None, is_main: bool) -> Tex
 
 def _synthetic_tokenizer(cfg: TrainConfig, captions: int = 10_000) -> Tokenizer:
     """A WordPiece vocabulary learnt from the synthetic world's captions (noise included), as
-    ``openalign vocab`` would."""
+    ``openalign vocab`` would. Captions in other languages than English keep their case and accents:
+    BERT-uncased normalisation strips accents, which folds words that differ only by them together (French
+    "a"/"à", Czech "byt"/"být")."""
     from openalign.data.synthetic import SyntheticWorld
     from openalign.text import train_wordpiece
 
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
-    world = SyntheticWorld(seed, cfg.data.synthetic.image_size)
-    texts = (row.caption for row in world.iter_rows(captions, cfg.data.synthetic.noise))
-    tokenizer = train_wordpiece(texts, vocab_size=8192)
+    syn = cfg.data.synthetic
+    world = SyntheticWorld(seed, syn.image_size, syn.languages)
+    texts = (row.caption for row in world.iter_rows(captions, syn.noise))
+    tokenizer = train_wordpiece(texts, vocab_size=8192, lowercase=tuple(syn.languages) == ("en",))
     tokenizer.max_length = cfg.data.max_text_length
     return tokenizer
 
