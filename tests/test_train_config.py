@@ -21,6 +21,7 @@ def test_packaged_recipes() -> None:
     assert set(list_recipes()) >= {
         "pretrain_align",
         "pretrain_align_b7",
+        "pretrain_align_mling",
         "nano_cpu",
         "finetune_flickr30k",
         "finetune_mscoco",

@@ -28,7 +28,8 @@ def train_schema() -> schema.Schema:
 def _build(parser: Parser) -> None:
     parser.description = (
         "Train with the paper's contrastive loss from a YAML config (sections model, data, optim, train, log, eval) "
-        "or a packaged recipe (pretrain_align, pretrain_align_b7, finetune_flickr30k, finetune_mscoco, nano_cpu). "
+        "or a packaged recipe (pretrain_align, pretrain_align_b7, pretrain_align_mling, finetune_flickr30k, "
+        "finetune_mscoco, nano_cpu). "
         "Any field can be overridden as --section.key VALUE (a YAML value; nested model fields as "
         "--model.image.batch_norm virtual); unknown keys are errors."
     )

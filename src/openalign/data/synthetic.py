@@ -985,26 +985,30 @@ def write_multi30k_set(
     seed: int = 0,
     image_size: int = 64,
     split: str = "test_2016_flickr",
+    image_dir: str | Path | None = None,
 ) -> Path:
     """Write the retrieval set in Multi30K's task-1 layout, one caption per image in each language:
     ``image_splits/<split>.txt`` (line i names image i), ``raw/<split>.<lang>`` (line i is its caption) and
-    ``images/``. The scenes are the retrieval set's, so the English captions are the first of
-    ``write_retrieval_set``'s. Returns ``out_dir``; ``eval/multilingual.py`` reads it as it reads Multi30K."""
+    the images in ``image_dir`` (default ``out_dir/images``; Multi30K keeps them apart, in Flickr30K's
+    folder, and so does the packaged ``paper-multilingual.yaml`` suite). The scenes are the retrieval set's,
+    so the English captions are the first of ``write_retrieval_set``'s. Returns ``out_dir``;
+    ``eval/multilingual.py`` reads it as it reads Multi30K."""
     languages = check_languages(languages)
     if n_images < 1:
         raise ValueError(f"n_images must be positive, got {n_images}")
     if not split or "/" in split or split.startswith("."):
         raise ValueError(f"split must be a plain file stem, got {split!r}")
     out = Path(out_dir)
-    for folder in ("images", "image_splits", "raw"):
-        (out / folder).mkdir(parents=True, exist_ok=True)
+    images = Path(image_dir) if image_dir is not None else out / "images"
+    for folder in (images, out / "image_splits", out / "raw"):
+        folder.mkdir(parents=True, exist_ok=True)
     world = SyntheticWorld(seed, image_size)
     names: list[str] = []
     captions: dict[str, list[str]] = {lang: [] for lang in languages}
     for i in range(n_images):
         name = f"{i:06d}.jpg"
         scene = world.retrieval_item(i, 1)[0]
-        (out / "images" / name).write_bytes(_jpeg(world.render(scene)))
+        (images / name).write_bytes(_jpeg(world.render(scene)))
         names.append(name)
         for lang in languages:
             captions[lang].extend(world.retrieval_item(i, 1, lang)[1])
