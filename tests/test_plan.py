@@ -100,6 +100,46 @@ def test_chunked_plan_extends_two_measured_chunk_counts_to_the_batch() -> None:
     assert abs(int(peak) - int(full_peak)) / int(full_peak) < 0.02
 
 
+CHECKPOINTED_CHUNKS = """
+import json
+from openalign.train import plan as P
+base = {"train.chunk_size": 4, "train.grad_checkpointing": True}
+cases = tuple((f"b{rows}", {**base, "train.batch_size": rows}, 1) for rows in (8, 24))
+print(json.dumps([[c.label, c.predicted_peak, c.measured_peak] for c in P.validate(cases)]))
+"""
+
+
+def test_checkpointed_chunks_hold_one_chunk_of_activations_planned_and_real() -> None:
+    # With checkpointing, a block recomputed in backward must be freed once its chunk's backward is done: at
+    # 6 chunks of 4 the real peak is that of 2 chunks of 4 plus a few inputs, and the plan follows it at
+    # both. (Blocks kept alive to the end of the step raised it by half.)
+    out = run_limited(CHECKPOINTED_CHUNKS, gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (_, two_planned, two_real), (_, six_planned, six_real) = json.loads(out.stdout.strip().splitlines()[-1])
+    for predicted, measured in ((two_planned, two_real), (six_planned, six_real)):
+        assert abs(predicted - measured) / measured <= P.TOLERANCE, (predicted, measured)
+    assert six_real < 1.1 * two_real and six_planned < 1.1 * two_planned
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 1), ("fsdp", 4)])
+def test_planned_activations_shrink_with_the_chunk(strategy: str, world: int) -> None:
+    # 64 rows per rank, checkpointed: chunks of 4 hold a quarter of the activations chunks of 16 hold, so
+    # what a plan calls activations must fall with the chunk, not stay at (chunks x one chunk's worth).
+    code = (
+        "from openalign.train import plan as P\n"
+        f"cfg = P.load_plan_config('nano_cpu', {{'train.batch_size': {64 * world}, 'train.precision': 'fp32', "
+        f"'train.grad_checkpointing': True, 'train.strategy': '{strategy}'}})\n"
+        "dev = P.device_spec('cpu')\n"
+        f"with P.session(cfg, dev, {world}) as s:\n"
+        f"    print(*(P.plan(P._with_chunk(cfg, c), dev, {world}, steps=s).activations for c in (32, 16, 4)))\n"
+    )
+    out = run_limited(code, gib=6)
+    assert out.returncode == 0, out.stderr[-2000:]
+    c32, c16, c4 = map(int, out.stdout.split()[-3:])
+    assert c4 < c16 < c32
+    assert c16 < 0.7 * c32
+
+
 @pytest.mark.slow
 def test_largest_chunk_is_the_boundary_of_fitting() -> None:
     code = (
