@@ -121,6 +121,43 @@ def test_virtual_batch_norm_normalises_each_group_separately() -> None:
     torch.testing.assert_close(bn(x), F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=1e-3))
 
 
+def test_virtual_batch_norm_of_whole_groups_returns_its_own_tensor() -> None:
+    # FSDP2 warns when a block returns a view (an in-place op on it would drop its backward hook); a batch of
+    # whole groups must come back as a tensor of its own, with each group normalised by its own statistics.
+    torch.manual_seed(0)
+    bn = BatchNorm2d(5, eps=1e-3, momentum=0.01, virtual_batch_size=4).train()
+    x = torch.randn(8, 5, 3, 3) * 3 + 1
+    y = bn(x)
+    assert y._base is None
+    for g, yg in zip(x.split(4), y.split(4), strict=True):
+        torch.testing.assert_close(yg, F.batch_norm(g, None, None, bn.weight, bn.bias, True, 0.0, 1e-3))
+
+
+@pytest.mark.parametrize("virtual", [None, 4])
+def test_batch_norm_with_bf16_parameters_keeps_fp32_statistics(virtual: int | None) -> None:
+    # FSDP2's bf16 policy hands the layer bf16 copies of weight and bias but leaves the running buffers
+    # fp32: the layer must normalise a bf16 input with fp32 statistics, as it does under autocast.
+    torch.manual_seed(0)
+    ref = BatchNorm2d(5, eps=1e-3, momentum=0.1, virtual_batch_size=virtual).train()
+    with torch.no_grad():
+        ref.weight.copy_((torch.rand(5) + 0.5).bfloat16().float())
+        ref.bias.copy_(torch.rand(5).bfloat16().float())
+    cast = BatchNorm2d(5, eps=1e-3, momentum=0.1, virtual_batch_size=virtual).train()
+    cast.weight = torch.nn.Parameter(ref.weight.detach().bfloat16())
+    cast.bias = torch.nn.Parameter(ref.bias.detach().bfloat16())
+    x = (torch.randn(8, 5, 3, 3) * 2 + 1).bfloat16()
+    y = cast(x)
+    y.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and cast.weight.grad is not None and cast.weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref(x))
+    assert cast.running_mean.dtype == cast.running_var.dtype == torch.float32
+    torch.testing.assert_close(cast.running_mean, ref.running_mean)
+    torch.testing.assert_close(cast.running_var, ref.running_var)
+    cast.eval()
+    ref.eval()
+    torch.testing.assert_close(cast(x), ref(x))
+
+
 def test_virtual_batch_norm_from_config() -> None:
     model = openalign.create_model("nano", **tiny_overrides(image={"batch_norm": "virtual", "virtual_batch_size": 2}))
     assert model.image.stem.bn.virtual_batch_size == 2

@@ -28,19 +28,22 @@ class BatchNorm2d(nn.BatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         vb = self.virtual_batch_size
+        weight, bias = self._affine()
         if not (self.training and vb and x.shape[0] >= vb):
-            return super().forward(x)
+            if weight is self.weight:
+                return super().forward(x)
+            return self._whole_batch(x, weight, bias)
         # One group of exactly vb rows goes through the same kernels as many, so a gradient-cached chunk of
         # vb rows computes what the whole batch computes for those rows, to the last bit.
         if x.shape[0] % vb:
             groups = x.split(vb)
-            out = torch.cat([F.batch_norm(g, None, None, self.weight, self.bias, True, 0.0, self.eps) for g in groups])
+            out = torch.cat([F.batch_norm(g, None, None, weight, bias, True, 0.0, self.eps) for g in groups])
             with torch.no_grad():
                 mean = torch.stack([g.mean((0, 2, 3)) for g in groups]).mean(0)
                 var = torch.stack([g.var((0, 2, 3), correction=1 if g.numel() > g.shape[1] else 0) for g in groups])
                 var = var.mean(0)
         else:
-            out, mean, var = _GhostBatchNorm.apply(x, self.weight, self.bias, x.shape[0] // vb, self.eps)
+            out, mean, var = _GhostBatchNorm.apply(x, weight, bias, x.shape[0] // vb, self.eps)
         if self.track_running_stats:
             running_mean, running_var, tracked = running_stats(self)
             momentum = self.momentum
@@ -51,6 +54,26 @@ class BatchNorm2d(nn.BatchNorm2d):
                 running_var.lerp_(var.to(running_var.dtype), momentum)
                 tracked.add_(1)
         return out
+
+    def _affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weight and bias in the running statistics' precision. FSDP2's bf16 policy casts parameters, not
+        buffers: a bf16 affine beside fp32 running statistics is a dtype error in the batch-norm kernel, and
+        statistics must stay fp32 anyway. The kernel takes a bf16 input with an fp32 affine and statistics
+        (as under autocast), and the cast's gradient goes back to the bf16 parameter."""
+        weight, bias = self.weight, self.bias
+        stats = self.running_mean
+        if stats is not None and weight.dtype != stats.dtype:
+            return weight.to(stats.dtype), bias.to(stats.dtype)
+        return weight, bias
+
+    def _whole_batch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``nn.BatchNorm2d.forward`` with the given affine (momentum is always a float here)."""
+        momentum = self.momentum
+        assert momentum is not None
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        use_batch = self.training or self.running_mean is None
+        return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, use_batch, momentum, self.eps)
 
 
 class _GhostBatchNorm(torch.autograd.Function):
@@ -68,13 +91,18 @@ class _GhostBatchNorm(torch.autograd.Function):
         var, mean = torch.var_mean(xg.float(), dim=(1, 3, 4), correction=0, keepdim=True)
         invstd = torch.rsqrt(var + eps)
         scale = invstd * weight.float().view(1, 1, -1, 1, 1)
-        out = (xg.float() * scale + (bias.float().view(1, 1, -1, 1, 1) - mean * scale)).to(x.dtype)
+        shift = bias.float().view(1, 1, -1, 1, 1) - mean * scale
+        # The affine goes per sample so the output is a tensor of its own, not a view of a grouped one:
+        # FSDP2 warns of (and an in-place op on it would drop) its hook on a block that returns a view.
+        rows = xg.shape[1]
+        scale, shift = (t.expand(-1, rows, -1, -1, -1).flatten(0, 1) for t in (scale, shift))
+        out = (x.float() * scale + shift).to(x.dtype)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.groups = groups
         n = xg.numel() // (groups * xg.shape[2])
         unbiased = var * (n / (n - 1)) if n > 1 else var
         ctx.mark_non_differentiable(mean, unbiased)
-        return out.flatten(0, 1), mean.flatten().view(groups, -1).mean(0), unbiased.view(groups, -1).mean(0)
+        return out, mean.flatten().view(groups, -1).mean(0), unbiased.view(groups, -1).mean(0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:

@@ -9,7 +9,8 @@ measured, not derived from formulas:
   reference to its storage, so live bytes rise when a storage appears and fall when the step lets go of
   it; the peak is the most bytes alive at once. (PyTorch's ``MemTracker`` refuses a module called more
   than once per step, which gradient caching does by design.)
-- FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` over the same step.
+- FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` over the same step, without its per-module
+  breakdown (``flop_counter`` says why).
 
 With gradient caching the step repeats one chunk's work per chunk, so a plan of many chunks runs the step
 at two and three chunks and extends both measurements along the line through them (exact for FLOPs, and
@@ -36,6 +37,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 
 from openalign.config import ConfigError
 from openalign.loss import contrastive_loss
@@ -192,6 +194,29 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.add(t)
         return out
+
+
+def flop_counter() -> FlopCounterMode:
+    """PyTorch's ``FlopCounterMode`` counting the whole step only.
+
+    Its per-module breakdown (``ModuleTracker``) puts a gradient hook on the output of every module call,
+    and the calls that checkpointing makes during backward, to recompute a block, produce outputs no
+    gradient ever reaches: their hooks keep those recomputed activations alive to the end of the step, so
+    under the stock counter each gradient-cached chunk's recomputed blocks pile up (a step of 16 chunks
+    held 16 chunks' activations). The total needs no module names."""
+
+    class _Global:
+        parents = frozenset({"Global"})
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *_: Any) -> None:
+            return None
+
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _Global()  # type: ignore[assignment]
+    return counter
 
 
 @contextlib.contextmanager
@@ -436,8 +461,6 @@ class StepSession:
         return self.cache[key]
 
     def _measure(self, s: StepSetup, rows: int) -> StepMeasure:
-        from torch.utils.flop_counter import FlopCounterMode
-
         tracker = LiveBytes()
         params = [p for p in s.model.parameters()]
         state = [v for st in s.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
@@ -456,7 +479,7 @@ class StepSession:
 
         hook = s.model.register_forward_pre_hook(back_to_model)
         grads = 0
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         optimizer_flops = 0
         original_step = s.optimizer.step
 
@@ -535,8 +558,6 @@ def measure_loss(cfg: TrainConfig, rows: int, width: int) -> tuple[int, int]:
     """(bytes the loss over the gathered batch adds at its peak, its FLOPs) for ``rows`` cached embeddings
     per rank: the loss and its gradient with respect to the embeddings and the temperature, as the cached
     step computes them."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     t = cfg.train
     with _fake_mode():
         image = torch.empty(rows, width).requires_grad_()
@@ -546,7 +567,7 @@ def measure_loss(cfg: TrainConfig, rows: int, width: int) -> tuple[int, int]:
         for x in (image, text, temp):
             tracker.add(x)
         start = tracker.live
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with tracker, counter:
             loss = contrastive_loss(
                 image, text, temp, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction
@@ -885,11 +906,10 @@ def measured_step(cfg: TrainConfig, rows: int, bf16: bool) -> tuple[int, int]:
     """
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
-    from torch.utils.flop_counter import FlopCounterMode
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         s = build_step(cfg, rows, bf16)
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with counter, record_function("openalign.step"):
             run_step(s)
         del s
