@@ -118,7 +118,8 @@ def test_packaged_suite_names_and_errors(checkpoint: Path, tmp_path: Path, capsy
     base = ["eval", "suite", "--model", str(checkpoint)]
     assert main([*base, "no-such-suite.yaml"]) == 2
     err = capsys.readouterr().err
-    assert "no such suite file, nor a packaged suite (paper-transfer.yaml" in err and len(err.splitlines()) == 1
+    assert "no such suite file, nor a packaged suite (paper-multilingual.yaml, paper-transfer.yaml)" in err
+    assert len(err.splitlines()) == 1
     assert main([*base, "paper-transfer.yaml"]) == 2  # the entries need --root DATA
     assert "give --root DATA" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
