@@ -182,6 +182,11 @@ def test_duckdb_normalisation_matches_python_tokenize():
     # inside a word (kept), and whitespace that is not ASCII (not a separator).
     texts += ["a b", "a  b", "a\tb", "a ,b", "a, b", "a ,, b", "-a-", " a", "a ", "(a)", "a .", ". a", "a.b", " ", ""]
     texts += ["a\u00a0b", "\u00a0a\u00a0", "a-b c-d", ",a, b,", "a\x0bb", "A\r\nB", "..a..b..", "a .b. c"]
+    assert_duckdb_normalises_as_tokenize(texts)
+
+
+def assert_duckdb_normalises_as_tokenize(texts: list[str]) -> None:
+    """DuckDB's normalisation SQL gives each text the words Python's ``tokenize`` gives it, space-joined."""
     con = duckdb.connect()
     con.execute("CREATE TABLE t (i INTEGER, s VARCHAR)")
     con.executemany("INSERT INTO t VALUES (?, ?)", list(enumerate(texts)))

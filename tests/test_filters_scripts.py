@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import random
 
-import duckdb
 import pyarrow.parquet as pq
 import pytest
 
 from openalign.data.filters import filter_corpus, load_rules, tokenize
-from openalign.data.filters.duckdb_engine import norm_sql
 from openalign.data.filters.rules import segment
-from test_filters import OFF, row, run, write_rows
+from test_filters import OFF, assert_duckdb_normalises_as_tokenize, row, run, write_rows
 
 # Pieces of every kind the segmentation treats differently: ideographs, kana (with a voicing mark written
 # separately), Thai letters with their vowel and tone marks, CJK punctuation, ASCII words and punctuation.
@@ -42,12 +40,7 @@ def test_segmentation_counts_characters_of_scripts_without_spaces():
 
 def test_duckdb_segmentation_matches_python_tokenize():
     texts = [*random_texts(3000, 0), ZH, JA, TH, "猫!", "!猫", "a猫b", "ัก", "กั่"]
-    con = duckdb.connect()
-    con.execute("CREATE TABLE t (i INTEGER, s VARCHAR)")
-    con.executemany("INSERT INTO t VALUES (?, ?)", list(enumerate(texts)))
-    got = dict(con.execute(f"SELECT i, {norm_sql('s')} FROM t").fetchall())
-    for i, text in enumerate(texts):
-        assert got[i] == " ".join(tokenize(text)), repr(text)
+    assert_duckdb_normalises_as_tokenize(texts)
 
 
 def test_chinese_japanese_and_thai_pass_the_word_count_while_too_short_ones_are_dropped(tmp_path):
