@@ -233,9 +233,10 @@ class Scene:
         return (self.layout, self.background, self.texture, objs)
 
 
-def _rng(seed: int, domain: str, index: int) -> random.Random:
-    # String seeds are hashed with SHA-512 by random.Random: stable across runs and platforms.
-    return random.Random(f"openalign-synthetic/{seed}/{_DOMAINS[domain]}/{index}")
+def _rng(seed: int, domain: str, index: int, *within: str) -> random.Random:
+    # String seeds are hashed with SHA-512 by random.Random: stable across runs and platforms. ``within``
+    # names a stream inside one item's (a language's captions of one scene), leaving the item's own unchanged.
+    return random.Random("/".join(("openalign-synthetic", str(seed), str(_DOMAINS[domain]), str(index), *within)))
 
 
 def _jitter_rgb(r: random.Random, colour: str) -> tuple[int, int, int]:
@@ -670,7 +671,7 @@ class SyntheticWorld:
         scene = sample_scene(r, self.image_size)
         if language != "en":
             check_languages([language])
-            r = random.Random(f"openalign-synthetic/{self.seed}/{_DOMAINS['retrieval']}/{index}/{language}")
+            r = _rng(self.seed, "retrieval", index, language)
         texts: list[str] = []
         for _ in range(50 * captions_per_image):
             text = caption_scene(scene, r, language)
