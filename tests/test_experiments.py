@@ -18,6 +18,7 @@ from openalign.pipeline.experiments import (
     ablations,
     aggregate,
     build_config,
+    capacity_gains,
     expand_grid,
     mean_std,
     parse_only,
@@ -42,9 +43,11 @@ TINY = {
 def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
     settings = ExperimentSettings(out=str(tmp_path), steps=400, batch_size=256, seeds=2)
     specs = expand_grid(settings)
-    assert len(specs) == (4 + 4 + 3 + 4 + 2) * 2
+    # a: 4 data variants; b–f share one reference: 3 temperatures, 2 negatives, 3 dims, 1 smoothing, 8 towers
+    assert len(specs) == (4 + 1 + 3 + 2 + 3 + 1 + 8) * 2
     by_name = {s.name: s for s in specs}
     assert len(by_name) == len(specs)
+    assert set(by_name["reference/seed1"].ablations) == {"b", "c", "d", "e", "f"}
 
     def config(name: str) -> TrainConfig:
         spec = by_name[name]
@@ -52,43 +55,56 @@ def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
         cfg = build_config(spec)
         assert cfg.train.run_dir == str(spec.run_dir)
         assert cfg.train.seed == int(name[-1])
-        assert cfg.eval.every == 0
         assert cfg.optim.total_steps == 400 and cfg.total_steps == 400
         assert cfg.data.batch_size == 256 and cfg.data.source == "synthetic"
         assert cfg.data.tokenizer == str(tmp_path / "vocab")  # one vocabulary for the whole grid
         return cfg
 
     n = round(400 * 256 / 48)  # the clean set is seen 4 × 12 times
-    clean = config("a/clean-1x/seed0")
+    clean = config("clean-1x/seed0")
     assert (clean.data.synthetic.noise, clean.data.synthetic.size) == (0.0, n)
+    assert clean.eval.every == 40  # ten points of each learning curve
     for variant, size in (("noisy-1x", n), ("noisy-2x", 2 * n), ("noisy-4x", 4 * n)):
-        syn = config(f"a/{variant}/seed1").data.synthetic
+        syn = config(f"{variant}/seed1").data.synthetic
         assert (syn.noise, syn.size) == (0.25, size)
 
-    learned = config("b/learned/seed0").model.resolve()
-    assert learned.learn_temperature is True and learned.temperature_init == 1.0
+    reference = config("reference/seed0")
+    model = reference.model.resolve()
+    assert model.learn_temperature is True and model.temperature_init == 1.0 and model.embed_dim == 640
+    assert reference.train.negatives_fraction == 1.0 and reference.train.label_smoothing == 0.1
+    assert reference.data.synthetic.noise == 0.25 and reference.data.synthetic.size is None
+    assert reference.eval.every == 0
     for fixed in (32, 64, 128):
-        model = config(f"b/fixed-1-{fixed}/seed1").model.resolve()
+        model = config(f"fixed-1-{fixed}/seed1").model.resolve()
         assert model.learn_temperature is False
         assert model.temperature_init == 1 / fixed
-    assert config("b/fixed-1-64/seed0").model.resolve().temperature_init == 0.015625
+    assert config("fixed-1-64/seed0").model.resolve().temperature_init == 0.015625
 
-    for percent in (100, 50, 25):
-        assert config(f"c/neg-{percent}/seed0").train.negatives_fraction == percent / 100
-    for dim in (80, 160, 320, 640):
-        assert config(f"d/dim-{dim}/seed1").model.resolve().embed_dim == dim
-    assert config("e/ls-0.1/seed0").train.label_smoothing == 0.1
-    assert config("e/ls-0/seed0").train.label_smoothing == 0.0
-    # Factors not under study stay at the recipe's values.
-    other = config("c/neg-50/seed0")
+    for percent in (50, 25):
+        assert config(f"neg-{percent}/seed0").train.negatives_fraction == percent / 100
+    for dim in (80, 160, 320):
+        assert config(f"dim-{dim}/seed1").model.resolve().embed_dim == dim
+    assert config("ls-0/seed0").train.label_smoothing == 0.0
+    # Factors not under study stay at the reference's values.
+    other = config("neg-50/seed0")
     assert other.train.label_smoothing == 0.1 and other.data.synthetic.noise == 0.25
-    assert other.data.synthetic.size is None and other.model.resolve().embed_dim == 128
+    assert other.data.synthetic.size is None and other.model.resolve().embed_dim == 640
+
+    nano = reference.model.resolve()
+    small_image = config("towers-SM/seed0").model.resolve()
+    assert (small_image.image.width_coefficient, small_image.image.depth_coefficient) == (0.35, 0.35)
+    assert small_image.text == nano.text
+    large_text = config("towers-ML/seed0").model.resolve()
+    assert (large_text.text.num_layers, large_text.text.hidden_size, large_text.text.num_heads) == (4, 256, 4)
+    assert large_text.image == nano.image and large_text.embed_dim == 640
+    assert (nano.image.width_coefficient, nano.text.num_layers, nano.text.hidden_size) == (0.5, 2, 128)
 
 
 def test_only_and_settings_are_checked() -> None:
     assert parse_only("e, a") == ("a", "e")
-    with pytest.raises(ConfigError, match="unknown ablation 'f'"):
-        parse_only("a,f")
+    assert parse_only("f,a") == ("a", "f")
+    with pytest.raises(ConfigError, match="unknown ablation 'g'"):
+        parse_only("a,g")
     with pytest.raises(ConfigError):
         expand_grid(ExperimentSettings(steps=0))
     assert main(["experiments", "--only", "x", "--out", "/nonexistent/never"]) == 2
@@ -106,23 +122,20 @@ def test_mean_and_sample_std_by_hand() -> None:
 
 def test_aggregate_by_hand() -> None:
     table = ablations(10, 8)
-    metrics = {"t2i_r1": 0.0, "i2t_r1": 0.0, "mean_recall": 0.0}
+    metrics = {"t2i_r1": 0.0, "i2t_r1": 0.0, "mean_recall": 0.0, "knn_top1": 50.0}
 
     def run(variant: str, seed: int, t2i: float, i2t: float) -> dict:
-        return {
-            "ablation": "e",
-            "variant": variant,
-            "seed": seed,
-            "seconds": 2.0,
-            "metrics": {**metrics, "t2i_r1": t2i, "i2t_r1": i2t},
-        }
+        return {"variant": variant, "seed": seed, "seconds": 2.0, "metrics": {**metrics, "t2i_r1": t2i, "i2t_r1": i2t}}
 
-    runs = [run("ls-0.1", 0, 10.0, 20.0), run("ls-0.1", 1, 14.0, 20.0)]
-    runs += [run("ls-0", 0, 1.0, 30.0), run("ls-0", 1, 3.0, 31.0)]
-    rows = {r["variant"]: r for r in aggregate(runs, table, ["e"])["e"]["variants"]}
-    ref, off = rows["ls-0.1"], rows["ls-0"]
+    runs = [run("reference", 0, 10.0, 20.0), run("reference", 1, 14.0, 20.0)]
+    runs += [run("ls-0", 0, 1.0, 30.0), run("ls-0", 1, 3.0, 31.0), run("neg-50", 0, 99.0, 99.0)]
+    summary = aggregate(runs, table, ["e"])["e"]
+    rows = {r["variant"]: r for r in summary["variants"]}
+    assert summary["seconds"] == 8.0  # the runs of this ablation only
+    ref, off = rows["reference"], rows["ls-0"]
     assert ref["t2i_r1"] == {"mean": 12.0, "std": pytest.approx(math.sqrt(8)), "n": 2}
     assert ref["i2t_r1"] == {"mean": 20.0, "std": 0.0, "n": 2}
+    assert ref["knn_top1"] == {"mean": 50.0, "std": 0.0, "n": 2}
     assert off["t2i_r1"]["mean"] == 2.0 and off["t2i_r1"]["std"] == pytest.approx(math.sqrt(2))
     assert off["i2t_r1"]["mean"] == 30.5 and off["i2t_r1"]["std"] == pytest.approx(math.sqrt(0.5))
     assert ref["trend"]["t2i_r1"] == "reference"
@@ -130,6 +143,51 @@ def test_aggregate_by_hand() -> None:
     assert off["trend"]["t2i_r1"].startswith("same direction as paper (Δ -10.0, noise 2.2")
     # i2t: Δ +10.5 against pooled 0.5 -> higher, the opposite
     assert off["trend"]["i2t_r1"].startswith("opposite")
+
+
+def test_learning_curves_average_over_seeds_by_step() -> None:
+    table = ablations(10, 8)
+    base = {"seconds": 1.0, "metrics": {"t2i_r1": 5.0, "i2t_r1": 5.0, "mean_recall": 5.0, "knn_top1": 5.0}}
+    runs = [
+        {**base, "variant": "clean-1x", "seed": 0, "curve": [[1, 2.0, 1.0], [2, 4.0, 3.0]]},
+        {**base, "variant": "clean-1x", "seed": 1, "curve": [[1, 6.0, 1.0], [2, 8.0, 5.0]]},
+    ]
+    rows = {r["variant"]: r for r in aggregate(runs, table, ["a"])["a"]["variants"]}
+    curve = rows["clean-1x"]["curve"]
+    assert [p["step"] for p in curve] == [1, 2]
+    assert curve[0]["t2i_r1"] == {"mean": 4.0, "std": pytest.approx(math.sqrt(8)), "n": 2}
+    assert curve[1]["i2t_r1"] == {"mean": 4.0, "std": pytest.approx(math.sqrt(2)), "n": 2}
+    assert rows["noisy-4x"]["curve"] == []
+
+
+def test_tower_verdicts_compare_paired_gains_by_hand() -> None:
+    # KNN: image S -> L gains 10 and 12 (seeds 0, 1), text S -> L gains 1 and 3: image gain 11 ± 1.41 against
+    # text gain 2 ± 1.41 -> higher beyond the pooled noise, as the paper finds. Retrieval: gains 2 and 4 against
+    # 3 and 3 -> within noise, "alike" as the paper finds.
+    table = ablations(10, 8)
+    values = {
+        "towers-SM": ([50, 50], [20, 20]),
+        "towers-LM": ([60, 62], [22, 24]),
+        "towers-MS": ([55, 55], [20, 21]),
+        "towers-ML": ([56, 58], [23, 24]),
+    }
+    runs = []
+    for variant, (knn, t2i) in values.items():
+        for seed in (0, 1):
+            metrics = {"t2i_r1": t2i[seed], "i2t_r1": t2i[seed], "mean_recall": 0.0, "knn_top1": knn[seed]}
+            runs.append({"variant": variant, "seed": seed, "seconds": 1.0, "metrics": metrics})
+    image_gain, text_gain = capacity_gains(runs, "knn_top1")
+    assert (image_gain.mean, text_gain.mean) == (11.0, 2.0)
+    assert image_gain.std == pytest.approx(math.sqrt(2)) and image_gain.n == 2
+    verdicts = {v["metric"]: v for v in aggregate(runs, table, ["f"])["f"]["verdicts"]}
+    assert verdicts["knn_top1"]["verdict"].startswith("same direction as paper (Δ +9.0")
+    assert verdicts["t2i_r1"]["image_gain"]["mean"] == verdicts["t2i_r1"]["text_gain"]["mean"] == 3.0
+    assert verdicts["t2i_r1"]["verdict"].startswith("≈ as in paper")
+    # A seed missing from one cell drops out of every pair.
+    image_gain, _ = capacity_gains(
+        [r for r in runs if not (r["variant"] == "towers-ML" and r["seed"] == 1)], "knn_top1"
+    )
+    assert image_gain.n == 1 and image_gain.mean == 10.0
 
 
 def test_trend_cases() -> None:
@@ -173,27 +231,56 @@ def test_runs_are_reused_and_reported(tmp_path: Path, monkeypatch: pytest.Monkey
     for run in first["runs"]:
         assert run["steps"] == 2 and 0 <= run["metrics"]["t2i_r1"] <= 100
         assert run["metrics"]["num_images"] == 10 and run["metrics"]["num_captions"] == 50
-        run_dir = tmp_path / "runs" / "e" / run["variant"] / "seed0"
+        assert 0 <= run["metrics"]["knn_top1"] <= 100
+        run_dir = tmp_path / "runs" / run["variant"] / "seed0"
         assert (run_dir / "result.json").is_file() and (run_dir / "final").is_dir()
         assert not (run_dir / "checkpoints").exists()
 
     # Both runs tokenised with the one vocabulary learnt for the grid, saved beside the runs.
     shared = (tmp_path / "vocab" / "vocab.txt").read_text()
     for run in first["runs"]:
-        assert (tmp_path / "runs" / "e" / run["variant"] / "seed0" / "final" / "vocab.txt").read_text() == shared
+        assert (tmp_path / "runs" / run["variant"] / "seed0" / "final" / "vocab.txt").read_text() == shared
 
-    second = run_experiments(settings, log=lambda _: None)
-    assert len(calls) == 2  # nothing retrained
-    assert second["runs"] == first["runs"]
+    # The reference run is shared: asking for (c) as well adds only its two other variants.
+    second = run_experiments(ExperimentSettings(**{**settings.__dict__, "only": ("c", "e")}), log=lambda _: None)
+    assert len(calls) == 4
+    assert [r["variant"] for r in second["runs"]] == ["reference", "neg-50", "neg-25", "ls-0"]
+    assert second["runs"][0] == first["runs"][0]
     saved = json.loads((tmp_path / "experiments.json").read_text())
-    assert [r["variant"] for r in saved["ablations"]["e"]["variants"]] == ["ls-0.1", "ls-0"]
+    assert [r["variant"] for r in saved["ablations"]["e"]["variants"]] == ["reference", "ls-0"]
+    assert saved["run_seconds"] == pytest.approx(sum(r["seconds"] for r in second["runs"]), abs=0.2)
 
     markdown = (tmp_path / "experiments.md").read_text()
     rows = [line for line in markdown.splitlines() if line.startswith("| label smoothing")]
     assert len(rows) == 2
     assert "## (e) Label smoothing" in markdown and "## (a)" not in markdown
+    for key in ("c", "e"):
+        assert f"]({saved['plots'][key]})" in markdown
+        assert (tmp_path / saved["plots"][key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Other settings in the same folder would mix incomparable runs.
     with pytest.raises(ValueError, match="other settings"):
         run_experiments(ExperimentSettings(**{**settings.__dict__, "steps": 3}), log=lambda _: None)
-    assert len(calls) == 2
+    assert len(calls) == 4
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_data_scale_curves_and_tower_grid_end_to_end(tmp_path: Path) -> None:
+    # Tiny runs of (a) and (f): the curves come from the evaluations logged along training, the tower grid's
+    # towers are the ones its variants name, and both plots are written.
+    settings = ExperimentSettings(
+        out=str(tmp_path), steps=10, batch_size=8, eval_images=10, seeds=1, only=("a", "f"), overrides=TINY
+    )
+    summary = run_experiments(settings, log=lambda _: None)
+    rows = {r["variant"]: r for r in summary["ablations"]["a"]["variants"]}
+    assert [p["step"] for p in rows["noisy-4x"]["curve"]] == list(range(1, 11))
+    run = next(r for r in summary["runs"] if r["variant"] == "clean-1x")
+    assert run["curve"][-1][1] == pytest.approx(run["metrics"]["t2i_r1"])  # the last point is the final model
+    config = json.loads((tmp_path / "runs" / "towers-LS" / "seed0" / "final" / "config.json").read_text())["model"]
+    assert config["image"]["width_coefficient"] == 0.7 and config["text"]["num_layers"] == 1
+    verdicts = summary["ablations"]["f"]["verdicts"]
+    assert [v["metric"] for v in verdicts] == ["knn_top1", "t2i_r1", "i2t_r1"]
+    assert all(v["image_gain"]["n"] == 1 for v in verdicts)
+    assert "| knn_top1 |" in (tmp_path / "experiments.md").read_text()
+    for key in ("a", "f"):
+        assert (tmp_path / summary["plots"][key]).stat().st_size > 10_000

@@ -129,21 +129,23 @@ def run_multi30k_world(args: argparse.Namespace) -> int:
 def _experiments(parser: Parser) -> None:
     parser.description = (
         "Train the nano model on the synthetic world several times with one factor changed (a: noisy data at "
-        "1x/2x/4x the size of a clean set, b: learned vs fixed temperature, c: fraction of in-batch negatives, d: "
-        "embedding size, e: label smoothing), over several seeds; evaluate each final model on a held-out "
-        "retrieval set and write OUT/experiments.json and OUT/experiments.md (mean ± std per variant, the paper's "
-        "direction and the trend measured here). Finished runs are reused by a second invocation."
+        "1x/2x/4x the size of a clean set, with learning curves; b: learned vs fixed temperature; c: fraction of "
+        "in-batch negatives; d: embedding size; e: label smoothing; f: 3 image x 3 text tower sizes), over "
+        "several seeds; evaluate each final model on a held-out retrieval set and by KNN classification of its "
+        "image embeddings; write OUT/experiments.json, OUT/experiments.md (mean ± std per variant, the paper's "
+        "direction and the verdict measured here) and one plot per ablation in OUT/plots/. Finished runs are "
+        "reused by a second invocation, so the grid can be run in parts."
     )
     parser.epilog = (
         "examples:\n"
-        "  openalign experiments --quick                 # the whole grid on a small budget\n"
+        "  openalign experiments                         # the whole grid: 250 steps x 256 a run\n"
         "  openalign experiments --only b,d --seeds 5\n"
         "  openalign experiments --quick --only e --seeds 1 --steps 3 --out /tmp/xp"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a smaller budget: 200 steps of batch 128 (about an hour on 2 cores)"
+        "--quick", action="store_true", help="a smoke test of the grid: 60 steps of batch 128 (below the trends)"
     )
-    only = Alias(("--only",), "only", "ablations to run, from a,b,c,d,e (default all)", metavar="A,B",
+    only = Alias(("--only",), "only", "ablations to run, from a,b,c,d,e,f (default all)", metavar="A,B",
                  type=lambda s: [p.strip() for p in s.split(",")])  # fmt: skip
     add_config(parser, schema.read(EXPERIMENTS), aliases=[only])
     parser.set_defaults(func=run_experiments)

@@ -1,24 +1,29 @@
-"""``openalign experiments``: the paper's ablations (§6, Tables 8–10) in miniature on the synthetic world.
+"""``openalign experiments``: the paper's ablations (§6, Tables 8–10, Figure 3) in miniature on the synthetic world.
 
 Each ablation trains the ``nano`` dual encoder from the packaged ``nano_cpu`` recipe several times with one
-factor changed and several seeds, evaluates every final model on the same held-out synthetic retrieval set,
-and reports mean ± sample std per variant beside the direction the paper found:
+factor changed and several seeds, evaluates every final model on the same held-out synthetic retrieval set
+(and KNN classification of its image embeddings, the paper's vision-only probe), and reports mean ± sample
+std per variant beside the direction the paper found, with the verdict computed from the seeds:
 
-  a  noisy data at 1×, 2×, 4× the size of a clean set (same number of steps)
+  a  noisy data at 1×, 2×, 4× the size of a clean set (same number of steps), with learning curves
   b  learned temperature vs fixed 1/32, 1/64, 1/128
   c  in-batch negatives 100 % / 50 % / 25 %
   d  embedding size 80 / 160 / 320 / 640
   e  label smoothing 0.1 vs 0
+  f  model scaling: 3 image-tower sizes × 3 text-tower sizes derived from ``nano``
 
-Every run lives in ``OUT/runs/<ablation>/<variant>/seed<k>``; its ``result.json`` is written only once it is
-evaluated, so a second invocation reuses the finished runs and an interrupted one loses none of them. All runs
-share one WordPiece vocabulary, learnt once into ``OUT/vocab``: learnt per run it differs by a few pieces
-(the trainer breaks merge ties in hash-map order), which changes the embedding table and with it every
-weight drawn after it, so runs of one seed would not start from the same weights.
+Ablations b–f share one reference configuration (the paper's ablation base: learned temperature, all
+negatives, 640-d embeddings, label smoothing 0.1, ``nano``'s towers), trained once per seed. Every run lives
+in ``OUT/runs/<variant>/seed<k>``; its ``result.json`` is written only once it is evaluated, so a second
+invocation reuses the finished runs and an interrupted one loses none of them. All runs share one WordPiece
+vocabulary, learnt once into ``OUT/vocab``: learnt per run it differs by a few pieces (the trainer breaks
+merge ties in hash-map order), which changes the embedding table and with it every weight drawn after it,
+so runs of one seed would not start from the same weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -55,22 +60,44 @@ __all__ = [
 BASE_CONFIG = "nano_cpu"
 RESULT_FILE = "result.json"
 VOCAB_DIR = "vocab"
+PLOTS_DIR = "plots"
 
-# Full mode: the recipe's batch for a modest number of steps, scored on a Flickr-sized held-out set.
-FULL_STEPS = 400
+# The default budget: the recipe's batch of 256 for 250 steps (a full cosine schedule), scored on 1,000
+# held-out images × 5 captions, so that the reference clears 30 % t2i R@1 while the 22 variants × 3 seeds
+# finish within three hours on two cores.
+FULL_STEPS = 250
 FULL_EVAL_IMAGES = 1000
-# Quick mode: the smallest budget at which nano learns well above chance (t2i R@1 several times chance after
-# 200 steps of 128), so the whole grid (17 variants × 3 seeds) takes about an hour on two idle cores.
-QUICK_STEPS = 200
+# Quick mode: a smoke test of the whole grid (far below the reference's learning; most trends read "no signal").
+QUICK_STEPS = 60
 QUICK_BATCH = 128
-QUICK_EVAL_IMAGES = 500
+QUICK_EVAL_IMAGES = 300
 
 # Ablation (a): the paper's full run sees its data about 12 times (1.2M steps × 16384 pairs over 1.8B), so
 # the clean set holds a quarter of the training budget / 12 scenes and the 4× noisy set is seen ~12 times.
 EPOCHS_AT_4X = 12
 NOISE = 0.25  # the noisy sets' caption noise, as in the recipe
+CURVE_POINTS = 10  # held-out evaluations along each run of (a), for its learning curves
 
-ABLATIONS = ("a", "b", "c", "d", "e")
+# KNN probe: a labelled index and query set of one-object scenes ("colour shape" classes), drawn apart from
+# the retrieval set and from each other.
+KNN_INDEX_PER_CLASS = 10
+KNN_QUERY_PER_CLASS = 5
+KNN_INDEX_SEED, KNN_QUERY_SEED = 1, 2
+
+# The reference of ablations b–f, spelt out so that a change of the recipe cannot move it silently.
+REFERENCE: dict[str, Any] = {
+    "model.learn_temperature": True,
+    "model.temperature_init": 1.0,
+    "train.negatives_fraction": 1.0,
+    "model.embed_dim": 640,
+    "train.label_smoothing": 0.1,
+}
+# Ablation (f): towers scaled from nano's (image: width and depth coefficients 0.5; text: 2 layers of 128)
+# down and up by about the same factor of compute.
+IMAGE_TOWERS = {"S": (0.35, 0.35), "M": (0.5, 0.5), "L": (0.7, 0.7)}  # (width, depth) coefficients
+TEXT_TOWERS = {"S": (1, 64, 1), "M": (2, 128, 2), "L": (4, 256, 4)}  # (layers, hidden size, heads)
+
+ABLATIONS = ("a", "b", "c", "d", "e", "f")
 Expect = Literal["reference", "lower", "higher", "similar"]
 
 
@@ -78,11 +105,12 @@ Expect = Literal["reference", "lower", "higher", "similar"]
 class Variant:
     """One setting of an ablation's factor."""
 
-    name: str  # directory name
+    name: str  # directory name; one name is one configuration, shared by the ablations that contain it
     label: str  # table row
     overrides: dict[str, Any]  # dotted train-config keys on top of the recipe
     expect: Expect  # the paper's finding relative to the ablation's reference variant
     paper: str  # the paper's numbers behind that finding
+    factor: float | None = None  # the factor's value, for plots (None: categorical)
 
 
 @dataclass(frozen=True)
@@ -149,31 +177,55 @@ def clean_scenes(steps: int, batch_size: int) -> int:
     return max(batch_size, round(steps * batch_size / (4 * EPOCHS_AT_4X)))
 
 
+def _reference(label: str, paper: str, factor: float | None = None) -> Variant:
+    return Variant("reference", label, dict(REFERENCE), "reference", paper, factor)
+
+
+def _changed(
+    name: str, label: str, change: dict[str, Any], expect: Expect, paper: str, factor: float | None = None
+) -> Variant:
+    return Variant(name, label, {**REFERENCE, **change}, expect, paper, factor)
+
+
+def tower_overrides(image: str, text: str) -> dict[str, Any]:
+    """Ablation (f)'s towers of sizes ``image`` and ``text`` (S, M or L)."""
+    width, depth = IMAGE_TOWERS[image]
+    layers, hidden, heads = TEXT_TOWERS[text]
+    return {
+        "model.image.width_coefficient": width,
+        "model.image.depth_coefficient": depth,
+        "model.text.num_layers": layers,
+        "model.text.hidden_size": hidden,
+        "model.text.num_heads": heads,
+    }
+
+
 def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
     """Every ablation's variants for a run of ``steps`` × ``batch_size`` pairs."""
     n = clean_scenes(steps, batch_size)
+    curve = {"eval.every": max(1, steps // CURVE_POINTS)}
 
     def data(label: str, size: int, noise: float, expect: Expect, paper: str) -> Variant:
         name = label.split()[0] + f"-{size // n}x"
-        over = {"data.synthetic.noise": noise, "data.synthetic.size": size}
-        return Variant(name, f"{label} ({size:,} scenes)", over, expect, paper)
+        over = {**REFERENCE, "data.synthetic.noise": noise, "data.synthetic.size": size, **curve}
+        return Variant(name, f"{label} ({size:,} scenes)", over, expect, paper, size / n)
 
-    def temperature(fixed: int | None, expect: Expect, paper: str) -> Variant:
-        if fixed is None:
-            over = {"model.learn_temperature": True, "model.temperature_init": 1.0}
-            return Variant("learned", "learned (init 1.0)", over, expect, paper)
+    def temperature(fixed: int, expect: Expect, paper: str) -> Variant:
         over = {"model.learn_temperature": False, "model.temperature_init": 1.0 / fixed}
-        return Variant(f"fixed-1-{fixed}", f"fixed 1/{fixed}", over, expect, paper)
+        return _changed(f"fixed-1-{fixed}", f"fixed 1/{fixed}", over, expect, paper, 1.0 / fixed)
 
     def negatives(percent: int, expect: Expect, paper: str) -> Variant:
         over = {"train.negatives_fraction": percent / 100}
-        return Variant(f"neg-{percent}", f"{percent} % in-batch negatives", over, expect, paper)
+        return _changed(f"neg-{percent}", f"{percent} % in-batch negatives", over, expect, paper, percent)
 
     def dim(d: int, expect: Expect, paper: str) -> Variant:
-        return Variant(f"dim-{d}", f"embed dim {d}", {"model.embed_dim": d}, expect, paper)
+        return _changed(f"dim-{d}", f"embed dim {d}", {"model.embed_dim": d}, expect, paper, d)
 
-    def smoothing(value: float, expect: Expect, paper: str) -> Variant:
-        return Variant(f"ls-{value:g}", f"label smoothing {value:g}", {"train.label_smoothing": value}, expect, paper)
+    def towers(image: str, text: str) -> Variant:
+        label = f"image {image} × text {text}"
+        if (image, text) == ("M", "M"):
+            return _reference(label + " (nano)", "the paper's grid: B1–L2 × BERT-Mini–Large")
+        return _changed(f"towers-{image}{text}", label, tower_overrides(image, text), "similar", "see the verdicts")
 
     table8 = "Table 8: B5 + BERT-base, MSCOCO zero-shot R@1 I2T / T2I"
     return {
@@ -193,7 +245,7 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
             "Learned vs fixed softmax temperature",
             table8,
             (
-                temperature(None, "reference", "learned (→ ~1/64): 51.7 / 37.5"),
+                _reference("learned (init 1.0)", "learned (→ ~1/64): 51.7 / 37.5"),
                 temperature(32, "lower", "lower: 39.6 / 26.9"),
                 temperature(64, "similar", "≈: 52.2 / 37.3"),
                 temperature(128, "similar", "≈: 52.2 / 36.5"),
@@ -204,7 +256,7 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
             "Fraction of in-batch negatives",
             table8,
             (
-                negatives(100, "reference", "all negatives: 51.7 / 37.5"),
+                _reference("100 % in-batch negatives", "all negatives: 51.7 / 37.5", 100),
                 negatives(50, "lower", "lower: 50.2 / 37.0"),
                 negatives(25, "lower", "lower: 48.7 / 35.8"),
             ),
@@ -217,7 +269,7 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
                 dim(80, "lower", "lower: 42.0 / 29.3"),
                 dim(160, "lower", "lower: 47.0 / 34.4"),
                 dim(320, "lower", "lower: 50.3 / 34.1"),
-                dim(640, "reference", "640 (best): 51.7 / 37.5"),
+                _reference("embed dim 640", "640 (best): 51.7 / 37.5", 640),
             ),
         ),
         "e": Ablation(
@@ -225,37 +277,52 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
             "Label smoothing",
             "§4: the paper trains with 0.1; it publishes no ablation, so 'slightly lower without' is an expectation",
             (
-                smoothing(0.1, "reference", "the paper's setting"),
-                smoothing(0.0, "lower", "slightly lower (no published numbers)"),
+                _reference("label smoothing 0.1", "the paper's setting", 0.1),
+                _changed(
+                    "ls-0",
+                    "label smoothing 0",
+                    {"train.label_smoothing": 0.0},
+                    "lower",
+                    "slightly lower (no published numbers)",
+                    0.0,
+                ),
             ),
+        ),
+        "f": Ablation(
+            "f",
+            "Model scaling: image tower × text tower",
+            "Figure 3 and §6.2: EfficientNet B1–L2 × BERT-Mini–Large; image capacity matters more for "
+            "vision-only tasks (ImageNet KNN), both alike for retrieval",
+            tuple(towers(image, text) for image in IMAGE_TOWERS for text in TEXT_TOWERS),
         ),
     }
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    ablation: str
     variant: str
     seed: int
     run_dir: Path
     overrides: dict[str, Any]  # the complete overrides of the recipe for this run
+    ablations: tuple[str, ...]  # the ablations whose tables use it
 
     @property
     def name(self) -> str:
-        return f"{self.ablation}/{self.variant}/seed{self.seed}"
+        return f"{self.variant}/seed{self.seed}"
 
 
 def expand_grid(settings: ExperimentSettings) -> list[RunSpec]:
-    """Every run the settings ask for, ablation by ablation, variant by variant, seed by seed."""
+    """Every distinct run the settings ask for, ablation by ablation, variant by variant, seed by seed; a
+    variant that several ablations share (the reference) is one run per seed."""
     settings.validate()
     steps, batch = settings.steps, _batch_size(settings)
     table = ablations(steps, batch)
     root = Path(settings.out) / "runs"
-    specs = []
+    specs: dict[tuple[str, int], RunSpec] = {}
     for key in settings.only:
         for variant in table[key].variants:
             for seed in range(settings.seeds):
-                run_dir = root / key / variant.name / f"seed{seed}"
+                run_dir = root / variant.name / f"seed{seed}"
                 overrides = {
                     "data.batch_size": batch,
                     "optim.total_steps": steps,
@@ -270,8 +337,14 @@ def expand_grid(settings: ExperimentSettings) -> list[RunSpec]:
                     **settings.overrides,
                     **variant.overrides,
                 }
-                specs.append(RunSpec(key, variant.name, seed, run_dir, overrides))
-    return specs
+                earlier = specs.get((variant.name, seed))
+                if earlier is None:
+                    specs[(variant.name, seed)] = RunSpec(variant.name, seed, run_dir, overrides, (key,))
+                elif earlier.overrides != overrides:
+                    raise AssertionError(f"variant {variant.name} is configured two ways")
+                else:
+                    specs[(variant.name, seed)] = dataclasses.replace(earlier, ablations=(*earlier.ablations, key))
+    return list(specs.values())
 
 
 def build_config(spec: RunSpec) -> Any:
@@ -348,16 +421,51 @@ def _settings_record(spec: RunSpec, eval_images: int) -> dict[str, Any]:
     return record
 
 
-def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], Any]) -> dict[str, Any]:
+@dataclass
+class _EvalSets:
+    """The held-out sets every run is scored on, rendered once per invocation and image size."""
+
+    retrieval: dict[tuple[int, int], Any] = field(default_factory=dict)
+    knn: dict[int, Any] = field(default_factory=dict)
+
+    def retrieval_set(self, images: int, image_size: int) -> Any:
+        from openalign.data.synthetic import retrieval_set
+        from openalign.eval.retrieval import RetrievalSet
+
+        if (images, image_size) not in self.retrieval:
+            self.retrieval[images, image_size] = RetrievalSet(*retrieval_set(images, 5, image_size=image_size))
+        return self.retrieval[images, image_size]
+
+    def knn_sets(self, image_size: int) -> Any:
+        from openalign.data.synthetic import classification_set
+
+        if image_size not in self.knn:
+            index = classification_set(KNN_INDEX_PER_CLASS, seed=KNN_INDEX_SEED, image_size=image_size)
+            query = classification_set(KNN_QUERY_PER_CLASS, seed=KNN_QUERY_SEED, image_size=image_size)
+            self.knn[image_size] = (index, query)
+        return self.knn[image_size]
+
+
+def _curve(run_dir: Path) -> list[list[float]]:
+    """[step, t2i R@1, i2t R@1] of each held-out evaluation the run logged while training."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [[r["step"], r["eval/t2i_r1"], r["eval/i2t_r1"]] for r in rows if "eval/t2i_r1" in r]
+
+
+def _run_one(spec: RunSpec, eval_images: int, sets: _EvalSets) -> dict[str, Any]:
     import torch
 
     import openalign
-    from openalign.data.synthetic import retrieval_set
-    from openalign.eval.retrieval import RetrievalSet, evaluate_retrieval
+    from openalign.embed import embed_images
+    from openalign.eval.knn import knn_accuracy
+    from openalign.eval.retrieval import evaluate_retrieval
     from openalign.train.loop import NonFiniteError, train
 
     cfg = build_config(spec)
-    record: dict[str, Any] = {"ablation": spec.ablation, "variant": spec.variant, "seed": spec.seed}
+    record: dict[str, Any] = {"variant": spec.variant, "seed": spec.seed}
     start = time.perf_counter()
     try:
         result = train(cfg, resume="latest")
@@ -366,19 +474,27 @@ def _run_one(spec: RunSpec, eval_images: int, eval_sets: dict[tuple[int, int], A
         return {**record, "error": str(err), "seconds": round(time.perf_counter() - start, 1)}
     if result.final_dir is None:
         raise RuntimeError(f"{spec.name}: training stopped at step {result.step} without a final model")
-    # One held-out set for every run (its own seed space), rendered once per invocation.
-    key = (eval_images, cfg.data.synthetic.image_size)
-    if key not in eval_sets:
-        eval_sets[key] = RetrievalSet(*retrieval_set(eval_images, 5, image_size=key[1]))
+    side = cfg.data.synthetic.image_size
     model = openalign.load_model(result.final_dir)
     tokenizer = openalign.load_tokenizer(result.final_dir, max_length=model.config.text.max_length)
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
     metrics = evaluate_retrieval(
-        model, tokenizer, eval_sets[key], batch_size=cfg.eval.batch_size, device=device, progress=False
+        model,
+        tokenizer,
+        sets.retrieval_set(eval_images, side),
+        batch_size=cfg.eval.batch_size,
+        device=device,
+        progress=False,
+    )
+    (index_images, index_labels, _), (query_images, query_labels, _) = sets.knn_sets(side)
+    kw = {"batch_size": cfg.eval.batch_size, "device": device}
+    knn = knn_accuracy(
+        embed_images(model, index_images, **kw), index_labels, embed_images(model, query_images, **kw), query_labels
     )
     return {
         **record,
-        "metrics": {k: float(v) for k, v in metrics.items()},
+        "metrics": {**{k: float(v) for k, v in metrics.items()}, "knn_top1": knn},
+        "curve": _curve(spec.run_dir),
         "final_temperature": float(model.temperature.detach()),
         "steps": result.step,
         "seconds": round(time.perf_counter() - start, 1),
@@ -401,7 +517,7 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
     out.mkdir(parents=True, exist_ok=True)
     _shared_vocabulary(settings, log)
     wall = time.perf_counter()
-    eval_sets: dict[tuple[int, int], Any] = {}
+    sets = _EvalSets()
     runs = []
     for i, spec in enumerate(specs, 1):
         path = spec.run_dir / RESULT_FILE
@@ -413,19 +529,23 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
             log(f"[{i}/{len(specs)}] {spec.name}: finished earlier, reused")
         else:
             log(f"[{i}/{len(specs)}] {spec.name} ...")
-            run = {**_run_one(spec, settings.eval_images, eval_sets), "settings": expected}
+            run = {**_run_one(spec, settings.eval_images, sets), "settings": expected}
             _write_json(path, run)
             # The final model stays in final/; the resumable state is no longer needed.
             shutil.rmtree(spec.run_dir / ckpt.CHECKPOINT_DIR, ignore_errors=True)
             log(f"[{i}/{len(specs)}] {spec.name}: {_run_line(run)}")
         runs.append(run)
+    from openalign.pipeline.experiment_plots import write_plots
+
     batch = _batch_size(settings)
     summary = {
         "settings": {**asdict(settings), "batch_size": batch, "clean_scenes": clean_scenes(settings.steps, batch)},
         "wall_seconds": round(time.perf_counter() - wall, 1),
+        "run_seconds": round(sum(r["seconds"] for r in runs), 1),
         "ablations": aggregate(runs, ablations(settings.steps, batch), settings.only),
         "runs": runs,
     }
+    summary["plots"] = {key: str(path.relative_to(out)) for key, path in write_plots(summary, out / PLOTS_DIR).items()}
     _write_json(out / "experiments.json", summary)
     markdown = render_markdown(summary)
     (out / "experiments.md").write_text(markdown)
@@ -456,53 +576,113 @@ def _run_line(run: dict[str, Any]) -> str:
     if "error" in run:
         return f"diverged after {run['seconds']:.0f} s"
     m = run["metrics"]
-    return f"t2i R@1 {m['t2i_r1']:.1f}, i2t R@1 {m['i2t_r1']:.1f} ({run['seconds']:.0f} s)"
+    return f"t2i R@1 {m['t2i_r1']:.1f}, i2t R@1 {m['i2t_r1']:.1f}, KNN {m['knn_top1']:.1f} ({run['seconds']:.0f} s)"
 
 
 # --------------------------------------------------------------------------------------------------
 # Reporting
 
-METRICS = ("t2i_r1", "i2t_r1", "mean_recall")
+METRICS = ("t2i_r1", "i2t_r1", "mean_recall", "knn_top1")
+TREND_METRICS = ("t2i_r1", "i2t_r1")
+# Ablation (f)'s verdicts: (metric, the paper's finding for image capacity against text capacity, its words).
+CAPACITY: tuple[tuple[str, Expect, str], ...] = (
+    ("knn_top1", "higher", "image capacity matters more for vision-only tasks (ImageNet KNN)"),
+    ("t2i_r1", "similar", "image and text capacity matter alike for retrieval"),
+    ("i2t_r1", "similar", "image and text capacity matter alike for retrieval"),
+)
+
+
+def _metric_values(runs: list[dict[str, Any]], metric: str) -> list[float]:
+    return [r["metrics"][metric] for r in runs if "metrics" in r and r["metrics"].get(metric) is not None]
+
+
+def _by_seed(runs: list[dict[str, Any]], variant: str, metric: str) -> dict[int, float]:
+    return {
+        r["seed"]: r["metrics"][metric]
+        for r in runs
+        if r["variant"] == variant and "metrics" in r and r["metrics"].get(metric) is not None
+    }
+
+
+def _mean_curve(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per evaluated step, t2i and i2t R@1 as mean ± std over the seeds that reached it."""
+    steps = sorted({point[0] for r in runs for point in r.get("curve", [])})
+    out = []
+    for step in steps:
+        points = [p for r in runs for p in r.get("curve", []) if p[0] == step]
+        t2i, i2t = mean_std([p[1] for p in points]), mean_std([p[2] for p in points])
+        out.append({"step": step, "t2i_r1": _stat_dict(t2i), "i2t_r1": _stat_dict(i2t)})
+    return out
+
+
+def capacity_gains(runs: list[dict[str, Any]], metric: str) -> tuple[Stat, Stat]:
+    """Ablation (f): what scaling each tower from S to L buys at the other's middle size, per seed (paired):
+    (image L minus image S with text M, text L minus text S with image M), as mean ± std over seeds."""
+    image = (_by_seed(runs, "towers-SM", metric), _by_seed(runs, "towers-LM", metric))
+    text = (_by_seed(runs, "towers-MS", metric), _by_seed(runs, "towers-ML", metric))
+    seeds = set(image[0]) & set(image[1]) & set(text[0]) & set(text[1])
+    image_gain = mean_std([image[1][s] - image[0][s] for s in sorted(seeds)])
+    text_gain = mean_std([text[1][s] - text[0][s] for s in sorted(seeds)])
+    return image_gain, text_gain
 
 
 def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequence[str]) -> dict[str, Any]:
     """Per ablation and variant: mean ± sample std of each metric over seeds, and the trend against the
-    reference variant for both R@1s."""
+    reference variant for both R@1s; for (a) the mean learning curves, for (f) the capacity verdicts."""
     out: dict[str, Any] = {}
     for key in only:
         ablation = table[key]
+        names = {v.name for v in ablation.variants}
+        used = [r for r in runs if r["variant"] in names]
         stats: dict[str, dict[str, Stat]] = {}
         rows = []
         for variant in ablation.variants:
-            mine = [r for r in runs if r["ablation"] == key and r["variant"] == variant.name]
+            mine = [r for r in used if r["variant"] == variant.name]
             done = [r for r in mine if "metrics" in r]
-            stats[variant.name] = {m: mean_std([r["metrics"][m] for r in done]) for m in METRICS}
-            rows.append(
-                {
-                    "variant": variant.name,
-                    "label": variant.label,
-                    "overrides": variant.overrides,
-                    "expect": variant.expect,
-                    "paper": variant.paper,
-                    "runs": len(mine),
-                    "diverged": len(mine) - len(done),
-                    "seconds_per_run": mean_std([r["seconds"] for r in mine]).mean,
-                    **{m: _stat_dict(s) for m, s in stats[variant.name].items()},
-                }
-            )
+            stats[variant.name] = {m: mean_std(_metric_values(done, m)) for m in METRICS}
+            row: dict[str, Any] = {
+                "variant": variant.name,
+                "label": variant.label,
+                "factor": variant.factor,
+                "overrides": variant.overrides,
+                "expect": variant.expect,
+                "paper": variant.paper,
+                "runs": len(mine),
+                "diverged": len(mine) - len(done),
+                "seconds_per_run": mean_std([r["seconds"] for r in mine]).mean,
+                **{m: _stat_dict(s) for m, s in stats[variant.name].items()},
+            }
+            if key == "a":
+                row["curve"] = _mean_curve(done)
+            rows.append(row)
         ref = stats[ablation.reference.name]
-        sizes = {r["metrics"].get("num_images") for r in runs if r["ablation"] == key and "metrics" in r} - {None}
+        sizes = {r["metrics"].get("num_images") for r in used if "metrics" in r} - {None}
         chance = 100.0 / min(sizes) if sizes else None  # R@1 of random embeddings, in percent
         for row, variant in zip(rows, ablation.variants, strict=True):
             own = stats[variant.name]
-            row["trend"] = {m: trend(variant.expect, ref[m], own[m], chance) for m in ("t2i_r1", "i2t_r1")}
-        out[key] = {
+            row["trend"] = {m: trend(variant.expect, ref[m], own[m], chance) for m in TREND_METRICS}
+        entry: dict[str, Any] = {
             "title": ablation.title,
             "source": ablation.source,
             "reference": ablation.reference.name,
-            "seconds": round(sum(r["seconds"] for r in runs if r["ablation"] == key), 1),
+            "seconds": round(sum(r["seconds"] for r in used), 1),
             "variants": rows,
         }
+        if key == "f":
+            entry["verdicts"] = []
+            for metric, expect, paper in CAPACITY:
+                image_gain, text_gain = capacity_gains(used, metric)
+                verdict = trend(expect, text_gain, image_gain) if image_gain.n and text_gain.n else "no result"
+                entry["verdicts"].append(
+                    {
+                        "metric": metric,
+                        "image_gain": _stat_dict(image_gain),
+                        "text_gain": _stat_dict(text_gain),
+                        "paper": paper,
+                        "verdict": verdict,
+                    }
+                )
+        out[key] = entry
     return out
 
 
@@ -524,22 +704,34 @@ def _trend_cell(trends: dict[str, str]) -> str:
     return f"t2i: {t2i}; i2t: {i2t}"
 
 
+def _gain_cell(stat: dict[str, Any]) -> str:
+    if stat["n"] == 0:
+        return "–"
+    std = "n/a" if stat["std"] is None else f"{stat['std']:.1f}"
+    return f"{stat['mean']:+.1f} ± {std}"
+
+
 def render_markdown(summary: dict[str, Any]) -> str:
     s = summary["settings"]
+    distinct = len(summary["runs"])
     lines = [
         "# ALIGN ablations in miniature",
         "",
         f"`nano` trained from the `{BASE_CONFIG}` recipe on the synthetic noisy alt-text world: {s['steps']} steps "
         f"× batch {s['batch_size']}, seeds 0–{s['seeds'] - 1}; zero-shot retrieval on {s['eval_images']} held-out "
-        "images × 5 captions. Cells are mean ± sample std over seeds (R@1 and mean recall in %).",
+        "images × 5 captions, and KNN (k = 1) classification of one-object scenes by their image embeddings "
+        f"({KNN_INDEX_PER_CLASS} labelled and {KNN_QUERY_PER_CLASS} query images per colour-and-shape class). "
+        "Cells are mean ± sample std over seeds (in %). Ablations b–f share one reference run per seed.",
         "",
         "*Trend here*: the variant's mean minus the reference row's, called within noise when it is no larger "
         "than the pooled sample std of the two rows, else compared with the paper's direction. "
         "*Paper's direction*: relative to the reference row, with the paper's MSCOCO R@1 (I2T / T2I).",
         "",
-        f"Wall time of this invocation: {summary['wall_seconds']:.0f} s (reused runs cost nothing).",
+        f"{distinct} distinct runs took {summary['run_seconds']:.0f} s of training and evaluation; this "
+        f"invocation {summary['wall_seconds']:.0f} s (reused runs cost nothing).",
         "",
     ]
+    plots = summary.get("plots", {})
     for key, ablation in summary["ablations"].items():
         lines += [
             f"## ({key}) {ablation['title']}",
@@ -547,19 +739,38 @@ def render_markdown(summary: dict[str, Any]) -> str:
             f"Paper: {ablation['source']}.",
         ]
         if key == "a":
-            lines.append(f"N = {s['clean_scenes']:,} scenes, repeated every epoch; noise {NOISE:.0%} of captions.")
+            lines.append(
+                f"N = {s['clean_scenes']:,} scenes, repeated every epoch; noise {NOISE:.0%} of captions; the "
+                "learning curves are the held-out t2i R@1 along training."
+            )
         lines += [
             "",
-            "| variant | t2i R@1 | i2t R@1 | mean recall | paper's direction | trend here | s/run |",
-            "|---|---:|---:|---:|---|---|---:|",
+            "| variant | t2i R@1 | i2t R@1 | mean recall | KNN top-1 | paper's direction | trend here | s/run |",
+            "|---|---:|---:|---:|---:|---|---|---:|",
         ]
         for row in ablation["variants"]:
             label = row["label"] + (f" ({row['diverged']} of {row['runs']} diverged)" if row["diverged"] else "")
             lines.append(
                 f"| {label} | {_cell(row['t2i_r1'])} | {_cell(row['i2t_r1'])} | {_cell(row['mean_recall'])} "
-                f"| {row['paper']} | {_trend_cell(row['trend'])} | {row['seconds_per_run']:.0f} |"
+                f"| {_cell(row['knn_top1'])} | {row['paper']} | {_trend_cell(row['trend'])} "
+                f"| {row['seconds_per_run']:.0f} |"
             )
+        if key == "f":
+            lines += [
+                "",
+                "Scaling one tower from S to L with the other at M (per seed, then mean ± std); the verdict compares "
+                "the image tower's gain with the text tower's:",
+                "",
+                "| metric | image S → L | text S → L | paper | verdict |",
+                "|---|---:|---:|---|---|",
+            ]
+            for v in ablation["verdicts"]:
+                lines.append(
+                    f"| {v['metric']} | {_gain_cell(v['image_gain'])} | {_gain_cell(v['text_gain'])} | {v['paper']} "
+                    f"| {v['verdict']} |"
+                )
         runs = sum(row["runs"] for row in ablation["variants"])
-        seconds = ablation["seconds"]
-        lines += ["", f"Measured wall time: {seconds:.0f} s of training and evaluation over {runs} runs.", ""]
+        lines += ["", f"Measured: {ablation['seconds']:.0f} s of training and evaluation over {runs} runs.", ""]
+        if key in plots:
+            lines += [f"![({key}) {ablation['title']}]({plots[key]})", ""]
     return "\n".join(lines)

@@ -672,5 +672,6 @@ def _load_eval_set(cfg: TrainConfig) -> RetrievalSet:
         return RetrievalSet(images, captions, [data.text_image_ids[j] for j in keep], name=data.name)
     from openalign.data.synthetic import retrieval_set
 
-    images, captions, ids = retrieval_set(e.images, e.captions_per_image)
+    # Scenes drawn at the size the synthetic training stream draws them, so the held-out set looks like training.
+    images, captions, ids = retrieval_set(e.images, e.captions_per_image, image_size=cfg.data.synthetic.image_size)
     return RetrievalSet(images, captions, ids)
