@@ -95,7 +95,7 @@ def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
     assert (small_image.image.width_coefficient, small_image.image.depth_coefficient) == (0.35, 0.35)
     assert small_image.text == nano.text
     large_text = config("towers-ML/seed0").model.resolve()
-    assert (large_text.text.num_layers, large_text.text.hidden_size, large_text.text.num_heads) == (4, 256, 4)
+    assert (large_text.text.num_layers, large_text.text.hidden_size, large_text.text.num_heads) == (3, 160, 2)
     assert large_text.image == nano.image and large_text.embed_dim == 640
     assert (nano.image.width_coefficient, nano.text.num_layers, nano.text.hidden_size) == (0.5, 2, 128)
 
@@ -224,7 +224,7 @@ def test_runs_are_reused_and_reported(tmp_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(loop, "train", counting)
     settings = ExperimentSettings(
-        out=str(tmp_path), steps=2, batch_size=8, eval_images=10, seeds=1, only=("e",), overrides=TINY
+        out=str(tmp_path), steps=2, batch_size=8, eval_images=10, seeds=1, only=("e",), overrides=TINY, parallel=1
     )
     first = run_experiments(settings, log=lambda _: None)
     assert len(calls) == 2
@@ -269,7 +269,7 @@ def test_data_scale_curves_and_tower_grid_end_to_end(tmp_path: Path) -> None:
     # Tiny runs of (a) and (f): the curves come from the evaluations logged along training, the tower grid's
     # towers are the ones its variants name, and both plots are written.
     settings = ExperimentSettings(
-        out=str(tmp_path), steps=10, batch_size=8, eval_images=10, seeds=1, only=("a", "f"), overrides=TINY
+        out=str(tmp_path), steps=10, batch_size=8, eval_images=10, seeds=1, only=("a", "f"), overrides=TINY, parallel=1
     )
     summary = run_experiments(settings, log=lambda _: None)
     rows = {r["variant"]: r for r in summary["ablations"]["a"]["variants"]}
@@ -284,3 +284,21 @@ def test_data_scale_curves_and_tower_grid_end_to_end(tmp_path: Path) -> None:
     assert "| knn_top1 |" in (tmp_path / "experiments.md").read_text()
     for key in ("a", "f"):
         assert (tmp_path / summary["plots"][key]).stat().st_size > 10_000
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_parallel_runs_match_sequential_ones(tmp_path: Path) -> None:
+    # Two runs at once, each in its own process, learn and score exactly what the same runs do one after the
+    # other (both single-threaded), and reuse does not depend on how many ran at once.
+    def settings(out: Path, parallel: int) -> ExperimentSettings:
+        return ExperimentSettings(
+            out=str(out), steps=3, batch_size=8, eval_images=10, seeds=1, only=("e",), overrides=TINY, parallel=parallel
+        )
+
+    together = run_experiments(settings(tmp_path / "together", 2), log=lambda _: None)
+    alone = run_experiments(settings(tmp_path / "alone", 1), log=lambda _: None)
+    assert [r["variant"] for r in together["runs"]] == ["reference", "ls-0"]
+    for a, b in zip(together["runs"], alone["runs"], strict=True):
+        assert a["metrics"] == b["metrics"] and a["final_temperature"] == b["final_temperature"]
+    again = run_experiments(settings(tmp_path / "together", 1), log=lambda _: None)
+    assert again["runs"] == together["runs"]

@@ -828,7 +828,7 @@ def describe(p: Plan) -> list[tuple[str, str]]:
         ("peak", f"{fmt_gib(p.peak)} of {fmt_gib(p.capacity)} usable: {'fits' if p.fits else 'does NOT fit'}"),
         (
             "FLOPs/step",
-            f"{fmt_flops(p.flops)} per device" + (" (extended from 2 and 3 chunks)" if p.extrapolated else ""),
+            f"{fmt_flops(p.flops)} per device" + (" (extended from 3 and 4 chunks)" if p.extrapolated else ""),
         ),
     ]
     if p.step_seconds is not None and p.tflops is not None:
