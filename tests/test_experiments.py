@@ -63,7 +63,8 @@ def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
     n = round(400 * 256 / 48)  # the clean set is seen 4 × 12 times
     clean = config("clean-1x/seed0")
     assert (clean.data.synthetic.noise, clean.data.synthetic.size) == (0.0, n)
-    assert clean.eval.every == 40  # ten points of each learning curve
+    assert clean.eval.every == 57  # seven points of each learning curve
+    assert clean.data.max_text_length == 32  # nano's own caption length
     for variant, size in (("noisy-1x", n), ("noisy-2x", 2 * n), ("noisy-4x", 4 * n)):
         syn = config(f"{variant}/seed1").data.synthetic
         assert (syn.noise, syn.size) == (0.25, size)

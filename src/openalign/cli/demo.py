@@ -138,7 +138,7 @@ def _experiments(parser: Parser) -> None:
     )
     parser.epilog = (
         "examples:\n"
-        "  openalign experiments                         # the whole grid: 250 steps x 256 a run\n"
+        "  openalign experiments                         # the whole grid: 140 steps x 512 a run, 2 at a time\n"
         "  openalign experiments --only b,d --seeds 5\n"
         "  openalign experiments --quick --only e --seeds 1 --steps 3 --out /tmp/xp"
     )
