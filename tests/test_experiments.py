@@ -201,6 +201,7 @@ def test_trend_cases() -> None:
     one = trend("higher", Stat(10.0, None, 1), Stat(10.2, None, 1))
     assert one.startswith("same direction as paper") and "no noise estimate" in one
     assert trend("lower", ref, Stat(math.nan, None, 0)) == "no result"
+    assert trend("grid", ref, Stat(30.0, 1.0, 3)) == "–"  # a tower-grid cell is judged by the verdicts
     # Differences between models that learnt nothing are not trends, however small the noise.
     assert trend("lower", Stat(0.9, 0.1, 3), Stat(0.3, 0.1, 3), chance=0.5).startswith("no signal")
     assert trend("lower", Stat(1.6, 0.1, 3), Stat(0.3, 0.1, 3), chance=0.5).startswith("same direction")

@@ -108,7 +108,8 @@ IMAGE_TOWERS = {"S": (0.35, 0.35), "M": (0.5, 0.5), "L": (0.7, 0.7)}  # (width, 
 TEXT_TOWERS = {"S": (1, 96, 2), "M": (2, 128, 2), "L": (3, 160, 2)}  # (layers, hidden size, heads)
 
 ABLATIONS = ("a", "b", "c", "d", "e", "f")
-Expect = Literal["reference", "lower", "higher", "similar"]
+# A grid cell has no direction of its own: (f) is judged by its verdicts, which compare cells.
+Expect = Literal["reference", "lower", "higher", "similar", "grid"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,6 @@ class Variant:
     overrides: dict[str, Any]  # dotted train-config keys on top of the recipe
     expect: Expect  # the paper's finding relative to the ablation's reference variant
     paper: str  # the paper's numbers behind that finding
-    factor: float | None = None  # the factor's value, for plots (None: categorical)
 
 
 @dataclass(frozen=True)
@@ -190,14 +190,12 @@ def clean_scenes(steps: int, batch_size: int) -> int:
     return max(batch_size, round(steps * batch_size / (4 * EPOCHS_AT_4X)))
 
 
-def _reference(label: str, paper: str, factor: float | None = None) -> Variant:
-    return Variant("reference", label, dict(REFERENCE), "reference", paper, factor)
+def _reference(label: str, paper: str) -> Variant:
+    return Variant("reference", label, dict(REFERENCE), "reference", paper)
 
 
-def _changed(
-    name: str, label: str, change: dict[str, Any], expect: Expect, paper: str, factor: float | None = None
-) -> Variant:
-    return Variant(name, label, {**REFERENCE, **change}, expect, paper, factor)
+def _changed(name: str, label: str, change: dict[str, Any], expect: Expect, paper: str) -> Variant:
+    return Variant(name, label, {**REFERENCE, **change}, expect, paper)
 
 
 def tower_overrides(image: str, text: str) -> dict[str, Any]:
@@ -221,24 +219,24 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
     def data(label: str, size: int, noise: float, expect: Expect, paper: str) -> Variant:
         name = label.split()[0] + f"-{size // n}x"
         over = {**REFERENCE, "data.synthetic.noise": noise, "data.synthetic.size": size, **curve}
-        return Variant(name, f"{label} ({size:,} scenes)", over, expect, paper, size / n)
+        return Variant(name, f"{label} ({size:,} scenes)", over, expect, paper)
 
     def temperature(fixed: int, expect: Expect, paper: str) -> Variant:
         over = {"model.learn_temperature": False, "model.temperature_init": 1.0 / fixed}
-        return _changed(f"fixed-1-{fixed}", f"fixed 1/{fixed}", over, expect, paper, 1.0 / fixed)
+        return _changed(f"fixed-1-{fixed}", f"fixed 1/{fixed}", over, expect, paper)
 
     def negatives(percent: int, expect: Expect, paper: str) -> Variant:
         over = {"train.negatives_fraction": percent / 100}
-        return _changed(f"neg-{percent}", f"{percent} % in-batch negatives", over, expect, paper, percent)
+        return _changed(f"neg-{percent}", f"{percent} % in-batch negatives", over, expect, paper)
 
     def dim(d: int, expect: Expect, paper: str) -> Variant:
-        return _changed(f"dim-{d}", f"embed dim {d}", {"model.embed_dim": d}, expect, paper, d)
+        return _changed(f"dim-{d}", f"embed dim {d}", {"model.embed_dim": d}, expect, paper)
 
     def towers(image: str, text: str) -> Variant:
         label = f"image {image} × text {text}"
         if (image, text) == ("M", "M"):
             return _reference(label + " (nano)", "the paper's grid: B1–L2 × BERT-Mini–Large")
-        return _changed(f"towers-{image}{text}", label, tower_overrides(image, text), "similar", "see the verdicts")
+        return _changed(f"towers-{image}{text}", label, tower_overrides(image, text), "grid", "see the verdicts")
 
     table8 = "Table 8: B5 + BERT-base, MSCOCO zero-shot R@1 I2T / T2I"
     return {
@@ -269,7 +267,7 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
             "Fraction of in-batch negatives",
             table8,
             (
-                _reference("100 % in-batch negatives", "all negatives: 51.7 / 37.5", 100),
+                _reference("100 % in-batch negatives", "all negatives: 51.7 / 37.5"),
                 negatives(50, "lower", "lower: 50.2 / 37.0"),
                 negatives(25, "lower", "lower: 48.7 / 35.8"),
             ),
@@ -282,7 +280,7 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
                 dim(80, "lower", "lower: 42.0 / 29.3"),
                 dim(160, "lower", "lower: 47.0 / 34.4"),
                 dim(320, "lower", "lower: 50.3 / 34.1"),
-                _reference("embed dim 640", "640 (best): 51.7 / 37.5", 640),
+                _reference("embed dim 640", "640 (best): 51.7 / 37.5"),
             ),
         ),
         "e": Ablation(
@@ -290,14 +288,13 @@ def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
             "Label smoothing",
             "§4: the paper trains with 0.1; it publishes no ablation, so 'slightly lower without' is an expectation",
             (
-                _reference("label smoothing 0.1", "the paper's setting", 0.1),
+                _reference("label smoothing 0.1", "the paper's setting"),
                 _changed(
                     "ls-0",
                     "label smoothing 0",
                     {"train.label_smoothing": 0.0},
                     "lower",
                     "slightly lower (no published numbers)",
-                    0.0,
                 ),
             ),
         ),
@@ -397,8 +394,8 @@ def trend(expect: Expect, reference: Stat, variant: Stat, chance: float | None =
     there is no noise estimate and only the sign is reported. When both rows score under three times
     ``chance`` (R@1 of random embeddings) neither model learnt enough for a difference to mean anything.
     """
-    if expect == "reference":
-        return "reference"
+    if expect in ("reference", "grid"):
+        return {"reference": "reference", "grid": "–"}[expect]
     if variant.n == 0 or reference.n == 0:
         return "no result"
     if chance is not None and max(reference.mean, variant.mean) < 3 * chance:
@@ -690,7 +687,6 @@ def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequ
             row: dict[str, Any] = {
                 "variant": variant.name,
                 "label": variant.label,
-                "factor": variant.factor,
                 "overrides": variant.overrides,
                 "expect": variant.expect,
                 "paper": variant.paper,
