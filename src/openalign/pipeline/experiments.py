@@ -733,11 +733,12 @@ def _stat_dict(stat: Stat) -> dict[str, Any]:
     return {"mean": stat.mean if stat.n else None, "std": stat.std, "n": stat.n}
 
 
-def _cell(stat: dict[str, Any]) -> str:
+def _cell(stat: dict[str, Any], sign: str = "") -> str:
+    """``mean ± std``; ``sign="+"`` signs the mean (a gain)."""
     if stat["n"] == 0:
         return "–"
     std = "n/a" if stat["std"] is None else f"{stat['std']:.1f}"
-    return f"{stat['mean']:.1f} ± {std}"
+    return f"{stat['mean']:{sign}.1f} ± {std}"
 
 
 def _trend_cell(trends: dict[str, str]) -> str:
@@ -745,13 +746,6 @@ def _trend_cell(trends: dict[str, str]) -> str:
     if t2i == i2t:
         return t2i
     return f"t2i: {t2i}; i2t: {i2t}"
-
-
-def _gain_cell(stat: dict[str, Any]) -> str:
-    if stat["n"] == 0:
-        return "–"
-    std = "n/a" if stat["std"] is None else f"{stat['std']:.1f}"
-    return f"{stat['mean']:+.1f} ± {std}"
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
@@ -809,7 +803,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
             ]
             for v in ablation["verdicts"]:
                 lines.append(
-                    f"| {v['metric']} | {_gain_cell(v['image_gain'])} | {_gain_cell(v['text_gain'])} | {v['paper']} "
+                    f"| {v['metric']} | {_cell(v['image_gain'], '+')} | {_cell(v['text_gain'], '+')} | {v['paper']} "
                     f"| {v['verdict']} |"
                 )
         runs = sum(row["runs"] for row in ablation["variants"])
