@@ -56,11 +56,12 @@ def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
         assert cfg.train.run_dir == str(spec.run_dir)
         assert cfg.train.seed == int(name[-1])
         assert cfg.optim.total_steps == 400 and cfg.total_steps == 400
+        assert cfg.optim.warmup_steps == 62  # the recipe's warmup in steps, not a fraction of the run
         assert cfg.data.batch_size == 256 and cfg.data.source == "synthetic"
         assert cfg.data.tokenizer == str(tmp_path / "vocab")  # one vocabulary for the whole grid
         return cfg
 
-    n = round(400 * 256 / 48)  # the clean set is seen 4 × 12 times
+    n = round(400 * 256 / (4 * 48))  # the clean set is seen 4 × 48 times
     clean = config("clean-1x/seed0")
     assert (clean.data.synthetic.noise, clean.data.synthetic.size) == (0.0, n)
     assert clean.eval.every == 57  # seven points of each learning curve

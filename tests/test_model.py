@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import openalign
 from conftest import tiny_overrides
 from openalign.config import ConfigError, model_config
-from openalign.model.dual_encoder import trim_padding
+from openalign.model.dual_encoder import length_buckets, trim_padding
 from openalign.model.efficientnet import Conv2dSame, EfficientNet, MBConv, same_padding
 from openalign.model.layers import BatchNorm2d
 
@@ -235,6 +235,40 @@ def test_trimmed_padding_changes_nothing(tiny_model: openalign.DualEncoder) -> N
     torch.testing.assert_close(alone[0], trimmed[1], rtol=1e-5, atol=1e-6)
     left = torch.flip(mask, [1])
     assert trim_padding(ids, left)[0].shape == (4, 16)
+
+
+def test_length_buckets_encode_short_rows_apart_and_change_no_embedding(tiny_model: openalign.DualEncoder) -> None:
+    tiny_model.eval()
+    lengths = [2, 16, 3, 4, 16, 2, 5, 3]
+    mask = (torch.arange(16) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, 101, (8, 16)) * mask
+    groups = length_buckets(mask)
+    assert groups is not None
+    # the split that pads least: the six short rows (longest 5) apart from the two of 16
+    assert sorted(groups[0].tolist()) == [0, 2, 3, 5, 6, 7] and sorted(groups[1].tolist()) == [1, 4]
+    with torch.no_grad():
+        one_by_one = torch.cat(
+            [tiny_model.encode_text(ids[i : i + 1, :n], normalize=False) for i, n in enumerate(lengths)]
+        )
+        bucketed = tiny_model.encode_text(ids, mask, normalize=False)
+    torch.testing.assert_close(bucketed, one_by_one, rtol=1e-5, atol=1e-6)
+    # and the gradients through the regrouping are those of the padded batch
+    weights = torch.randn(8, bucketed.shape[1])
+    grads = []
+    for encode in (
+        lambda: tiny_model.text_proj(tiny_model.text(ids, mask)),
+        lambda: tiny_model.text_features(ids, mask),
+    ):
+        tiny_model.zero_grad()
+        (encode() * weights).sum().backward()
+        grads.append([p.grad.clone() for p in tiny_model.text.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for padded, regrouped in zip(*grads, strict=True):
+        torch.testing.assert_close(regrouped, padded, rtol=1e-4, atol=1e-6)
+    # nothing to gain: equal lengths, a saving under the threshold, left padding
+    assert length_buckets(torch.ones(8, 16, dtype=torch.long)) is None
+    assert length_buckets((torch.arange(16) < torch.tensor([12, 16, 14, 13])[:, None]).long()) is None
+    assert length_buckets(torch.flip(mask, [1])) is None
 
 
 def test_channels_last_gives_the_same_embeddings() -> None:

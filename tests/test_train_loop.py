@@ -158,6 +158,14 @@ def test_run_trains_saves_final_model_and_prunes_checkpoints(tmp_path: Path) -> 
     assert (tmp_path / "run" / "config.yaml").is_file()
 
 
+def test_the_saved_model_cuts_captions_where_training_cut_them(tmp_path: Path) -> None:
+    # The model's preset reads 16 wordpieces; training read 12, so evaluation and serving must read 12 too.
+    cfg = tiny_config(tmp_path / "run", data={"max_text_length": 12}, optim={"total_steps": 1})
+    assert cfg.model.resolve().text.max_length == 16
+    result = train(cfg, stream_factory=factory())
+    assert openalign.load_model(result.final_dir).config.text.max_length == 12
+
+
 def test_the_loop_learns_a_learnable_world(tmp_path: Path) -> None:
     """Captions name one of 8 image patterns: the loss must fall far below its chance level (2 ln 8)."""
     cfg = tiny_config(

@@ -30,6 +30,9 @@ class DualEncoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # Encode short captions apart from long ones (``length_buckets``). Off under FSDP, where every rank must
+        # run its towers the same number of times (each run gathers the tower's shards).
+        self.text_buckets = True
         self.image = EfficientNet(config.image)
         self.text = Bert(config.text)
         d = config.embed_dim
@@ -175,8 +178,15 @@ class DualEncoder(nn.Module):
 
     def text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Unnormalised text embeddings [B, embed_dim]."""
-        if attention_mask is not None:
-            input_ids, attention_mask = trim_padding(input_ids, attention_mask)
+        if attention_mask is None:
+            return self._text_features(input_ids, None)
+        groups = length_buckets(attention_mask) if self.text_buckets else None
+        if groups is None:
+            return self._text_features(*trim_padding(input_ids, attention_mask))
+        parts = [self._text_features(*trim_padding(input_ids[g], attention_mask[g])) for g in groups]
+        return torch.cat(parts)[torch.cat(groups).argsort()]
+
+    def _text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = self.text_proj(self.text(input_ids, attention_mask))
         return out
 
@@ -212,6 +222,30 @@ def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
     mask = (input_ids != pad_id).long()
     mask[:, 0] = 1
     return mask
+
+
+def length_buckets(attention_mask: torch.Tensor, min_saving: float = 0.2) -> list[torch.Tensor] | None:
+    """Row indices of a batch split in two by caption length (shorter rows, longer rows), or None.
+
+    A batch of captions is padded to its longest: where a few long captions (noisy alt-text runs long) pad a
+    batch of short ones, encoding the short rows apart skips that padding. The split is the one that pads
+    least; it is used only when it saves at least ``min_saving`` of the batch's token positions, and only for
+    right padding (what ``trim_padding`` cuts). Each row's embedding is unchanged: rows never see each other.
+    """
+    rows, width = attention_mask.shape
+    if rows < 2 or not has_values(attention_mask):
+        return None
+    lengths = attention_mask.sum(1)
+    if not bool((attention_mask == (torch.arange(width, device=lengths.device) < lengths[:, None])).all()):
+        return None
+    ordered, order = lengths.sort(stable=True)
+    longest = int(ordered[-1])
+    split = torch.arange(1, rows)
+    padded = split * ordered[:-1] + (rows - split) * longest  # positions encoded with a split before each row
+    best = int(padded.argmin())
+    if int(padded[best]) > (1.0 - min_saving) * rows * longest:
+        return None
+    return [order[: best + 1], order[best + 1 :]]
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from openalign.model.dual_encoder import DualEncoder
+
 __all__ = [
     "DistInfo",
     "all_gather_object",
@@ -145,6 +147,8 @@ def wrap_model(
                 p.data = p.data.contiguous()
         for unit in _shard_units(model):
             fully_shard(unit, **kwargs)
+        if isinstance(model, DualEncoder):
+            model.text_buckets = False  # ranks with captions of other lengths would gather shards unequally
         # FSDP2 cannot shard 0-dim tensors (the temperature): they stay replicated, their gradients averaged
         # by average_replicated_grads after each backward.
         fully_shard(model, ignored_params=set(replicated_params(model)), **kwargs)

@@ -172,7 +172,10 @@ class _Run:
         if t.threads is not None:
             torch.set_num_threads(t.threads)
         self.tokenizer = tokenizer
-        self.model_config = cfg.model.resolve(self.tokenizer.vocab_size if self.tokenizer is not None else None)
+        resolved = cfg.model.resolve(self.tokenizer.vocab_size if self.tokenizer is not None else None)
+        # Saved models cut captions where training cut them, so evaluation and serving read what training read.
+        text = dataclasses.replace(resolved.text, max_length=cfg.data.max_text_length)
+        self.model_config = dataclasses.replace(resolved, text=text)
         _check_vocab(self.model_config, self.tokenizer)
         self.total_steps = cfg.total_steps
         self.per_rank = cfg.per_rank_batch(info.world_size)
