@@ -284,7 +284,9 @@ def test_data_scale_curves_and_tower_grid_end_to_end(tmp_path: Path) -> None:
     verdicts = summary["ablations"]["f"]["verdicts"]
     assert [v["metric"] for v in verdicts] == ["knn_top1", "t2i_r1", "i2t_r1"]
     assert all(v["image_gain"]["n"] == 1 for v in verdicts)
-    assert "| knn_top1 |" in (tmp_path / "experiments.md").read_text()
+    markdown = (tmp_path / "experiments.md").read_text()
+    assert "| knn_top1 |" in markdown
+    assert "N = 8 scenes: a run sees the clean set 10 times" in markdown  # 10 steps × 8 over one batch of scenes
     for key in ("a", "f"):
         assert (tmp_path / summary["plots"][key]).stat().st_size > 10_000
 

@@ -785,9 +785,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
             f"Paper: {ablation['source']}.",
         ]
         if key == "a":
+            n = s["clean_scenes"]
+            epochs = s["steps"] * s["batch_size"] / n
             lines.append(
-                f"N = {s['clean_scenes']:,} scenes, repeated every epoch; noise {NOISE:.0%} of captions; the "
-                "learning curves are the held-out t2i R@1 along training."
+                f"N = {n:,} scenes: a run sees the clean set {epochs:.0f} times and the 4N set {epochs / 4:.0f} times; "
+                f"noise {NOISE:.0%} of captions; the learning curves are the held-out t2i R@1 along training."
             )
         lines += [
             "",
