@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 import openalign.train.loop as loop
 from openalign.cli import main
@@ -56,7 +57,7 @@ def test_grid_expands_to_the_paper_settings(tmp_path: Path) -> None:
         assert cfg.train.run_dir == str(spec.run_dir)
         assert cfg.train.seed == int(name[-1])
         assert cfg.optim.total_steps == 400 and cfg.total_steps == 400
-        assert cfg.optim.warmup_steps == 62  # the recipe's warmup in steps, not a fraction of the run
+        assert cfg.optim.warmup_steps == 100  # most of a short run warms up; never more than three quarters
         assert cfg.data.batch_size == 256 and cfg.data.source == "synthetic"
         assert cfg.data.tokenizer == str(tmp_path / "vocab")  # one vocabulary for the whole grid
         return cfg
@@ -279,6 +280,8 @@ def test_data_scale_curves_and_tower_grid_end_to_end(tmp_path: Path) -> None:
     assert [p["step"] for p in rows["noisy-4x"]["curve"]] == list(range(1, 11))
     run = next(r for r in summary["runs"] if r["variant"] == "clean-1x")
     assert run["curve"][-1][1] == pytest.approx(run["metrics"]["t2i_r1"])  # the last point is the final model
+    trained = yaml.safe_load((tmp_path / "runs" / "clean-1x" / "seed0" / "config.yaml").read_text())
+    assert trained["optim"]["warmup_steps"] == 7  # a short run warms up for three quarters of its steps
     config = json.loads((tmp_path / "runs" / "towers-LS" / "seed0" / "final" / "config.json").read_text())["model"]
     assert config["image"]["width_coefficient"] == 0.7 and config["text"]["num_layers"] == 1
     verdicts = summary["ablations"]["f"]["verdicts"]

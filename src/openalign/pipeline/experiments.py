@@ -70,17 +70,17 @@ PLOTS_DIR = "plots"
 #   tokens on average) no longer sets the text tower's width; the mean caption is 15 (+24 % pairs/s);
 # - 48 px crops: 32 px crops train 1.45× the pairs in the same time but reach the same R@1 for it (27.7 % after
 #   230 steps against 26.5 % after 150), so the model's size is kept;
-# - the recipe's 62-step warmup, not a sixteenth of the run: a run spends its first ~80 steps near chance, and
-#   an 8-step ramp makes that wait longer (140 steps, seeds 0 / 1 / 2: 26.7 / 17.3 / 21.2 % after 8 steps of
-#   warmup, 34.0 / 23.3 / 23.4 % after 62; 30.2 % for seed 0 after 35);
-# - 170 steps: seeds 1 and 2 then reach 34.8 and 31.8 %; at 140 steps they were still climbing 8 and 6
-#   points per 28 steps;
+# - a warmup of 100 of the 140 steps: a run spends its first ~80 steps near chance, and a high rate early makes
+#   that wait longer. Seeds 0 / 1 / 2 after 140 steps: 26.7 / 17.3 / 21.2 % after 8 steps of warmup (a
+#   sixteenth of the run), 34.0 / 23.3 / 23.4 % after 62 (the recipe's), 37.8 / 31.2 / 28.4 % after 100
+#   (30.2 % for seed 0 after 35, 31.4 % for seed 1 after 120); 170 steps with 62 of warmup reached 34.8 /
+#   31.8 % for seeds 1 / 2, for 21 % more time;
 # - two single-threaded runs at a time (``parallel``).
-FULL_STEPS = 170
+FULL_STEPS = 140
 FULL_BATCH = 512
 FULL_EVAL_IMAGES = 1000
 TEXT_LENGTH = 32
-WARMUP_STEPS = 62  # at most half of a shorter run
+WARMUP_STEPS = 100  # at most three quarters of a shorter run
 # Quick mode: a smoke test of the whole grid (far below the reference's learning; most trends read "no signal").
 QUICK_STEPS = 60
 QUICK_BATCH = 128
@@ -91,7 +91,7 @@ QUICK_EVAL_IMAGES = 300
 # (1,493 scenes, 48 epochs) reached 37.7 % t2i R@1, far above the noisy reference that never repeats a
 # scene (21.7 %), so no noisy set could overtake it: training was limited by steps, not data. With the 4× set
 # seen 48 times (170 steps, seed 0), the clean set of 453 scenes stalls at 5.7 % while 1,813 noisy scenes
-# reach 23.7 %. The clean set is never smaller than a batch (512 scenes at the default budget).
+# reach 23.7 %. The clean set is never smaller than a batch (512 scenes at the default budget, seen 140 times).
 EPOCHS_AT_4X = 48
 NOISE = 0.25  # the noisy sets' caption noise, as in the recipe
 CURVE_POINTS = 7  # held-out evaluations along each run of (a), for its learning curves
@@ -345,7 +345,7 @@ def expand_grid(settings: ExperimentSettings) -> list[RunSpec]:
                 overrides = {
                     "data.batch_size": batch,
                     "optim.total_steps": steps,
-                    "optim.warmup_steps": min(WARMUP_STEPS, steps // 2),
+                    "optim.warmup_steps": min(WARMUP_STEPS, steps * 3 // 4),
                     "data.max_text_length": TEXT_LENGTH,
                     "train.seed": seed,
                     "train.run_dir": str(run_dir),
