@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+import openalign.pipeline.experiments as experiments
 import openalign.train.loop as loop
 from openalign.cli import main
 from openalign.config import ConfigError
@@ -26,6 +27,7 @@ from openalign.pipeline.experiments import (
     run_experiments,
     trend,
 )
+from openalign.train.batch_cache import CachedStream
 from openalign.train.config import TrainConfig
 
 # A model and world small enough that a run takes about a second.
@@ -310,3 +312,33 @@ def test_parallel_runs_match_sequential_ones(tmp_path: Path) -> None:
         assert a["metrics"] == b["metrics"] and a["final_temperature"] == b["final_temperature"]
     again = run_experiments(settings(tmp_path / "together", 1), log=lambda _: None)
     assert again["runs"] == together["runs"]
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_runs_of_one_batch_sequence_read_it_once_and_learn_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reference and the label-smoothing variant of a seed train on the same batches: the second replays
+    # what the first recorded, and both end where runs that each read their own data end.
+    replayed: list[str] = []
+    replay = CachedStream._replay
+
+    def counting(self: CachedStream) -> Iterator[dict[str, torch.Tensor]]:
+        replayed.append(self.folder.name)
+        yield from replay(self)
+
+    monkeypatch.setattr(CachedStream, "_replay", counting)
+
+    def settings(out: Path) -> ExperimentSettings:
+        return ExperimentSettings(
+            out=str(out), steps=3, batch_size=8, eval_images=10, seeds=1, only=("e",), overrides=TINY, parallel=1
+        )
+
+    cached = run_experiments(settings(tmp_path / "cached"), log=lambda _: None)
+    assert len(replayed) == 1
+    assert not (tmp_path / "cached" / "batches").exists()  # removed once every run is done
+    monkeypatch.setattr(experiments, "_shared_sequences", lambda specs: set())
+    plain = run_experiments(settings(tmp_path / "plain"), log=lambda _: None)
+    assert len(replayed) == 1
+    for a, b in zip(cached["runs"], plain["runs"], strict=True):
+        assert a["metrics"] == b["metrics"] and a["final_temperature"] == b["final_temperature"]

@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ __all__ = [
 BASE_CONFIG = "nano_cpu"
 RESULT_FILE = "result.json"
 VOCAB_DIR = "vocab"
+BATCHES_DIR = "batches"  # batch sequences shared by runs, recorded once (removed when the grid is done)
 PLOTS_DIR = "plots"
 
 # The default budget, measured on two cores (reference, seed 0 unless it says, held-out t2i R@1 on 1,000 images
@@ -480,20 +482,35 @@ def _curve(run_dir: Path) -> list[list[float]]:
     return [[r["step"], r["eval/t2i_r1"], r["eval/i2t_r1"]] for r in rows if "eval/t2i_r1" in r]
 
 
-def _run_one(spec: RunSpec, eval_images: int, sets: _EvalSets) -> dict[str, Any]:
+def _shared_sequences(specs: Sequence[RunSpec]) -> set[str]:
+    """Names of the runs whose batch sequence another run of the grid also trains on (one seed's ablations of
+    the model or loss all read the same data)."""
+    from openalign.train.batch_cache import sequence_key
+
+    keys = {}
+    for spec in specs:
+        cfg = build_config(spec)
+        keys[spec.name] = sequence_key(cfg.data, cfg.train.seed, cfg.model.resolve(), cfg.total_steps)
+    counts = Counter(keys.values())
+    return {name for name, key in keys.items() if counts[key] > 1}
+
+
+def _run_one(spec: RunSpec, eval_images: int, sets: _EvalSets, batches: Path | None = None) -> dict[str, Any]:
     import torch
 
     import openalign
     from openalign.embed import embed_images
     from openalign.eval.knn import knn_accuracy
     from openalign.eval.retrieval import evaluate_retrieval
+    from openalign.train.batch_cache import cached_stream_factory
     from openalign.train.loop import NonFiniteError, train
 
     cfg = build_config(spec)
     record: dict[str, Any] = {"variant": spec.variant, "seed": spec.seed}
     start = time.perf_counter()
     try:
-        result = train(cfg, resume="latest")
+        factory = cached_stream_factory(batches, cfg.total_steps) if batches is not None else None
+        result = train(cfg, resume="latest", stream_factory=factory)
     except NonFiniteError as err:
         # A diverged run is an outcome of its setting: record it, and let the grid go on.
         return {**record, "error": str(err), "seconds": round(time.perf_counter() - start, 1)}
@@ -554,13 +571,15 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
             runs[spec.name] = run
         else:
             pending.append(spec)
-    for spec, run in _execute(pending, settings, log):
+    shared = _shared_sequences(specs)
+    for spec, run in _execute(pending, settings, shared, log):
         run = {**run, "settings": _settings_record(spec, settings.eval_images)}
         _write_json(spec.run_dir / RESULT_FILE, run)
         # The final model stays in final/; the resumable state is no longer needed.
         shutil.rmtree(spec.run_dir / ckpt.CHECKPOINT_DIR, ignore_errors=True)
         log(f"[{len(runs) + 1}/{len(specs)}] {spec.name}: {_run_line(run)}")
         runs[spec.name] = run
+    shutil.rmtree(out / BATCHES_DIR, ignore_errors=True)
     ordered = [runs[spec.name] for spec in specs]
     from openalign.pipeline.experiment_plots import write_plots
 
@@ -582,29 +601,31 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
 
 
 def _execute(
-    specs: list[RunSpec], settings: ExperimentSettings, log: Callable[[str], None]
+    specs: list[RunSpec], settings: ExperimentSettings, shared: set[str], log: Callable[[str], None]
 ) -> Iterator[tuple[RunSpec, dict[str, Any]]]:
-    """Train and evaluate ``specs``, ``settings.parallel`` at a time, yielding each as it finishes."""
+    """Train and evaluate ``specs``, ``settings.parallel`` at a time, yielding each as it finishes; the runs
+    named in ``shared`` record or replay their batches."""
+    root = Path(settings.out) / BATCHES_DIR
+    jobs = [(spec, settings.eval_images, root if spec.name in shared else None) for spec in specs]
     if settings.parallel == 1:
         sets = _EvalSets()
-        for spec in specs:
+        for spec, eval_images, batches in jobs:
             log(f"{spec.name} ...")
-            yield spec, _run_one(spec, settings.eval_images, sets)
+            yield spec, _run_one(spec, eval_images, sets, batches)
         return
     import multiprocessing
 
     log(f"training {len(specs)} runs, {settings.parallel} at a time")
     # A fresh interpreter per run: no thread pool or allocator state carries from one run to the next.
     context = multiprocessing.get_context("spawn")
-    jobs = [(spec, settings.eval_images) for spec in specs]
     with context.Pool(settings.parallel, maxtasksperchild=1) as pool:
         for index, run in pool.imap_unordered(_run_job, list(enumerate(jobs)), chunksize=1):
             yield specs[index], run
 
 
-def _run_job(job: tuple[int, tuple[RunSpec, int]]) -> tuple[int, dict[str, Any]]:
-    index, (spec, eval_images) = job
-    return index, _run_one(spec, eval_images, _EvalSets())
+def _run_job(job: tuple[int, tuple[RunSpec, int, Path | None]]) -> tuple[int, dict[str, Any]]:
+    index, (spec, eval_images, batches) = job
+    return index, _run_one(spec, eval_images, _EvalSets(), batches)
 
 
 def _shared_vocabulary(settings: ExperimentSettings, log: Callable[[str], None]) -> None:
