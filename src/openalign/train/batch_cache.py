@@ -110,18 +110,10 @@ class CachedStream:
 def cached_stream_factory(root: Path, steps: int) -> Any:
     """A ``stream_factory`` for ``openalign.train.loop.train`` that records to / replays from ``root``."""
 
-    def make(
-        cfg: DataConfig,
-        tokenizer: TextTokenizer | None = None,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        model_config: ModelConfig | None = None,
-    ) -> CachedStream:
-        stream = build_train_stream(
-            cfg, tokenizer, rank=rank, world_size=world_size, seed=seed, model_config=model_config
-        )
-        return CachedStream(stream, root, sequence_key(cfg, seed, model_config, steps), steps)
+    def make(cfg: DataConfig, tokenizer: TextTokenizer | None = None, **where: Any) -> CachedStream:
+        # ``where``: rank, world_size, seed and model_config, as ``build_train_stream`` takes them.
+        stream = build_train_stream(cfg, tokenizer, **where)
+        key = sequence_key(cfg, where.get("seed", 0), where.get("model_config"), steps)
+        return CachedStream(stream, root, key, steps)
 
     return make
