@@ -240,7 +240,7 @@ def length_buckets(attention_mask: torch.Tensor, min_saving: float = 0.2) -> lis
         return None
     ordered, order = lengths.sort(stable=True)
     longest = int(ordered[-1])
-    split = torch.arange(1, rows)
+    split = torch.arange(1, rows, device=lengths.device)
     padded = split * ordered[:-1] + (rows - split) * longest  # positions encoded with a split before each row
     best = int(padded.argmin())
     if int(padded[best]) > (1.0 - min_saving) * rows * longest:
