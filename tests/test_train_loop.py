@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 
 import openalign
 from conftest import tiny_overrides
-from openalign.train.checkpoint import list_checkpoints
+from openalign.train.checkpoint import list_checkpoints, load_trainer_state
 from openalign.train.config import load_train_config
 from openalign.train.loop import NonFiniteError, train
 
@@ -164,6 +165,18 @@ def test_the_saved_model_cuts_captions_where_training_cut_them(tmp_path: Path) -
     assert cfg.model.resolve().text.max_length == 16
     result = train(cfg, stream_factory=factory())
     assert openalign.load_model(result.final_dir).config.text.max_length == 12
+
+
+def test_a_resumed_run_counts_the_time_of_the_process_before_it(tmp_path: Path) -> None:
+    first = train(tiny_config(tmp_path, optim={"total_steps": 2}), stream_factory=factory())
+    state, _ = load_trainer_state(tmp_path / "checkpoints" / "step_0000002")
+    assert 0 < state["seconds"] <= first.seconds
+    start = time.perf_counter()
+    resumed = train(tiny_config(tmp_path, optim={"total_steps": 4}), resume="latest", stream_factory=factory())
+    elapsed = time.perf_counter() - start
+    assert resumed.step == 4
+    # Longer than this process took: the first process's time to its checkpoint is added.
+    assert resumed.seconds > elapsed and resumed.seconds <= state["seconds"] + elapsed
 
 
 def test_the_loop_learns_a_learnable_world(tmp_path: Path) -> None:

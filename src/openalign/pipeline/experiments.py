@@ -516,6 +516,7 @@ def _run_one(spec: RunSpec, eval_images: int, sets: _EvalSets, batches: Path | N
         return {**record, "error": str(err), "seconds": round(time.perf_counter() - start, 1)}
     if result.final_dir is None:
         raise RuntimeError(f"{spec.name}: training stopped at step {result.step} without a final model")
+    scoring = time.perf_counter()
     side = cfg.data.synthetic.image_size
     model = openalign.load_model(result.final_dir)
     tokenizer = openalign.load_tokenizer(result.final_dir, max_length=model.config.text.max_length)
@@ -539,7 +540,8 @@ def _run_one(spec: RunSpec, eval_images: int, sets: _EvalSets, batches: Path | N
         "curve": _curve(spec.run_dir),
         "final_temperature": float(model.temperature.detach()),
         "steps": result.step,
-        "seconds": round(time.perf_counter() - start, 1),
+        # Training over every process a resumed run took, then scoring.
+        "seconds": round(result.seconds + time.perf_counter() - scoring, 1),
     }
 
 

@@ -72,6 +72,9 @@ class TrainResult:
     skipped_steps: int  # non-finite steps skipped over the whole run
     data_stats: dict[str, int] = field(default_factory=dict)  # skipped samples by reason, all ranks
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged metrics
+    # Wall time of the whole run: this process's, plus what earlier processes spent up to the checkpoint it
+    # resumed from (work lost after that checkpoint is counted once, when it is done again).
+    seconds: float = 0.0
 
 
 def train(
@@ -88,6 +91,7 @@ def train(
     """
     from openalign.train.logging import check_wandb
 
+    started = time.monotonic()
     check_wandb(cfg.log.wandb)
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
@@ -97,6 +101,7 @@ def train(
     if tokenizer is None:
         tokenizer = _load_tokenizer(cfg, opened.path if opened else None, info.is_main)
     run = _Run(cfg, info, stream_factory, tokenizer)
+    run.started = started
     try:
         run.restore(opened)
         try:
@@ -222,7 +227,8 @@ class _Run:
         )
         self.step = 0
         self.skipped_steps = 0
-        self.last_checkpoint_time = time.monotonic()
+        self.last_checkpoint_time = self.started = time.monotonic()
+        self.seconds_before = 0.0  # spent by the processes before a resume
         self.logger: Any = None
         self.eval_set: Any = None
 
@@ -253,6 +259,7 @@ class _Run:
                 "rng": rng,
                 "stream": streams,
                 "skipped_steps": self.skipped_steps,
+                "seconds": self.seconds(),
                 "global_batch": self.global_batch,
                 "config": self.cfg.to_dict(),
             }
@@ -309,6 +316,7 @@ class _Run:
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.step = int(trainer["step"])
         self.skipped_steps = int(trainer.get("skipped_steps", 0))
+        self.seconds_before = float(trainer.get("seconds", 0.0))
         rank, saved_world = self.info.rank, int(trainer["world_size"])
         streams = trainer["stream"]
         if saved_world == self.info.world_size:
@@ -521,7 +529,10 @@ class _Run:
                 f"samples skipped: {dict(stats) or 'none'}",
                 file=sys.stderr,
             )
-        return TrainResult(self.step, self.run_dir, final, self.skipped_steps, dict(stats), metrics)
+        return TrainResult(self.step, self.run_dir, final, self.skipped_steps, dict(stats), metrics, self.seconds())
+
+    def seconds(self) -> float:
+        return self.seconds_before + time.monotonic() - self.started
 
     def close(self) -> None:
         if self.logger is not None:
