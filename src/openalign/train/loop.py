@@ -100,8 +100,7 @@ def train(
     opened = _open_resume(cfg, resume, info) if resume else None
     if tokenizer is None:
         tokenizer = _load_tokenizer(cfg, opened.path if opened else None, info.is_main)
-    run = _Run(cfg, info, stream_factory, tokenizer)
-    run.started = started
+    run = _Run(cfg, info, stream_factory, tokenizer, started)
     try:
         run.restore(opened)
         try:
@@ -169,7 +168,12 @@ class _Run:
     """Everything one process needs for a run: model, optimizer, schedule, stream, logger."""
 
     def __init__(
-        self, cfg: TrainConfig, info: DistInfo, stream_factory: StreamFactory | None, tokenizer: TextTokenizer | None
+        self,
+        cfg: TrainConfig,
+        info: DistInfo,
+        stream_factory: StreamFactory | None,
+        tokenizer: TextTokenizer | None,
+        started: float,
     ):
         t = cfg.train
         self.cfg, self.info = cfg, info
@@ -227,7 +231,8 @@ class _Run:
         )
         self.step = 0
         self.skipped_steps = 0
-        self.last_checkpoint_time = self.started = time.monotonic()
+        self.last_checkpoint_time = time.monotonic()
+        self.started = started  # when train() was called: this process's share of the run's time
         self.seconds_before = 0.0  # spent by the processes before a resume
         self.logger: Any = None
         self.eval_set: Any = None
