@@ -21,6 +21,7 @@ from openalign.pipeline.experiments import (
     aggregate,
     build_config,
     capacity_gains,
+    diagnose,
     expand_grid,
     mean_std,
     parse_only,
@@ -195,6 +196,49 @@ def test_tower_verdicts_compare_paired_gains_by_hand() -> None:
     assert image_gain.n == 1 and image_gain.mean == 10.0
 
 
+def test_runs_against_the_paper_get_measured_causes_by_hand() -> None:
+    table = ablations(10, 8)
+
+    def run(variant: str, seed: int, t2i: float, peak: float, end: float, temperature: float) -> dict:
+        metrics = {"t2i_r1": t2i, "i2t_r1": t2i, "mean_recall": 0.0, "knn_top1": 0.0}
+        training = {"uniform_loss": 4.0, "peak_loss": peak, "end_loss": end}
+        return {
+            "variant": variant,
+            "seed": seed,
+            "seconds": 1.0,
+            "metrics": metrics,
+            "training": training,
+            "final_temperature": temperature,
+        }
+
+    runs = [run("reference", s, 30.0 + s, 4.0, 2.0, 0.1) for s in (0, 1)]
+    runs += [run("fixed-1-32", s, 20.0 + s, 4.2, 2.2, 1 / 32) for s in (0, 1)]  # lower, as the paper finds
+    runs += [run("fixed-1-64", s, 2.0 + s, 5.0 + s, 3.0, 1 / 64) for s in (0, 1)]  # paper: about equal
+    runs += [run("fixed-1-128", s, 29.0 + 2 * s, 4.0, 2.0, 0.1) for s in (0, 1)]  # ≈, as the paper finds
+    rows = {r["variant"]: r for r in aggregate(runs, table, ["b"])["b"]["variants"]}
+    assert rows["fixed-1-64"]["training"]["peak_loss"]["mean"] == 5.5
+    assert rows["fixed-1-64"]["training"]["temperature"]["mean"] == pytest.approx(1 / 64)
+    # Only the trend against the paper is explained: the loss peaked 1.5 above uniform (over the 0.5 margin),
+    # and the temperature is 6.4 times as sharp; the end loss (75 % of uniform against 50 %) is no memorising.
+    assert [k for k, r in rows.items() if "why" in r] == ["fixed-1-64"]
+    why = rows["fixed-1-64"]["why"]
+    assert len(why) == 2
+    assert why[0].startswith("the variant's training loss rose to 5.5, above the 4.0 of scoring every candidate")
+    assert why[1] == "its temperature ends at 1/64, the reference's at 1/10: logits 6.4× as sharp"
+
+    def row(t2i: float, end: float) -> dict:
+        training = {"uniform_loss": 10.0, "peak_loss": {"mean": 10.0}, "end_loss": {"mean": end}}
+        return {"t2i_r1": {"mean": t2i}, "training": {**training, "temperature": {"mean": 0.1}}}
+
+    # Whichever run fits its training pairs to under 75 % of the other's share of uniform yet retrieves worse.
+    assert diagnose(row(10.0, 4.0), row(5.0, 2.0))[0].startswith(
+        "the reference fits its training pairs better than the variant (training loss 2.0 against 4.0, 20% and 40%"
+    )
+    assert diagnose(row(5.0, 2.0), row(10.0, 4.0))[0].startswith("the variant fits its training pairs better")
+    assert diagnose(row(5.0, 3.5), row(10.0, 4.0))[0].startswith("the training logs show no cause")
+    assert diagnose(row(10.0, 2.0), row(5.0, 4.0))[0].startswith("the training logs show no cause")
+
+
 def test_trend_cases() -> None:
     ref = Stat(10.0, 1.0, 3)
     assert trend("lower", ref, Stat(5.0, 1.0, 3)).startswith("same direction as paper")
@@ -256,9 +300,25 @@ def test_runs_are_reused_and_reported(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [r["variant"] for r in saved["ablations"]["e"]["variants"]] == ["reference", "ls-0"]
     assert saved["run_seconds"] == pytest.approx(sum(r["seconds"] for r in second["runs"]), abs=0.2)
 
+    # Each run's training loss, read back from its own log, beside the loss of telling nothing apart.
+    for run in second["runs"]:
+        losses = [
+            json.loads(line)["loss"]
+            for line in (tmp_path / "runs" / run["variant"] / "seed0" / "metrics.jsonl").read_text().splitlines()
+            if "loss" in line
+        ]
+        assert run["training"]["peak_loss"] == max(losses)
+        assert run["training"]["end_loss"] == pytest.approx(sum(losses[-3:]) / len(losses[-3:]))
+    uniform = {r["variant"]: r["training"]["uniform_loss"] for r in second["runs"]}
+    # 8 columns; half of the 7 negatives rounds up to 4, a quarter to 2.
+    assert uniform == pytest.approx(
+        {"reference": 2 * math.log(8), "neg-50": 2 * math.log(5), "neg-25": 2 * math.log(3), "ls-0": 2 * math.log(8)}
+    )
+
     markdown = (tmp_path / "experiments.md").read_text()
     rows = [line for line in markdown.splitlines() if line.startswith("| label smoothing")]
     assert len(rows) == 2
+    assert all(f"({2 * math.log(8):.1f}) |" in line for line in rows)  # the training-loss cell
     assert "## (e) Label smoothing" in markdown and "## (a)" not in markdown
     for key in ("c", "e"):
         assert f"]({saved['plots'][key]})" in markdown

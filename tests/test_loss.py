@@ -15,6 +15,7 @@ from openalign.loss import (
     _sample_columns,
     contrastive_loss,
     global_loss_value,
+    uniform_loss,
 )
 
 
@@ -96,6 +97,19 @@ def test_perfect_alignment_reaches_label_smoothing_floor() -> None:
     torch.testing.assert_close(at_floor, torch.tensor(floor, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     for t in (1e-3, t_star / 2, t_star * 2, 1.0):
         assert contrastive_loss(emb, emb, t, label_smoothing=eps) > floor + 1e-3
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.0])
+@pytest.mark.parametrize("n, fraction", [(6, 1.0), (9, 0.5), (9, 0.25)])
+def test_uniform_loss_is_the_loss_of_embeddings_that_tell_nothing_apart(n: int, fraction: float, eps: float) -> None:
+    # One embedding for every image and text: every logit of a row is equal, each direction scores ln(K)
+    # for K candidates per row whatever the smoothing, and the sum is what uniform_loss says.
+    same = F.normalize(torch.ones(n, 4, dtype=torch.float64), dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    loss = contrastive_loss(same, same, 0.05, label_smoothing=eps, negatives_fraction=fraction, generator=generator)
+    candidates = 1 + round(fraction * (n - 1) + 1e-9)
+    assert uniform_loss(n, fraction) == pytest.approx(2 * math.log(candidates), abs=1e-12)
+    torch.testing.assert_close(loss, torch.tensor(uniform_loss(n, fraction), dtype=torch.float64))
 
 
 def test_full_negatives_fraction_is_exact_and_draws_nothing() -> None:

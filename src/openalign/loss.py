@@ -17,7 +17,7 @@ from torch import Tensor
 
 from openalign.model.layers import has_values
 
-__all__ = ["contrastive_loss", "global_loss_value"]
+__all__ = ["contrastive_loss", "global_loss_value", "uniform_loss"]
 
 
 def _world() -> tuple[int, int]:
@@ -182,6 +182,12 @@ def contrastive_loss(
         for logits in (logits_i2t, logits_t2i)
     )
     return (i2t + t2i) * (world / logits_i2t.shape[1])
+
+
+def uniform_loss(batch_size: int, negatives_fraction: float = 1.0) -> float:
+    """``contrastive_loss`` of a model that scores every candidate of a row alike (any label smoothing): where
+    a run starts from and the level a training loss must fall below to say the model has learnt anything."""
+    return 2 * math.log(1 + _num_negatives(batch_size, negatives_fraction))
 
 
 def global_loss_value(loss: Tensor) -> Tensor:

@@ -482,6 +482,21 @@ def _curve(run_dir: Path) -> list[list[float]]:
     return [[r["step"], r["eval/t2i_r1"], r["eval/i2t_r1"]] for r in rows if "eval/t2i_r1" in r]
 
 
+def training_log(spec: RunSpec) -> dict[str, float]:
+    """What the run's training loss did: its highest and its last logged values (the mean of the last three
+    logs, one batch each), beside the loss of scoring every candidate alike (``uniform_loss``)."""
+    from openalign.loss import uniform_loss
+
+    cfg = build_config(spec)
+    out = {"uniform_loss": uniform_loss(cfg.data.batch_size, cfg.train.negatives_fraction)}
+    path = spec.run_dir / "metrics.jsonl"
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if path.is_file() else ()
+    losses = [r["loss"] for r in rows if "loss" in r]
+    if losses:
+        out |= {"peak_loss": max(losses), "end_loss": sum(losses[-3:]) / len(losses[-3:])}
+    return out
+
+
 def _shared_sequences(specs: Sequence[RunSpec]) -> set[str]:
     """Names of the runs whose batch sequence another run of the grid also trains on (one seed's ablations of
     the model or loss all read the same data)."""
@@ -582,7 +597,8 @@ def run_experiments(settings: ExperimentSettings, *, log: Callable[[str], None] 
         log(f"[{len(runs) + 1}/{len(specs)}] {spec.name}: {_run_line(run)}")
         runs[spec.name] = run
     shutil.rmtree(out / BATCHES_DIR, ignore_errors=True)
-    ordered = [runs[spec.name] for spec in specs]
+    # Read from the run's own log, so runs finished by an earlier invocation get it too.
+    ordered = [{**runs[spec.name], "training": training_log(spec)} for spec in specs]
     from openalign.pipeline.experiment_plots import write_plots
 
     batch = _batch_size(settings)
@@ -702,6 +718,67 @@ def capacity_gains(runs: list[dict[str, Any]], metric: str) -> tuple[Stat, Stat]
     return image_gain, text_gain
 
 
+# Thresholds of ``diagnose``: a training loss this many nats above the uniform one is confidently wrong; one
+# run fits its training pairs markedly better than another when its loss, as a fraction of the uniform loss,
+# is below this share of the other's; temperatures this many times apart are far apart.
+CONFIDENTLY_WRONG = 0.5
+MEMORISING = 0.75
+TEMPERATURE_APART = 2.0
+
+
+def _training_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean ± std over seeds of the training loss's peak and end and of the final temperature."""
+    logs = [r["training"] for r in runs if "training" in r]
+    out = {k: _stat_dict(mean_std([t[k] for t in logs if k in t])) for k in ("peak_loss", "end_loss")}
+    out["uniform_loss"] = logs[0]["uniform_loss"] if logs else None
+    out["temperature"] = _stat_dict(mean_std([r["final_temperature"] for r in runs if "final_temperature" in r]))
+    return out
+
+
+def _against_paper(verdict: str) -> bool:
+    return verdict.startswith("opposite") or "(paper ≈)" in verdict
+
+
+def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """Measured reasons, read from the training logs, why a variant's R@1 moved against the paper's direction
+    from the reference's; says so when the logs show none."""
+    notes = []
+    fit = {}
+    for who, r in (("the variant", row), ("the reference", reference)):
+        t = r.get("training", {})
+        peak, end, uniform = (
+            t.get("peak_loss", {}).get("mean"),
+            t.get("end_loss", {}).get("mean"),
+            t.get("uniform_loss"),
+        )
+        if peak is not None and uniform is not None and peak > uniform + CONFIDENTLY_WRONG:
+            notes.append(
+                f"{who}'s training loss rose to {peak:.1f}, above the {uniform:.1f} of scoring every candidate "
+                "alike: it was confidently wrong while it learnt"
+            )
+        if end is not None and uniform:
+            fit[who] = (end / uniform, end, r["t2i_r1"]["mean"])
+    if len(fit) == 2:
+        for who, other in (("the variant", "the reference"), ("the reference", "the variant")):
+            (share, end, r1), (other_share, other_end, other_r1) = fit[who], fit[other]
+            if share < MEMORISING * other_share and r1 is not None and other_r1 is not None and r1 < other_r1:
+                notes.append(
+                    f"{who} fits its training pairs better than {other} (training loss {end:.1f} against "
+                    f"{other_end:.1f}, {share:.0%} and {other_share:.0%} of uniform) yet retrieves held-out pairs "
+                    "worse: it memorises them"
+                )
+    temps = [r.get("training", {}).get("temperature", {}).get("mean") for r in (row, reference)]
+    if None not in temps and max(temps) > TEMPERATURE_APART * min(temps):
+        notes.append(
+            f"its temperature ends at 1/{1 / temps[0]:.0f}, the reference's at 1/{1 / temps[1]:.0f}: "
+            f"logits {temps[1] / temps[0]:.1f}× as sharp"
+        )
+    return notes or [
+        "the training logs show no cause: neither loss rose above uniform, neither run memorises, and the "
+        f"temperatures end within {TEMPERATURE_APART:g}× of each other"
+    ]
+
+
 def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequence[str]) -> dict[str, Any]:
     """Per ablation and variant: mean ± sample std of each metric over seeds, and the trend against the
     reference variant for both R@1s; for (a) the mean learning curves, for (f) the capacity verdicts."""
@@ -729,13 +806,17 @@ def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequ
             }
             if key == "a":
                 row["curve"] = _mean_curve(done)
+            row["training"] = _training_stats(done)
             rows.append(row)
         ref = stats[ablation.reference.name]
+        ref_row = rows[ablation.variants.index(ablation.reference)]
         sizes = {r["metrics"].get("num_images") for r in used if "metrics" in r} - {None}
         chance = 100.0 / min(sizes) if sizes else None  # R@1 of random embeddings, in percent
         for row, variant in zip(rows, ablation.variants, strict=True):
             own = stats[variant.name]
             row["trend"] = {m: trend(variant.expect, ref[m], own[m], chance) for m in TREND_METRICS}
+            if _against_paper(row["trend"]["t2i_r1"]):
+                row["why"] = diagnose(row, ref_row)
         entry: dict[str, Any] = {
             "title": ablation.title,
             "source": ablation.source,
@@ -771,6 +852,20 @@ def _cell(stat: dict[str, Any], sign: str = "") -> str:
         return "–"
     std = "n/a" if stat["std"] is None else f"{stat['std']:.1f}"
     return f"{stat['mean']:{sign}.1f} ± {std}"
+
+
+def _loss_cell(training: dict[str, Any]) -> str:
+    peak, end, uniform = training.get("peak_loss"), training.get("end_loss"), training.get("uniform_loss")
+    if not peak or not peak["n"] or uniform is None:
+        return "–"
+    return f"{peak['mean']:.1f} → {end['mean']:.1f} ({uniform:.1f})"
+
+
+def _temperature_cell(training: dict[str, Any]) -> str:
+    temperature = training.get("temperature")
+    if not temperature or not temperature["n"]:
+        return "–"
+    return f"1/{1 / temperature['mean']:.0f}"
 
 
 def _trend_cell(trends: dict[str, str]) -> str:
@@ -816,16 +911,22 @@ def render_markdown(summary: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            "| variant | t2i R@1 | i2t R@1 | mean recall | KNN top-1 | paper's direction | trend here | s/run |",
-            "|---|---:|---:|---:|---:|---|---|---:|",
+            "| variant | t2i R@1 | i2t R@1 | mean recall | KNN top-1 | paper's direction | trend here "
+            "| training loss: peak → end (uniform) | τ at end | s/run |",
+            "|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
         ]
         for row in ablation["variants"]:
             label = row["label"] + (f" ({row['diverged']} of {row['runs']} diverged)" if row["diverged"] else "")
             lines.append(
                 f"| {label} | {_cell(row['t2i_r1'])} | {_cell(row['i2t_r1'])} | {_cell(row['mean_recall'])} "
                 f"| {_cell(row['knn_top1'])} | {row['paper']} | {_trend_cell(row['trend'])} "
+                f"| {_loss_cell(row.get('training', {}))} | {_temperature_cell(row.get('training', {}))} "
                 f"| {row['seconds_per_run']:.0f} |"
             )
+        why = [row for row in ablation["variants"] if row.get("why")]
+        if why:
+            lines += ["", "Where t2i R@1 moved against the paper's direction, the training logs measure:", ""]
+            lines += [f"- **{row['label']}**: " + "; ".join(row["why"]) + "." for row in why]
         if key == "f":
             lines += [
                 "",
