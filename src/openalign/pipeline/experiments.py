@@ -891,8 +891,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
         "than the pooled sample std of the two rows, else compared with the paper's direction. "
         "*Paper's direction*: relative to the reference row, with the paper's MSCOCO R@1 (I2T / T2I).",
         "",
-        f"{distinct} distinct runs took {summary['run_seconds']:.0f} s of training and evaluation; this "
-        f"invocation {summary['wall_seconds']:.0f} s (reused runs cost nothing).",
+        f"{distinct} distinct runs took {summary['run_seconds']:.0f} s of training and evaluation; "
+        f"{s['parallel']} at a time, that is about {summary['run_seconds'] / s['parallel'] / 3600:.2f} h of wall "
+        f"time for the whole grid at once. This invocation took {summary['wall_seconds']:.0f} s (reused runs "
+        "cost nothing).",
         "",
     ]
     plots = summary.get("plots", {})
