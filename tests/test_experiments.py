@@ -218,25 +218,37 @@ def test_runs_against_the_paper_get_measured_causes_by_hand() -> None:
     rows = {r["variant"]: r for r in aggregate(runs, table, ["b"])["b"]["variants"]}
     assert rows["fixed-1-64"]["training"]["peak_loss"]["mean"] == 5.5
     assert rows["fixed-1-64"]["training"]["temperature"]["mean"] == pytest.approx(1 / 64)
-    # Only the trend against the paper is explained: the loss peaked 1.5 above uniform (over the 0.5 margin),
-    # and the temperature is 6.4 times as sharp; the end loss (75 % of uniform against 50 %) is no memorising.
+    # Only the trend against the paper is explained: the loss peaked 1.5 above uniform (over the 0.5 margin);
+    # it ends at 75 % of uniform against the reference's 50 %, short of memorising, and higher with a lower
+    # R@1: slower learning; the temperature is 6.4 times as sharp.
     assert [k for k, r in rows.items() if "why" in r] == ["fixed-1-64"]
     why = rows["fixed-1-64"]["why"]
-    assert len(why) == 2
+    assert len(why) == 3
     assert why[0].startswith("the variant's training loss rose to 5.5, above the 4.0 of scoring every candidate")
-    assert why[1] == "its temperature ends at 1/64, the reference's at 1/10: logits 6.4× as sharp"
+    assert why[1].startswith(
+        "the variant's training loss ends higher (3.0 against 2.0): it fits its training pairs slower"
+    )
+    assert why[2] == "its temperature ends at 1/64, the reference's at 1/10: logits 6.4× as sharp"
 
     def row(t2i: float, end: float) -> dict:
         training = {"uniform_loss": 10.0, "peak_loss": {"mean": 10.0}, "end_loss": {"mean": end}}
         return {"t2i_r1": {"mean": t2i}, "training": {**training, "temperature": {"mean": 0.1}}}
 
-    # Whichever run fits its training pairs to under 75 % of the other's share of uniform yet retrieves worse.
-    assert diagnose(row(10.0, 4.0), row(5.0, 2.0))[0].startswith(
-        "the reference fits its training pairs better than the variant (training loss 2.0 against 4.0, 20% and 40%"
-    )
+    # Whichever run fits its training pairs to under 75 % of the other's share of uniform yet retrieves worse
+    # memorises; the variant alone is named otherwise, once the losses are 2 % of uniform apart.
+    assert diagnose(row(10.0, 4.0), row(5.0, 2.0)) == [
+        "the reference fits its training pairs better than the variant (training loss 2.0 against 4.0, 20% and "
+        "40% of uniform) yet retrieves held-out pairs worse: it memorises them"
+    ]
     assert diagnose(row(5.0, 2.0), row(10.0, 4.0))[0].startswith("the variant fits its training pairs better")
-    assert diagnose(row(5.0, 3.5), row(10.0, 4.0))[0].startswith("the training logs show no cause")
-    assert diagnose(row(10.0, 2.0), row(5.0, 4.0))[0].startswith("the training logs show no cause")
+    assert diagnose(row(5.0, 3.5), row(10.0, 4.0)) == [
+        "the variant's training loss ends lower (3.5 against 4.0) while it retrieves held-out pairs worse: it "
+        "generalises worse from what it fits"
+    ]
+    assert diagnose(row(10.0, 3.5), row(5.0, 4.0))[0].startswith(
+        "the variant's training loss ends lower (3.5 against 4.0): it fits its training pairs faster"
+    )
+    assert diagnose(row(10.0, 3.9), row(5.0, 4.0))[0].startswith("the training logs show no cause")
 
 
 def test_gaps_within_the_noise_are_held_against_the_papers_gap_by_hand() -> None:

@@ -731,10 +731,11 @@ def capacity_gains(runs: list[dict[str, Any]], metric: str) -> tuple[Stat, Stat]
 
 
 # Thresholds of ``diagnose``: a training loss this many nats above the uniform one is confidently wrong; one
-# run fits its training pairs markedly better than another when its loss, as a fraction of the uniform loss,
-# is below this share of the other's; temperatures this many times apart are far apart.
+# run memorises when its loss, as a fraction of the uniform loss, is below this share of the other's while it
+# retrieves worse; temperatures this many times apart are far apart.
 CONFIDENTLY_WRONG = 0.5
 MEMORISING = 0.75
+FIT_APART = 0.02  # training losses, as fractions of the uniform loss, at least this far apart differ
 TEMPERATURE_APART = 2.0
 
 
@@ -789,14 +790,32 @@ def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
             )
         if end is not None and uniform:
             fit[who] = (end / uniform, end, r["t2i_r1"]["mean"])
-    if len(fit) == 2:
+    if len(fit) == 2 and None not in (fit["the variant"][2], fit["the reference"][2]):
+        memorised = False
         for who, other in (("the variant", "the reference"), ("the reference", "the variant")):
             (share, end, r1), (other_share, other_end, other_r1) = fit[who], fit[other]
-            if share < MEMORISING * other_share and r1 is not None and other_r1 is not None and r1 < other_r1:
+            if share < MEMORISING * other_share and r1 < other_r1:
+                memorised = True
                 notes.append(
                     f"{who} fits its training pairs better than {other} (training loss {end:.1f} against "
                     f"{other_end:.1f}, {share:.0%} and {other_share:.0%} of uniform) yet retrieves held-out pairs "
                     "worse: it memorises them"
+                )
+        (share, end, r1), (ref_share, ref_end, ref_r1) = fit["the variant"], fit["the reference"]
+        if not memorised and abs(share - ref_share) >= FIT_APART:
+            lower, better = share < ref_share, r1 > ref_r1
+            ends = (
+                f"the variant's training loss ends {'lower' if lower else 'higher'} ({end:.1f} against {ref_end:.1f})"
+            )
+            if lower == better:
+                notes.append(
+                    f"{ends}: it fits its training pairs {'faster' if lower else 'slower'} in this run's steps, and "
+                    "held-out pairs with them, so the gap is one of learning speed, not of generalisation"
+                )
+            else:
+                notes.append(
+                    f"{ends} while it retrieves held-out pairs {'better' if better else 'worse'}: it generalises "
+                    f"{'better' if better else 'worse'} from what it fits"
                 )
     temps = [r.get("training", {}).get("temperature", {}).get("mean") for r in (row, reference)]
     if None not in temps and max(temps) > TEMPERATURE_APART * min(temps):
@@ -805,8 +824,8 @@ def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
             f"logits {temps[1] / temps[0]:.1f}× as sharp"
         )
     return notes or [
-        "the training logs show no cause: neither loss rose above uniform, neither run memorises, and the "
-        f"temperatures end within {TEMPERATURE_APART:g}× of each other"
+        "the training logs show no cause: neither loss rose above uniform, both end within "
+        f"{FIT_APART:.0%} of uniform of each other, and the temperatures within {TEMPERATURE_APART:g}×"
     ]
 
 
