@@ -249,6 +249,10 @@ def test_runs_against_the_paper_get_measured_causes_by_hand() -> None:
         "the variant's training loss ends lower (3.5 against 4.0): it fits its training pairs faster"
     )
     assert diagnose(row(10.0, 3.9), row(5.0, 4.0))[0].startswith("the training logs show no cause")
+    # Label smoothing sets how low a loss can go: losses of runs that differ in it are not held against each other.
+    plain, smoothed = row(5.0, 2.0), row(5.0, 4.0)
+    plain["training"]["label_smoothing"], smoothed["training"]["label_smoothing"] = 0.0, 0.1
+    assert diagnose(plain, smoothed) == ["the training losses do not compare: label smoothing 0.0 against 0.1"]
 
 
 def test_gaps_within_the_noise_are_held_against_the_papers_gap_by_hand() -> None:
@@ -344,6 +348,7 @@ def test_runs_are_reused_and_reported(tmp_path: Path, monkeypatch: pytest.Monkey
         ]
         assert run["training"]["peak_loss"] == max(losses)
         assert run["training"]["end_loss"] == pytest.approx(sum(losses[-3:]) / len(losses[-3:]))
+    assert [r["training"]["label_smoothing"] for r in second["runs"]] == [0.1, 0.1, 0.1, 0.0]
     uniform = {r["variant"]: r["training"]["uniform_loss"] for r in second["runs"]}
     # 8 columns; half of the 7 negatives rounds up to 4, a quarter to 2.
     assert uniform == pytest.approx(

@@ -500,7 +500,10 @@ def training_log(spec: RunSpec) -> dict[str, float]:
     from openalign.loss import uniform_loss
 
     cfg = build_config(spec)
-    out = {"uniform_loss": uniform_loss(cfg.data.batch_size, cfg.train.negatives_fraction)}
+    out = {
+        "uniform_loss": uniform_loss(cfg.data.batch_size, cfg.train.negatives_fraction),
+        "label_smoothing": cfg.train.label_smoothing,
+    }
     path = spec.run_dir / "metrics.jsonl"
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if path.is_file() else ()
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -762,7 +765,8 @@ def _training_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean ± std over seeds of the training loss's peak and end and of the final temperature."""
     logs = [r["training"] for r in runs if "training" in r]
     out: dict[str, Any] = {k: _stat_dict(mean_std([t[k] for t in logs if k in t])) for k in ("peak_loss", "end_loss")}
-    out["uniform_loss"] = logs[0]["uniform_loss"] if logs else None
+    for key in ("uniform_loss", "label_smoothing"):
+        out[key] = logs[0].get(key) if logs else None
     out["temperature"] = _stat_dict(mean_std([r["final_temperature"] for r in runs if "final_temperature" in r]))
     return out
 
@@ -790,7 +794,11 @@ def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
             )
         if end is not None and uniform:
             fit[who] = (end / uniform, end, r["t2i_r1"]["mean"])
-    if len(fit) == 2 and None not in (fit["the variant"][2], fit["the reference"][2]):
+    smoothing = [r.get("training", {}).get("label_smoothing") for r in (row, reference)]
+    if smoothing[0] != smoothing[1]:
+        # Smoothing raises the lowest loss a run can reach: end losses of runs that differ in it do not compare.
+        notes.append(f"the training losses do not compare: label smoothing {smoothing[0]} against {smoothing[1]}")
+    elif len(fit) == 2 and None not in (fit["the variant"][2], fit["the reference"][2]):
         memorised = False
         for who, other in (("the variant", "the reference"), ("the reference", "the variant")):
             (share, end, r1), (other_share, other_end, other_r1) = fit[who], fit[other]
