@@ -775,12 +775,19 @@ def _against_paper(verdict: str) -> bool:
     return verdict.startswith("opposite") or "(paper ≈)" in verdict
 
 
-def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
-    """Measured reasons, read from the training logs, why a variant's R@1 moved against the paper's direction
-    from the reference's; says so when the logs show none."""
+def diagnose(
+    row: dict[str, Any],
+    reference: dict[str, Any],
+    names: tuple[str, str] = ("the variant", "the reference"),
+    metric: str = "t2i_r1",
+) -> list[str]:
+    """Measured reasons, read from the training logs, why a variant's ``metric`` moved against the paper's
+    direction from the reference's (the two rows called ``names`` in the notes); says so when the logs show
+    none."""
+    mine, theirs = names
     notes = []
     fit = {}
-    for who, r in (("the variant", row), ("the reference", reference)):
+    for who, r in ((mine, row), (theirs, reference)):
         t = r.get("training", {})
         peak, end, uniform = (
             t.get("peak_loss", {}).get("mean"),
@@ -793,14 +800,14 @@ def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
                 "alike: it was confidently wrong while it learnt"
             )
         if end is not None and uniform:
-            fit[who] = (end / uniform, end, r["t2i_r1"]["mean"])
+            fit[who] = (end / uniform, end, r[metric]["mean"])
     smoothing = [r.get("training", {}).get("label_smoothing") for r in (row, reference)]
     if smoothing[0] != smoothing[1]:
         # Smoothing raises the lowest loss a run can reach: end losses of runs that differ in it do not compare.
         notes.append(f"the training losses do not compare: label smoothing {smoothing[0]} against {smoothing[1]}")
-    elif len(fit) == 2 and None not in (fit["the variant"][2], fit["the reference"][2]):
+    elif len(fit) == 2 and None not in (fit[mine][2], fit[theirs][2]):
         memorised = False
-        for who, other in (("the variant", "the reference"), ("the reference", "the variant")):
+        for who, other in ((mine, theirs), (theirs, mine)):
             (share, end, r1), (other_share, other_end, other_r1) = fit[who], fit[other]
             if share < MEMORISING * other_share and r1 < other_r1:
                 memorised = True
@@ -809,12 +816,10 @@ def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
                     f"{other_end:.1f}, {share:.0%} and {other_share:.0%} of uniform) yet retrieves held-out pairs "
                     "worse: it memorises them"
                 )
-        (share, end, r1), (ref_share, ref_end, ref_r1) = fit["the variant"], fit["the reference"]
+        (share, end, r1), (ref_share, ref_end, ref_r1) = fit[mine], fit[theirs]
         if not memorised and abs(share - ref_share) >= FIT_APART:
             lower, better = share < ref_share, r1 > ref_r1
-            ends = (
-                f"the variant's training loss ends {'lower' if lower else 'higher'} ({end:.1f} against {ref_end:.1f})"
-            )
+            ends = f"{mine}'s training loss ends {'lower' if lower else 'higher'} ({end:.1f} against {ref_end:.1f})"
             if lower == better:
                 notes.append(
                     f"{ends}: it fits its training pairs {'faster' if lower else 'slower'} in this run's steps, and "
@@ -828,13 +833,41 @@ def diagnose(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
     temps = [r.get("training", {}).get("temperature", {}).get("mean") for r in (row, reference)]
     if None not in temps and max(temps) > TEMPERATURE_APART * min(temps):
         notes.append(
-            f"its temperature ends at 1/{1 / temps[0]:.0f}, the reference's at 1/{1 / temps[1]:.0f}: "
+            f"{mine}'s temperature ends at 1/{1 / temps[0]:.0f}, {theirs}'s at 1/{1 / temps[1]:.0f}: "
             f"logits {temps[1] / temps[0]:.1f}× as sharp"
         )
     return notes or [
         "the training logs show no cause: neither loss rose above uniform, both end within "
         f"{FIT_APART:.0%} of uniform of each other, and the temperatures within {TEMPERATURE_APART:g}×"
     ]
+
+
+AS_IN_PAPER = ("same direction as paper", "≈ as in paper", "no result")
+# Ablation (f)'s scaling steps: (larger cell, smaller cell) for the image tower and for the text tower.
+SCALING_PAIRS = (("towers-LM", "towers-SM"), ("towers-ML", "towers-MS"))
+
+
+def _capacity_why(metric: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Why a capacity verdict differs from the paper's: how far the metric spreads over the grid against the
+    seed noise, and for retrieval what the training logs say of each tower's S → L step."""
+    cells = [row[metric] for row in rows if row[metric]["n"]]
+    stds = [cell["std"] for cell in cells if cell["std"] is not None]
+    means = [cell["mean"] for cell in cells]
+    notes = [
+        f"{metric} spans {min(means):.1f}–{max(means):.1f} over the {len(cells)} cells, against a seed std of "
+        f"{sum(stds) / len(stds):.1f} on average"
+        if stds
+        else f"{metric} spans {min(means):.1f}–{max(means):.1f} over the {len(cells)} cells"
+    ]
+    if metric in TREND_METRICS:
+        by_name = {row["variant"]: row for row in rows}
+        for large, small in SCALING_PAIRS:
+            if large in by_name and small in by_name:
+                names = (by_name[large]["label"], by_name[small]["label"])
+                notes.append(
+                    f"{names[1]} → {names[0]}: " + "; ".join(diagnose(by_name[large], by_name[small], names, metric))
+                )
+    return notes
 
 
 def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequence[str]) -> dict[str, Any]:
@@ -897,6 +930,7 @@ def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequ
                         "text_gain": _stat_dict(text_gain),
                         "paper": paper,
                         "verdict": verdict,
+                        **({} if verdict.startswith(AS_IN_PAPER) else {"why": _capacity_why(metric, rows)}),
                     }
                 )
         out[key] = entry
@@ -1004,6 +1038,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
                     f"| {v['metric']} | {_cell(v['image_gain'], '+')} | {_cell(v['text_gain'], '+')} | {v['paper']} "
                     f"| {v['verdict']} |"
                 )
+            why = [v for v in ablation["verdicts"] if v.get("why")]
+            if why:
+                lines += ["", "Where a verdict differs from the paper's finding, what was measured:", ""]
+                lines += [f"- **{v['metric']}**: " + "; ".join(v["why"]) + "." for v in why]
         runs = sum(row["runs"] for row in ablation["variants"])
         lines += ["", f"Measured: {ablation['seconds']:.0f} s of training and evaluation over {runs} runs.", ""]
         if key in plots:
