@@ -23,6 +23,7 @@ from openalign.pipeline.experiments import (
     capacity_gains,
     diagnose,
     expand_grid,
+    lagging_seed,
     mean_std,
     parse_only,
     run_experiments,
@@ -290,6 +291,29 @@ def test_runs_against_the_paper_get_measured_causes_by_hand() -> None:
     plain, smoothed = row(5.0, 2.0), row(5.0, 4.0)
     plain["training"]["label_smoothing"], smoothed["training"]["label_smoothing"] = 0.0, 0.1
     assert diagnose(plain, smoothed) == ["the training losses do not compare: label smoothing 0.0 against 0.1"]
+
+
+def test_a_seed_that_learns_slower_than_the_others_is_named_by_hand() -> None:
+    def run(seed: int, end: float, t2i: float) -> dict:
+        return {"seed": seed, "metrics": {"t2i_r1": t2i}, "training": {"end_loss": end, "uniform_loss": 10.0}}
+
+    # Seed 0 ends 1.2 above the next (over 2 % of a uniform loss of 10) and retrieves worst.
+    lag = lagging_seed([run(0, 9.2, 8.0), run(1, 7.8, 35.0), run(2, 8.0, 28.0)])
+    assert lag == {
+        "seed": 0,
+        "end_loss": 9.2,
+        "t2i_r1": 8.0,
+        "others_end_loss": [7.8, 8.0],
+        "others_t2i_r1": [35.0, 28.0],
+    }
+    assert lagging_seed([run(0, 8.1, 8.0), run(1, 7.8, 35.0), run(2, 8.0, 28.0)]) is None  # 0.1 apart: no lag
+    assert lagging_seed([run(0, 9.2, 30.0), run(1, 7.8, 35.0), run(2, 8.0, 28.0)]) is None  # it retrieves well
+    assert lagging_seed([run(0, 9.2, 8.0), run(1, 7.8, 35.0)]) is None  # two seeds: which one lags?
+    row = {"t2i_r1": {"mean": 5.0}, "training": {}, "lagging_seed": lag}
+    assert diagnose(row, {"t2i_r1": {"mean": 9.0}, "training": {}}) == [
+        "the variant's seed 0 lags the others: its training loss ends at 9.2 against 7.8 and 8.0, its t2i R@1 at "
+        "8.0 against 35.0 and 28.0"
+    ]
 
 
 def test_gaps_within_the_noise_are_held_against_the_papers_gap_by_hand() -> None:

@@ -49,7 +49,9 @@ __all__ = [
     "aggregate",
     "build_config",
     "clean_scenes",
+    "diagnose",
     "expand_grid",
+    "lagging_seed",
     "mean_std",
     "parse_only",
     "quick_settings",
@@ -771,6 +773,28 @@ def _training_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def lagging_seed(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The seed that learnt slower than the others of its variant: its training loss ends ``FIT_APART`` of the
+    uniform loss above every other seed's and its t2i R@1 is the lowest; None without one, or below 3 seeds."""
+    logs = [r for r in runs if "metrics" in r and "end_loss" in r.get("training", {})]
+    if len(logs) < 3:
+        return None
+    worst = max(logs, key=lambda r: r["training"]["end_loss"])
+    others = [r for r in logs if r is not worst]
+    gap = worst["training"]["end_loss"] - max(r["training"]["end_loss"] for r in others)
+    if gap < FIT_APART * worst["training"]["uniform_loss"]:
+        return None
+    if worst["metrics"]["t2i_r1"] >= min(r["metrics"]["t2i_r1"] for r in others):
+        return None
+    return {
+        "seed": worst["seed"],
+        "end_loss": worst["training"]["end_loss"],
+        "t2i_r1": worst["metrics"]["t2i_r1"],
+        "others_end_loss": [r["training"]["end_loss"] for r in others],
+        "others_t2i_r1": [r["metrics"]["t2i_r1"] for r in others],
+    }
+
+
 def _against_paper(verdict: str) -> bool:
     return verdict.startswith("opposite") or "(paper ≈)" in verdict
 
@@ -830,6 +854,15 @@ def diagnose(
                     f"{ends} while it retrieves held-out pairs {'better' if better else 'worse'}: it generalises "
                     f"{'better' if better else 'worse'} from what it fits"
                 )
+    for who, r in ((mine, row), (theirs, reference)):
+        lag = r.get("lagging_seed")
+        if lag:
+            notes.append(
+                f"{who}'s seed {lag['seed']} lags the others: its training loss ends at {lag['end_loss']:.1f} against "
+                + " and ".join(f"{v:.1f}" for v in lag["others_end_loss"])
+                + f", its t2i R@1 at {lag['t2i_r1']:.1f} against "
+                + " and ".join(f"{v:.1f}" for v in lag["others_t2i_r1"])
+            )
     temps = [r.get("training", {}).get("temperature", {}).get("mean") for r in (row, reference)]
     if None not in temps and max(temps) > TEMPERATURE_APART * min(temps):
         notes.append(
@@ -898,6 +931,7 @@ def aggregate(runs: list[dict[str, Any]], table: dict[str, Ablation], only: Sequ
             if key == "a":
                 row["curve"] = _mean_curve(done)
             row["training"] = _training_stats(done)
+            row["lagging_seed"] = lagging_seed(done)
             rows.append(row)
         ref = stats[ablation.reference.name]
         ref_row = rows[ablation.variants.index(ablation.reference)]
