@@ -487,13 +487,21 @@ class _EvalSets:
         return self.knn[image_size]
 
 
+def _logged(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The run's ``metrics.jsonl`` as ``read_metrics`` gives it; empty when it logged nothing."""
+    from openalign.train.logging import read_metrics
+
+    try:
+        return read_metrics(run_dir)
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
 def _curve(run_dir: Path) -> list[list[float]]:
     """[step, t2i R@1, i2t R@1] of each held-out evaluation the run logged while training."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return [[r["step"], r["eval/t2i_r1"], r["eval/i2t_r1"]] for r in rows if "eval/t2i_r1" in r]
+    logged = _logged(run_dir)
+    i2t = dict(logged.get("eval/i2t_r1", []))
+    return [[step, t2i, i2t[step]] for step, t2i in logged.get("eval/t2i_r1", []) if step in i2t]
 
 
 def training_log(spec: RunSpec) -> dict[str, float]:
@@ -506,9 +514,7 @@ def training_log(spec: RunSpec) -> dict[str, float]:
         "uniform_loss": uniform_loss(cfg.data.batch_size, cfg.train.negatives_fraction),
         "label_smoothing": cfg.train.label_smoothing,
     }
-    path = spec.run_dir / "metrics.jsonl"
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if path.is_file() else ()
-    losses = [r["loss"] for r in rows if "loss" in r]
+    losses = [value for _, value in _logged(spec.run_dir).get("loss", [])]
     if losses:
         out |= {"peak_loss": max(losses), "end_loss": sum(losses[-3:]) / len(losses[-3:])}
     return out
