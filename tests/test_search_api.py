@@ -435,6 +435,21 @@ def test_a_stalled_upload_gets_408_and_its_connection_closed(served):
     assert httpx.get(f"{served.url}/health").status_code == 200
 
 
+def test_an_upload_still_sending_at_the_timeout_reads_its_408(served):
+    """A slow client, still sending past the read timeout, gets to read why it was dropped: closing on bytes
+    it has sent but the server has not read would reset the connection instead."""
+    head = b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=BODY_TIMEOUT_S + 20) as sock:
+        sock.sendall(head + b'{"image": "')
+        start = time.monotonic()
+        while time.monotonic() - start < BODY_TIMEOUT_S + 1.5:
+            sock.sendall(b"A" * 65536)
+            time.sleep(0.05)
+        raw = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert raw.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in raw, raw[:200]
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
 def test_many_stalled_uploads_are_dropped_and_their_memory_freed(served):
     """Uploads that stall at 9 of 10 MB: those admitted get 408 at the timeout, those past the budget of
     bodies held at once 503, and the memory the bodies took is back afterwards."""

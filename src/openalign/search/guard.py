@@ -5,7 +5,9 @@ Everything a client can make the server hold is bounded here before a route runs
 limit is refused (413) from its declared length or as soon as it grows past it; a body that has not fully
 arrived within the read timeout is dropped (408), so a client that stalls mid-upload frees its memory;
 and the bodies held at once (with the copies parsing makes) stay within a budget, new ones waiting for
-room and then refused (503). A body that stalls has its connection closed with the 408. Python's JSON
+room and then refused (503). A body that has not arrived in time has its connection closed with the 408,
+once the client has stopped sending: what it still sends is read and dropped (for at most another read
+timeout), since closing on unread bytes resets the connection and the client never reads why. Python's JSON
 parser accepts NaN, Infinity and 1e400 (as inf), which no validation error can then print as JSON; such
 a body gets a one-line 422 and leaves the connection usable.
 """
@@ -28,6 +30,8 @@ from fastapi.routing import APIRoute
 
 # A JSON body is held as bytes, then as the text json.loads decodes, then as the parsed image string.
 BODY_COPIES = 3
+# A client silent this long after the read timeout has stopped sending: its 408 can go and the connection close.
+QUIET_S = 0.5
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
@@ -112,26 +116,34 @@ class BodyGuard:
                 scope, send, 503, "the server is busy with other uploads; retry later", headers={"retry-after": "5"}
             )
             return
+        held = share
         try:
-            body = await self._read(scope, receive, send, deadline)
-            if body is None:
+            try:
+                body = await self._read(scope, receive, send, deadline)
+            except asyncio.TimeoutError:
+                # The part read is gone, so its share is free for other uploads while the rest drains.
+                self.budget.give(held)
+                held = 0
+                await _drain(receive, QUIET_S, time.monotonic() + self.timeout_s)
+                detail = f"the request body did not arrive within {self.timeout_s:g} s"
+                await reply(scope, send, 408, detail, close=True)
                 return
-            await self.app(scope, _replay(body, receive), send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
         finally:
-            self.budget.give(share)
+            self.budget.give(held)
 
     async def _read(self, scope: dict, receive: Any, send: Any, deadline: float) -> bytes | None:
-        """The whole body, or None once a 408/413 has been sent (or the client has gone)."""
+        """The whole body, or None once a 413 has been sent (or the client has gone); TimeoutError at
+        ``deadline``, the part read dropped."""
         chunks: list[bytes] = []
         received, more = 0, True
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                await reply(
-                    scope, send, 408, f"the request body did not arrive within {self.timeout_s:g} s", close=True
-                )
-                return None
+                chunks.clear()  # the traceback keeps this frame alive while the rest drains
+                raise
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
@@ -142,6 +154,17 @@ class BodyGuard:
             chunks.append(chunk)
             more = message.get("more_body", False)
         return b"".join(chunks)
+
+
+async def _drain(receive: Any, quiet_s: float, until: float) -> None:
+    """Read and drop what a client sends until it has been quiet for ``quiet_s``, has gone, or ``until``."""
+    while (left := until - time.monotonic()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), min(quiet_s, left))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
 
 
 def _replay(body: bytes, receive: Any) -> Any:
