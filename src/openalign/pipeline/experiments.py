@@ -892,12 +892,8 @@ def _capacity_why(metric: str, rows: list[dict[str, Any]]) -> list[str]:
     cells = [row[metric] for row in rows if row[metric]["n"]]
     stds = [cell["std"] for cell in cells if cell["std"] is not None]
     means = [cell["mean"] for cell in cells]
-    notes = [
-        f"{metric} spans {min(means):.1f}–{max(means):.1f} over the {len(cells)} cells, against a seed std of "
-        f"{sum(stds) / len(stds):.1f} on average"
-        if stds
-        else f"{metric} spans {min(means):.1f}–{max(means):.1f} over the {len(cells)} cells"
-    ]
+    spread = f"{metric} spans {min(means):.1f}–{max(means):.1f} over the {len(cells)} cells"
+    notes = [spread + (f", against a seed std of {sum(stds) / len(stds):.1f} on average" if stds else "")]
     if metric in TREND_METRICS:
         by_name = {row["variant"]: row for row in rows}
         for large, small in SCALING_PAIRS:
