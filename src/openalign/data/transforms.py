@@ -116,6 +116,20 @@ def to_tensor(image: Image.Image, mean: Sequence[float], std: Sequence[float]) -
     return x.sub_(m).div_(s)
 
 
+def normalize_pixels(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """uint8 pixels ``[N, 3, H, W]`` → float32 ``(pixel / 255 - mean) / std``, on the pixels' own device.
+
+    The same arithmetic, in the same order, as ``to_tensor``: a batch that travels as uint8 and is normalised
+    on the GPU chunk by chunk equals, bit for bit, one normalised on the CPU. Float pixels are taken to be
+    normalised already and are returned as they are.
+    """
+    if pixels.dtype != torch.uint8:
+        return pixels
+    m = torch.tensor(mean, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
+    return pixels.float().div_(255.0).sub_(m).div_(s)
+
+
 def _check_sizes(image_size: int, resize: int) -> None:
     if image_size < 1 or resize < image_size:
         raise ValueError(f"crop size {image_size} must be positive and no larger than the resize {resize}")

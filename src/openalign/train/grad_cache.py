@@ -37,8 +37,11 @@ from openalign.model.layers import frozen_bn_stats, running_stats
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Turns a batch's pixels as they travel (uint8) into the model's input; applied chunk by chunk, so the float
+# copy of the whole batch never exists at once.
+Pixels = Callable[[torch.Tensor], torch.Tensor]
 
-__all__ = ["RngState", "cached_step", "chunk_batch", "plain_step"]
+__all__ = ["Pixels", "RngState", "cached_step", "chunk_batch", "plain_step"]
 
 
 @dataclass
@@ -67,8 +70,11 @@ def chunk_batch(batch: Batch, chunk_size: int) -> list[Batch]:
     return [{k: v[i : i + chunk_size] for k, v in batch.items()} for i in range(0, n, chunk_size)]
 
 
-def _embed(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    image, text = model(batch["pixel_values"], batch["input_ids"], batch.get("attention_mask"))
+def _embed(model: nn.Module, batch: Batch, pixels: Pixels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    values = batch["pixel_values"]
+    image, text = model(
+        pixels(values) if pixels is not None else values, batch["input_ids"], batch.get("attention_mask")
+    )
     return image, text
 
 
@@ -117,10 +123,15 @@ def _recording_bn_stats(model: nn.Module) -> Iterator[Callable[[], None]]:
 
 
 def plain_step(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, temperature: Callable[[], torch.Tensor]
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    temperature: Callable[[], torch.Tensor],
+    *,
+    pixels: Pixels | None = None,
 ) -> torch.Tensor:
     """One forward and backward of the whole per-rank batch; returns the (detached) loss."""
-    image, text = _embed(model, batch)
+    image, text = _embed(model, batch, pixels)
     loss = loss_fn(image.float(), text.float(), temperature())
     loss.backward()
     return loss.detach()
@@ -135,6 +146,7 @@ def cached_step(
     *,
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     inner: nn.Module | None = None,
+    pixels: Pixels | None = None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` the gradients of ``loss_fn`` over the whole batch, ``chunk_size`` rows at a
     time; returns the (detached) loss.
@@ -144,6 +156,7 @@ def cached_step(
     ``no_sync`` (DDP's) is entered for every chunk but the last, so gradients are all-reduced once per step.
     ``temperature()`` returns the model's temperature with its graph; its gradient is added with the last
     chunk so that every parameter receives its gradient in the same (synchronised) backward.
+    ``pixels`` prepares each chunk's pixels for the model (both passes), as in ``plain_step``.
     """
     inner = inner if inner is not None else model
     chunks = chunk_batch(batch, chunk_size)
@@ -153,7 +166,7 @@ def cached_step(
     with torch.no_grad(), _recording_bn_stats(inner) as record:
         for chunk in chunks:
             states.append(RngState.capture(device))
-            image, text = _embed(inner, chunk)
+            image, text = _embed(inner, chunk, pixels)
             record()
             images.append(image.float())
             texts.append(text.float())
@@ -172,7 +185,7 @@ def cached_step(
         n = chunk["pixel_values"].shape[0]
         # Gradients are all-reduced on the last chunk only.
         with no_sync() if no_sync is not None and i != last else contextlib.nullcontext(), frozen_bn_stats(inner):
-            image, text = _embed(model, chunk)
+            image, text = _embed(model, chunk, pixels)
             # d(surrogate)/d(params) = sum over rows of (dL/d emb) · (d emb/d params): the chain rule with the
             # loss's part already done.
             surrogate = (image.float() * grad_image[offset : offset + n]).sum()
