@@ -69,7 +69,7 @@ def test_only_the_same_sequence_is_replayed(tmp_path: Path, tokenizer) -> None:
     assert sequence_key(cfg, 6, None, STEPS) != key
     assert sequence_key(data(synthetic={"noise": 0.0}), 5, None, STEPS) != key
     assert sequence_key(cfg, 5, None, STEPS + 1) != key
-    assert sequence_key(data(workers=2, prefetch_factor=4), 5, None, STEPS) == key
+    assert sequence_key(data(workers=2, piece_size=3, prefetch_gb=1.0), 5, None, STEPS) == key
     other = cached_stream_factory(tmp_path, STEPS)(cfg, tokenizer, seed=6)
     assert not other.recorded
     assert same(take(other, 2), take(build_train_stream(cfg, tokenizer, seed=6), 2))

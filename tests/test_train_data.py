@@ -126,14 +126,19 @@ def test_sizes_and_pixel_scaling_come_from_the_model(tmp_path: Path, tokenizer) 
     shards = write_dataset(tmp_path, 8, 8)
     mc = model_config("nano", image_size=24, pixel_mean=(0.0, 0.0, 0.0), pixel_std=(1.0, 1.0, 1.0))
     cfg = DataConfig(shards=shards, batch_size=4, workers=0, max_text_length=8)
-    (batch,) = take(build_train_stream(cfg, tokenizer, model_config=mc), 1)
-    assert batch["pixel_values"].shape == (4, 3, 24, 24) and batch["pixel_values"].dtype == torch.float32
-    assert batch["pixel_values"].min() >= 0 and batch["pixel_values"].max() <= 1  # mean 0, std 1: [0, 1]
+    s = build_train_stream(cfg, tokenizer, model_config=mc)
+    (batch,) = take(s, 1)
+    # Pixels travel as uint8; the stream's pixels() makes the model's input of them, with the model's scaling.
+    assert batch["pixel_values"].shape == (4, 3, 24, 24) and batch["pixel_values"].dtype == torch.uint8
+    x = s.pixels(batch["pixel_values"])
+    assert x.dtype == torch.float32 and torch.equal(x, batch["pixel_values"].float() / 255)  # mean 0, std 1: [0, 1]
     assert batch["input_ids"].shape == (4, 8) and batch["input_ids"].dtype == torch.long
     assert batch["attention_mask"].dtype == torch.long and bool(batch["attention_mask"][:, 0].all())
     cfg = DataConfig(shards=shards, batch_size=4, workers=0, max_text_length=8, crop="center")
-    (batch,) = take(build_train_stream(cfg, tokenizer), 1)  # no model: the paper's 289 of 346, [-1, 1]
-    assert batch["pixel_values"].shape == (4, 3, 289, 289) and batch["pixel_values"].min() >= -1
+    s = build_train_stream(cfg, tokenizer)
+    (batch,) = take(s, 1)  # no model: the paper's 289 of 346, [-1, 1]
+    assert batch["pixel_values"].shape == (4, 3, 289, 289)
+    assert torch.equal(s.pixels(batch["pixel_values"]), batch["pixel_values"].float() / 127.5 - 1)
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -297,6 +302,37 @@ def test_a_broken_image_is_refilled_from_an_earlier_step_also_after_resume(tmp_p
     again = rows(take(resumed, 2))
     assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(rows_straight[8:], again, strict=True))
     assert resumed.stats == Counter(corrupt=1)
+
+
+def test_a_batch_in_pieces_is_the_batch_whatever_the_pieces_and_workers(tmp_path: Path, tokenizer) -> None:
+    # Pieces of 3 pairs (the last of each batch of 8 holds 2) built by 1 or 3 workers, on one rank or as rank 1 of
+    # 2: the same batches, sample for sample, as whole batches decoded in the training process.
+    shards = write_dataset(tmp_path, 60, 7)
+    for rank, world in ((0, 1), (1, 2)):
+        whole = rows(take(stream(shards, tokenizer, batch_size=8, workers=0, rank=rank, world_size=world), 4))
+        for workers in (1, 3):
+            s = stream(shards, tokenizer, batch_size=8, piece_size=3, workers=workers, rank=rank, world_size=world)
+            pieces = rows(take(s, 4))
+            assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(whole, pieces, strict=True))
+            assert s.state_dict()["position"] == 4 * 8 * world
+
+
+def test_broken_images_in_several_pieces_are_refilled_by_different_samples(tmp_path: Path, tokenizer) -> None:
+    samples = [good_sample(i) for i in range(40)]
+    jpeg = encoded(picture(99, 64), "JPEG")
+    for i in (17, 21):  # step 2 of batches of 8, in its pieces 0 and 1 (pieces of 3)
+        samples[i] = {"__key__": f"cut{i}", "jpg": jpeg[: len(jpeg) // 2], "txt": caption(99).encode()}
+    write_tar(tmp_path / "a.tar", samples)
+    shards = str(tmp_path / "a.tar")
+    order = {"shuffle_buffer": 0, "shuffle_shards": False}
+    for workers in (0, 2):
+        s = stream(shards, tokenizer, batch_size=8, piece_size=3, workers=workers, **order)
+        batch = rows(take(s, 3))[16:]
+        ids = [r[1] for r in batch]
+        assert len(set(ids)) == 8  # no pair twice in the batch
+        earlier = {r[1] for r in rows(take(stream(shards, tokenizer, batch_size=8, workers=0, **order), 2))}
+        assert ids[1] in earlier and ids[5] in earlier  # the refills come from before the batch
+        assert s.stats == Counter(corrupt=2)
 
 
 def test_works_with_spawned_workers(tmp_path: Path, tokenizer) -> None:

@@ -146,7 +146,8 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
     cfg = bench_config(_model_settings(s))
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     _, forward, loss_fn, optimizer = _build(which, cfg, device)
-    stream = iter(_stream(s, shards, tokenizer, cfg, s.workers))
+    train_stream = _stream(s, shards, tokenizer, cfg, s.workers)
+    pixels, stream = train_stream.pixels, iter(train_stream)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -159,6 +160,7 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+        batch["pixel_values"] = pixels(batch["pixel_values"])
         sync()
         t1 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):

@@ -107,10 +107,15 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def to_uint8(image: Image.Image) -> torch.Tensor:
+    """RGB image → uint8 tensor [3, H, W]."""
+    arr = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+
+
 def to_tensor(image: Image.Image, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """RGB image → float tensor [3, H, W] holding (pixel / 255 - mean) / std."""
-    arr = np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
-    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
+    x = to_uint8(image).float().div_(255.0)
     m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
     return x.sub_(m).div_(s)
@@ -148,10 +153,12 @@ def train_transform(
     mean: Sequence[float] = (0.5, 0.5, 0.5),
     std: Sequence[float] = (0.5, 0.5, 0.5),
     flip: bool = True,
+    normalize: bool = True,
 ) -> Transform:
     """Resize to ``resize``×``resize``, take a random ``image_size`` crop, flip half the images.
 
     Randomness comes from torch's global generator, so a seeded DataLoader worker is reproducible.
+    ``normalize=False`` returns the crop as uint8 (``normalize_pixels`` makes the model's input of it later).
     """
     _check_sizes(image_size, resize)
 
@@ -162,7 +169,7 @@ def train_transform(
         image = image.crop((left, top, left + image_size, top + image_size))
         if flip and bool(torch.rand(()) < 0.5):
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return to_tensor(image, mean, std)
+        return to_tensor(image, mean, std) if normalize else to_uint8(image)
 
     return apply
 
@@ -172,15 +179,16 @@ def eval_transform(
     resize: int = 346,
     mean: Sequence[float] = (0.5, 0.5, 0.5),
     std: Sequence[float] = (0.5, 0.5, 0.5),
+    normalize: bool = True,
 ) -> Transform:
-    """Resize to ``resize``×``resize`` and take the centre ``image_size`` crop."""
+    """Resize to ``resize``×``resize`` and take the centre ``image_size`` crop (uint8 with ``normalize=False``)."""
     _check_sizes(image_size, resize)
     offset = (resize - image_size) // 2
 
     def apply(image: Image.Image) -> torch.Tensor:
         image = _resize(image, resize)
         image = image.crop((offset, offset, offset + image_size, offset + image_size))
-        return to_tensor(image, mean, std)
+        return to_tensor(image, mean, std) if normalize else to_uint8(image)
 
     return apply
 

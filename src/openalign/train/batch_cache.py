@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from openalign.text.tokenizer import TextTokenizer
 
 # Settings that change how batches are produced, never which.
-_EXECUTION = ("workers", "prefetch_factor", "pin_memory")
+_EXECUTION = ("workers", "piece_size", "prefetch_gb", "pin_memory")
 _BATCH = "{:07d}.pt"
 
 
@@ -62,6 +62,10 @@ class CachedStream:
     @property
     def epoch_length(self) -> int | None:
         return self.stream.epoch_length
+
+    @property
+    def pixels(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.stream.pixels
 
     @property
     def stats(self) -> Counter[str]:

@@ -4,7 +4,8 @@ Sample order. With ``resampled: false`` (the default) every rank sees one *globa
 does not depend on the world size or on the number of DataLoader workers: epoch ``e`` reads the shards in a
 permutation seeded by ``(seed, e)`` through a shuffle buffer seeded by ``(seed, e)``, and epochs follow one
 another. Step ``s`` consumes the next ``world_size × batch_size`` samples of that sequence; rank ``r`` takes
-samples ``r, r + W, r + 2W, …`` of them, and step ``s`` is built by worker ``s mod workers``. The stream
+samples ``r, r + W, r + 2W, …`` of them. A rank's batch is cut into pieces of ``data.piece_size`` samples, and
+piece ``q`` of step ``s`` is built by worker ``(s × pieces per batch + q) mod workers``. The stream
 position is therefore one number, the samples consumed globally, and resuming on another world size (or
 with another batch split) continues at exactly the right sample. Augmentation draws from a generator
 seeded by ``(seed, sample index)``, so a sample's crop and flip do not depend on who decodes it either.
@@ -15,6 +16,14 @@ without decoding. That is cheap on local disks for a few nodes; for many nodes u
 each worker then draws shards with replacement from its own generator (seeded by rank, worker and the
 position at which it started), reads only those, and a resumed run continues with fresh draws rather
 than the exact next samples.
+
+Memory. Workers hand over pieces, never whole batches, and pixels stay uint8 until the device: the training
+process assembles a rank's batch from its pieces (in page-locked memory with ``pin_memory``), the loop copies
+it to the device as uint8, and the model's input (float, normalised) is made there chunk by chunk
+(``TrainStream.pixels``). The pieces in flight between the workers and the training process are bounded by
+``data.prefetch_gb``, whatever the batch or the number of workers; a budget too small to hold one batch is
+refused when the stream is built. So the host holds at most the budget plus the batch being assembled and the
+one in use, each ``batch × 3 × size²`` bytes (4.1 GB for the paper's 16,384 pairs at 289 px).
 
 Bad input. A sample is dropped from the global sequence before it gets an index when it is missing its
 image or its text, its caption is empty or not UTF-8, or its image header shows it is empty, unreadable,
@@ -31,10 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
 import json
+import math
 import os
 import random
 import warnings
@@ -66,8 +77,9 @@ __all__ = ["DataConfig", "SyntheticDataConfig", "TrainSource", "TrainStream", "b
 
 # Distinct streams of randomness derived from one seed.
 _TAG_SHARD_ORDER, _TAG_BUFFER, _TAG_AUGMENT, _TAG_REFILL, _TAG_RESAMPLE = 1, 2, 3, 4, 5
-# Samples just before a step that may refill the slot of an image found broken only when decoded.
+# Samples just before a step, per piece of it, that may refill the slot of an image found broken only when decoded.
 _REFILL_POOL = 8
+GB = 10**9
 
 
 @dataclass
@@ -101,8 +113,9 @@ class DataConfig:
     shuffle_shards: bool = True  # a new shard order every epoch
     resampled: bool = False  # draw shards with replacement per worker (multi-node); position then approximate
     workers: int = 2  # DataLoader processes decoding per rank; 0 decodes in the training process
-    prefetch_factor: int = 2  # batches each worker prepares ahead
-    pin_memory: bool = False  # page-locked batches for faster host-to-GPU copies
+    piece_size: int = 256  # samples a worker decodes and hands over at once (at most the per-rank batch)
+    prefetch_gb: float = 8.0  # host memory for decoded pieces in flight, all workers together; holds ≥ one batch
+    pin_memory: bool = False  # assemble batches in page-locked memory for faster host-to-GPU copies
     seed: int | None = None  # None = the run's seed
     max_pixels: int = 64_000_000  # larger images are skipped from their header (decompression-bomb guard)
     min_side: int = 2  # images with a shorter side are skipped
@@ -113,7 +126,7 @@ class DataConfig:
         """Cross-field checks; raises ConfigError naming the field."""
         if self.source == "shards" and not self.shards:
             raise ConfigError("data.shards must name the training shards when data.source is 'shards'")
-        for name in ("batch_size", "max_text_length", "prefetch_factor", "max_pixels", "min_side"):
+        for name in ("batch_size", "max_text_length", "piece_size", "max_pixels", "min_side"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be at least 1, got {getattr(self, name)}")
         try:
@@ -122,6 +135,8 @@ class DataConfig:
             raise ConfigError(f"data.{err}") from None
         if self.max_text_length < 2:
             raise ConfigError(f"data.max_text_length must leave room for [CLS] and [SEP], got {self.max_text_length}")
+        if not self.prefetch_gb > 0:
+            raise ConfigError(f"data.prefetch_gb must be positive, got {self.prefetch_gb}")
         if self.workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.workers and data.shuffle_buffer must not be negative")
         if self.image_size is not None and self.image_size < 8:
@@ -442,7 +457,7 @@ class _SyntheticSource:
 
 
 # --------------------------------------------------------------------------------------------------
-# The per-worker batch builder
+# The per-worker piece builder
 
 
 @dataclass
@@ -459,9 +474,23 @@ class _Plan:
     start: int  # global samples consumed before this iteration
     epoch_length: int | None  # usable samples per epoch, when already known for this source
 
+    @property
+    def piece(self) -> int:
+        """Samples per piece: ``data.piece_size``, at most the per-rank batch."""
+        return min(self.cfg.piece_size, self.cfg.batch_size)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces per per-rank batch (the last may be shorter)."""
+        return -(-self.cfg.batch_size // self.piece)
+
+
+# A piece of a rank's batch: (uint8 pixels [n,3,H,W], input_ids [n,L], attention_mask [n,L], meta).
+Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]
+
 
 class _Reader:
-    """Builds this (rank, worker)'s batches. Yields (pixels, input_ids, attention_mask, meta)."""
+    """Builds this (rank, worker)'s pieces, in the order the training process assembles them."""
 
     def __init__(self, plan: _Plan, worker: int, workers: int, in_main_process: bool):
         from openalign.data.transforms import eval_transform, train_transform
@@ -469,8 +498,9 @@ class _Reader:
         self.p, self.worker, self.workers, self.in_main = plan, worker, workers, in_main_process
         self.epoch_length = plan.epoch_length
         random_crop = plan.cfg.crop == "random"
+        image = {**plan.image, "normalize": False}  # uint8 until the device
         self.transform: Callable[[Image.Image], torch.Tensor] = (
-            train_transform(**plan.image, flip=plan.cfg.flip) if random_crop else eval_transform(**plan.image)
+            train_transform(**image, flip=plan.cfg.flip) if random_crop else eval_transform(**image)
         )
 
     # ------------------------------------------------------------------ the global sequence
@@ -483,43 +513,49 @@ class _Reader:
 
         return self.p.source.sequence(self.p.seed, start, self.epoch_length, learned)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+    def __iter__(self) -> Iterator[Piece]:
         return self._resampled() if self.p.cfg.resampled else self._exact()
 
-    def _exact(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+    def _exact(self) -> Iterator[Piece]:
         p = self.p
         W, K, k = p.world_size, self.workers, self.worker
-        window = W * p.cfg.batch_size
-        own: list[tuple[int, Any]] = []  # (position, payload) of this reader's samples of the step
-        pending: Counter[tuple[int, str]] = Counter()  # (step, reason) of drops this reader counts
-        recent: deque[tuple[int, Any]] = deque(maxlen=_REFILL_POOL)
-        pool: list[tuple[int, Any]] = []
+        size, per_batch, batch = p.piece, p.pieces, p.cfg.batch_size
+        window = W * batch
+        own: list[tuple[int, Any]] = []  # (position, payload) of this reader's samples of the piece
+        pending: Counter[tuple[int, str]] = Counter()  # (piece, reason) of drops this reader counts
+        # Refill candidates: piece q of a batch takes every (pieces)-th of the samples just before the batch, so
+        # the pieces of one batch never refill a slot with the same sample.
+        recent: deque[tuple[int, Any]] = deque(maxlen=_REFILL_POOL * per_batch)
+        before: list[tuple[int, Any]] = []
         # Start a little early so that a resumed run has the same refill candidates as a straight one.
-        for is_item, pos, payload in self._global(max(0, p.start - _REFILL_POOL)):
+        for is_item, pos, payload in self._global(max(0, p.start - _REFILL_POOL * per_batch)):
             if pos < p.start:
                 if is_item:
                     recent.append((pos, payload))
                 continue
             step, offset = divmod(pos - p.start, window)
-            ours = step % K == k
+            mine = offset % W == p.rank
+            j = offset // W  # the sample's index in this rank's batch, when it is this rank's
+            q = j // size
+            piece = step * per_batch + q
+            ours = mine and piece % K == k
             if not is_item:
-                if ours and offset % W == p.rank:
-                    pending[step, payload] += 1
+                if ours:
+                    pending[piece, payload] += 1
                 continue
+            if offset == 0:
+                before = list(reversed(recent))  # samples of earlier steps, newest first
             if ours:
-                if offset == 0:
-                    pool = list(recent)  # samples of earlier steps: safe refills, never in this global batch
-                if offset % W == p.rank:
-                    own.append((pos, payload))
+                own.append((pos, payload))
             recent.append((pos, payload))
-            if ours and offset == window - 1:
+            if ours and j == min((q + 1) * size, batch) - 1:
                 skipped: Counter[str] = Counter()
-                for key in [key for key in pending if key[0] <= step]:
+                for key in [key for key in pending if key[0] <= piece]:
                     skipped[key[1]] += pending.pop(key)
-                yield self._batch(own, pool, skipped)
+                yield self._piece(own, before[q::per_batch], skipped)
                 own = []
 
-    def _resampled(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+    def _resampled(self) -> Iterator[Piece]:
         from openalign.data.transforms import BadImage
 
         p = self.p
@@ -528,6 +564,10 @@ class _Reader:
         captions: list[str] = []
         skipped: Counter[str] = Counter()
         in_main = self.in_main
+        # The piece sizes of a batch, in order, over and over: the training process takes pieces round-robin.
+        every = itertools.cycle([min(p.piece, p.cfg.batch_size - q * p.piece) for q in range(p.pieces)])
+        sizes = itertools.islice(every, self.worker, None, self.workers)
+        want = next(sizes)
         for draw in p.source.draws(p.seed, seed):
             if isinstance(draw, str):
                 skipped[draw] += 1
@@ -541,9 +581,10 @@ class _Reader:
             except BadImage as err:
                 # Nothing to keep exact here: the next sample simply takes the place.
                 skipped[err.reason] += 1
-            if len(pixels) == p.cfg.batch_size:
+            if len(pixels) == want:
                 yield self._assemble(pixels, captions, skipped)
                 pixels, captions, skipped = [], [], Counter()
+                want = next(sizes)
 
     # ------------------------------------------------------------------ decoding
 
@@ -558,9 +599,7 @@ class _Reader:
         torch.default_generator.manual_seed(sample_seed)  # torch.manual_seed would also seed (slowly) every accelerator
         return self.transform(image)
 
-    def _batch(
-        self, own: list[tuple[int, Any]], pool: list[tuple[int, Any]], skipped: Counter[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    def _piece(self, own: list[tuple[int, Any]], pool: list[tuple[int, Any]], skipped: Counter[str]) -> Piece:
         from openalign.data.transforms import BadImage
 
         p = self.p
@@ -580,7 +619,7 @@ class _Reader:
                     pixels.append(None)
                     captions.append(None)
             holes = [i for i, x in enumerate(pixels) if x is None]
-            refills = reversed(pool)
+            refills = iter(pool)
             for i in holes:
                 for pos, payload in refills:
                     record = p.source.materialize(payload)
@@ -592,15 +631,13 @@ class _Reader:
                         continue  # its owner counted it already
         good = [i for i, x in enumerate(pixels) if x is not None]
         if not good:
-            raise ValueError(f"no decodable image in a whole batch of {p.source.describe()} ({dict(skipped)})")
+            raise ValueError(f"no decodable image in a whole piece of {p.source.describe()} ({dict(skipped)})")
         for n, i in enumerate(i for i, x in enumerate(pixels) if x is None):
-            # Only at the very start of a stream (no earlier sample to refill from): repeat one of this batch.
+            # Only at the very start of a stream (no earlier sample to refill from): repeat one of this piece.
             pixels[i], captions[i] = pixels[good[n % len(good)]], captions[good[n % len(good)]]
         return self._assemble(pixels, captions, skipped)
 
-    def _assemble(
-        self, pixels: list[Any], captions: list[Any], skipped: Counter[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    def _assemble(self, pixels: list[Any], captions: list[Any], skipped: Counter[str]) -> Piece:
         tokens = self.p.tokenizer(captions, max_length=self.p.cfg.max_text_length)
         meta = {"skipped": dict(skipped), "epoch_length": self.epoch_length}
         return torch.stack(pixels), tokens["input_ids"], tokens["attention_mask"], meta
@@ -611,7 +648,7 @@ class _Dataset(torch.utils.data.IterableDataset):
         super().__init__()
         self.plan = plan
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+    def __iter__(self) -> Iterator[Piece]:
         info = torch.utils.data.get_worker_info()
         if info is None:
             return iter(_Reader(self.plan, 0, 1, in_main_process=True))
@@ -622,8 +659,35 @@ class _Dataset(torch.utils.data.IterableDataset):
 # The stream the training loop iterates
 
 
+def batch_bytes(cfg: DataConfig, image_size: int, rows: int | None = None) -> int:
+    """Host bytes of ``rows`` pairs (default: a per-rank batch) as they travel: uint8 pixels, int64 tokens."""
+    rows = cfg.batch_size if rows is None else rows
+    return rows * (3 * image_size * image_size + 2 * 8 * cfg.max_text_length)
+
+
+def prefetch_pieces(cfg: DataConfig, image_size: int) -> int:
+    """Pieces each worker may have decoded ahead: as many as ``data.prefetch_gb`` holds for all workers, and no
+    more than two batches' worth, for each worker at least one. Raises ConfigError when the budget cannot hold a
+    whole batch (the workers could then never run a batch ahead of the step) or one piece per worker."""
+    budget = cfg.prefetch_gb * GB
+    batch = batch_bytes(cfg, image_size)
+    piece = batch_bytes(cfg, image_size, min(cfg.piece_size, cfg.batch_size))
+    workers = max(cfg.workers, 1)
+    if budget < batch or budget < workers * piece:
+        need = max(batch, workers * piece) / GB
+        raise ConfigError(
+            f"data.prefetch_gb {cfg.prefetch_gb:g} cannot hold one batch of {cfg.batch_size} pairs at {image_size} px "
+            f"with {cfg.workers} workers ({need:.2f} GB as uint8); raise data.prefetch_gb to at least "
+            f"{math.ceil(need * 10) / 10:g} or lower the batch"
+        )
+    pieces_per_batch = -(-cfg.batch_size // min(cfg.piece_size, cfg.batch_size))
+    in_flight = min(int(budget // piece), 2 * pieces_per_batch)
+    return max(1, in_flight // workers)
+
+
 class TrainStream:
-    """Endless batches ``{pixel_values [B,3,H,W] float32, input_ids [B,L] long, attention_mask [B,L] long}``.
+    """Endless batches ``{pixel_values [B,3,H,W] uint8, input_ids [B,L] long, attention_mask [B,L] long}``;
+    ``pixels`` turns pixel values into the model's input (float, normalised) on whatever device they are.
 
     ``state_dict()`` holds the position (samples consumed globally), the skip counts of this rank and the
     epoch length once known; ``load_state_dict`` before iterating resumes there, on any world size. Each
@@ -636,6 +700,7 @@ class TrainStream:
         self.stats: Counter[str] = Counter()
         self._epoch_length: int | None = None
         self._fingerprint = hashlib.sha256(plan.source.fingerprint().encode()).hexdigest()[:16]
+        self.prefetch = prefetch_pieces(plan.cfg, plan.image["image_size"])
 
     @property
     def batch_size(self) -> int:
@@ -644,6 +709,13 @@ class TrainStream:
     @property
     def global_batch_size(self) -> int:
         return self._plan.cfg.batch_size * self._plan.world_size
+
+    @property
+    def pixels(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """uint8 pixel values → the model's input, with this stream's pixel mean and std."""
+        from openalign.data.transforms import normalize_pixels
+
+        return functools.partial(normalize_pixels, mean=self._plan.image["mean"], std=self._plan.image["std"])
 
     @property
     def epoch_length(self) -> int | None:
@@ -658,23 +730,34 @@ class TrainStream:
         plan = dataclasses.replace(self._plan, start=self.position, epoch_length=self._epoch_length)
         dataset = _Dataset(plan)
         if cfg.workers == 0:
-            batches: Any = iter(dataset)
+            pieces: Any = iter(dataset)
         else:
             # Workers tokenise; the Rust tokenizer's own thread pool would only fight them for cores.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            batches = torch.utils.data.DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=cfg.workers,
-                prefetch_factor=cfg.prefetch_factor,
-                pin_memory=cfg.pin_memory,
+            pieces = torch.utils.data.DataLoader(
+                dataset, batch_size=None, num_workers=cfg.workers, prefetch_factor=self.prefetch
             )
-        for pixels, input_ids, attention_mask, meta in batches:
+        size = plan.image["image_size"]
+        pin = cfg.pin_memory and torch.cuda.is_available()
+        pieces = iter(pieces)
+        while True:
+            # Filled piece by piece: the batch exists once, in the memory the host-to-device copy reads.
+            pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, pin_memory=pin)
+            tokens = torch.empty((2, cfg.batch_size, cfg.max_text_length), dtype=torch.long, pin_memory=pin)
+            row = 0
+            while row < cfg.batch_size:
+                piece_pixels, input_ids, attention_mask, meta = next(pieces)
+                n = piece_pixels.shape[0]
+                pixels[row : row + n] = piece_pixels
+                tokens[0, row : row + n] = input_ids
+                tokens[1, row : row + n] = attention_mask
+                row += n
+                self.stats.update(meta["skipped"])
+                if meta["epoch_length"]:
+                    self._epoch_length = int(meta["epoch_length"])
+                del piece_pixels, input_ids, attention_mask
             self.position += self.global_batch_size
-            self.stats.update(meta["skipped"])
-            if meta["epoch_length"]:
-                self._epoch_length = int(meta["epoch_length"])
-            yield {"pixel_values": pixels, "input_ids": input_ids, "attention_mask": attention_mask}
+            yield {"pixel_values": pixels, "input_ids": tokens[0], "attention_mask": tokens[1]}
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -48,7 +48,7 @@ from openalign.train.distributed import (
     unwrap,
     wrap_model,
 )
-from openalign.train.grad_cache import cached_step, plain_step
+from openalign.train.grad_cache import Pixels, cached_step, plain_step
 
 if TYPE_CHECKING:
     from openalign.eval.retrieval import RetrievalSet
@@ -236,6 +236,7 @@ class _Run:
         self.seconds_before = 0.0  # spent by the processes before a resume
         self.logger: Any = None
         self.eval_set: Any = None
+        self.pixels: Pixels | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -368,6 +369,8 @@ class _Run:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
         guard = _bad_batch_guard(t.max_bad_steps)
+        # Pixels travel as uint8 and become the model's input on the device, chunk by chunk.
+        self.pixels = getattr(self.stream, "pixels", None)
         params = [p for p in self.model.parameters() if p.requires_grad]
         metrics: dict[str, float] = {}
         batches = iter(self.stream)
@@ -456,7 +459,7 @@ class _Run:
         temperature = lambda: self.model.temperature  # noqa: E731 - re-read: the graph must be fresh each call
         with autocast:
             if self.cfg.train.chunk_size is None:
-                return plain_step(self.wrapped, batch, loss_fn, temperature)
+                return plain_step(self.wrapped, batch, loss_fn, temperature, pixels=self.pixels)
             no_sync = getattr(self.wrapped, "no_sync", None)
             if self.fsdp:
                 no_sync = partial(fsdp_no_sync, self.model)
@@ -468,6 +471,7 @@ class _Run:
                 temperature,
                 no_sync=no_sync,
                 inner=unwrap(self.wrapped),
+                pixels=self.pixels,
             )
 
     def _reduce(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool]:
