@@ -130,3 +130,18 @@ def test_bad_sizes_and_model_transform() -> None:
     cfg = openalign.model_config("nano")
     x = model_transform(cfg)(gradient(90, 90))
     assert x.shape == (3, cfg.image_size, cfg.image_size)
+
+
+def test_uint8_pixels_normalised_later_equal_the_float_transform_bit_for_bit() -> None:
+    from openalign.data.transforms import normalize_pixels, train_transform
+
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 50, 3), dtype=np.uint8))
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    floats, raw = [], []
+    for normalize, out in ((True, floats), (False, raw)):
+        torch.manual_seed(11)
+        transform = train_transform(24, 30, mean, std, normalize=normalize)
+        out.extend(transform(image) for _ in range(4))
+    assert raw[0].dtype == torch.uint8
+    assert torch.equal(normalize_pixels(torch.stack(raw), mean, std), torch.stack(floats))
+    assert torch.equal(normalize_pixels(torch.stack(floats), mean, std), torch.stack(floats))  # float: as it is

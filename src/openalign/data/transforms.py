@@ -6,6 +6,7 @@ short reason, so a data pipeline can skip the sample and count why.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import warnings
@@ -130,9 +131,16 @@ def normalize_pixels(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[
     """
     if pixels.dtype != torch.uint8:
         return pixels
-    m = torch.tensor(mean, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
+    m, s = _scale(tuple(mean), tuple(std), pixels.device)
     return pixels.float().div_(255.0).sub_(m).div_(s)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Made once per device: a fresh tensor from a Python list is a blocking host-to-device copy every chunk.
+    m = torch.tensor(mean, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    return m, s
 
 
 def _check_sizes(image_size: int, resize: int) -> None:
