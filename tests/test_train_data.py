@@ -335,6 +335,28 @@ def test_broken_images_in_several_pieces_are_refilled_by_different_samples(tmp_p
         assert s.stats == Counter(corrupt=2)
 
 
+def test_large_jpegs_decoded_in_draft_mode_match_full_decoding(tmp_path: Path, tokenizer) -> None:
+    # Photos of 640×480 (img2dataset's keep-ratio sizes) for a 100 px resize: decoded at 1/4 scale in the DCT.
+    from openalign.data.synthetic import SyntheticWorld
+
+    world = SyntheticWorld(0, 640)
+    samples = [
+        {"__key__": f"{i:06d}", "jpg": encoded(world.render(row.scene).resize((640, 480)), "JPEG", quality=90),
+         "txt": caption(i).encode()}
+        for i, row in enumerate(world.iter_rows(12, 0.0))
+    ]  # fmt: skip
+    write_tar(tmp_path / "a.tar", samples)
+    shards = str(tmp_path / "a.tar")
+    kw = {"batch_size": 12, "workers": 0, "image_size": 84, "resize": 100}
+    full = take(stream(shards, tokenizer, draft=False, **kw), 1)[0]
+    draft = take(stream(shards, tokenizer, **kw), 1)[0]
+    assert torch.equal(full["input_ids"], draft["input_ids"])  # the same samples in the same order
+    diff = (full["pixel_values"].float() - draft["pixel_values"].float()).abs()
+    # The same crops and flips (one seed per sample): only the downscaling differs, DCT then bicubic against
+    # bicubic alone (here a mean of 0.8 levels of 255). A crop off by one pixel would make it 4.6, a missed flip 37.
+    assert diff.mean() <= 2.0 and torch.quantile(diff.flatten(), 0.99) <= 16, (diff.mean(), diff.max())
+
+
 def test_works_with_spawned_workers(tmp_path: Path, tokenizer) -> None:
     # Spawned (or forkserver) DataLoader workers receive the stream's plan pickled.
     shards = write_dataset(tmp_path, 8, 4)

@@ -55,6 +55,9 @@ class TrainBenchSettings:
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast (GPU)
     shard_samples: int = 512  # synthetic pairs written once and cycled through
+    # Longer side of the shards' JPEGs, 4:3 (img2dataset writes 256 border-resized, 384–1024 keep-ratio);
+    # None: square at 1.25× the pre-crop size.
+    source_side: int | None = None
     pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
     baseline: bool = True  # also run the transformers loop and webdataset (--no-baseline: only ours)
     json_path: str | None = None  # also write the results to this JSON file
@@ -63,6 +66,8 @@ class TrainBenchSettings:
         for name in ("batch_size", "steps", "rounds", "shard_samples", "pipeline_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.source_side is not None and self.source_side < 16:
+            raise ValueError(f"--source-side must be at least 16 pixels, got {self.source_side}")
         if self.warmup < 0 or self.workers < 0:
             raise ValueError("--warmup and --workers must not be negative")
 
@@ -72,16 +77,23 @@ def _model_settings(s: TrainBenchSettings) -> BenchSettings:
 
 
 def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
-    """Synthetic shards at 1.25× the pre-crop size (so the resize is real work) and a tokenizer for them."""
+    """Synthetic shards, their JPEGs at ``source_side`` (or 1.25× the pre-crop size, so the resize is real work),
+    and a tokenizer for them."""
     from openalign.data.shards import write_shards
     from openalign.data.synthetic import SyntheticWorld
     from openalign.text import train_wordpiece
 
     cfg = bench_config(_model_settings(s))
-    side = max(16, round(1.25 * model_resize(cfg.image_size)))
+    side = s.source_side or max(16, round(1.25 * model_resize(cfg.image_size)))
+    size = (side, side * 3 // 4) if s.source_side else (side, side)
     world = SyntheticWorld(0, side)
     rows = list(world.iter_rows(s.shard_samples, noise=0.25))
-    samples = ({"key": f"{r.index:08d}", "jpg": world.render(r.scene), "txt": r.caption} for r in rows)
+
+    def image(row: Any) -> Any:
+        picture = world.render(row.scene)
+        return picture if picture.size == size else picture.resize(size)
+
+    samples = ({"key": f"{r.index:08d}", "jpg": image(r), "txt": r.caption} for r in rows)
     per_shard = max(1, -(-s.shard_samples // max(4, s.workers * 2)))  # enough shards for every worker
     paths = write_shards(samples, root / "shards", samples_per_shard=per_shard, jpeg_quality=90)
     vocab = min(cfg.text.vocab_size, 8192)

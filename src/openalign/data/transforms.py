@@ -29,14 +29,17 @@ class BadImage(BadInput):
     """An image that cannot be decoded; ``reason`` is a short slug for counting skipped samples."""
 
 
-def decode_image(data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2) -> Image.Image:
+def decode_image(
+    data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2, draft: tuple[int, int] | None = None
+) -> Image.Image:
     """Decode encoded image bytes into an 8-bit RGB image.
 
     The pixel count is checked from the header before any pixel is decoded, so a decompression bomb
     (a small file declaring 20000×20000 pixels) costs nothing. Alpha is composited on white, as a
     browser would show a transparent alt-text image; 16-bit and float images are rescaled to 8 bits.
+    ``draft``: a JPEG at least twice this size in both sides decodes at 1/2, 1/4 or 1/8 scale (``open_image``).
     """
-    return to_rgb(load_pixels(open_image(data, max_pixels=max_pixels, min_side=min_side)))
+    return to_rgb(load_pixels(open_image(data, max_pixels=max_pixels, min_side=min_side, draft=draft)))
 
 
 def open_image(
