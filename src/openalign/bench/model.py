@@ -110,9 +110,10 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def forward_flops(forward: Any, *inputs: Any, device: torch.device, bf16: bool) -> int:
     """FLOPs of one forward pass as PyTorch's counter sees them (no graph, autocast as in training)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from openalign.train.flops import counter as flop_counter
 
-    counter = FlopCounterMode(display=False)
+    # The project's counter: the stock one counts a depthwise convolution's weight gradient as dense.
+    counter = flop_counter()
     with counter, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         forward(*inputs)
     return counter.get_total_flops()

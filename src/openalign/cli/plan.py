@@ -11,7 +11,7 @@ from openalign.config import ConfigError
 if TYPE_CHECKING:
     from openalign.train.plan import Plan
 
-DEVICE_NAMES = "h100-80gb|a100-40gb|a100-80gb|l4-24gb|cpu|MEM_GB"
+DEVICE_NAMES = "h100-80gb|h200-141gb|a100-40gb|a100-80gb|l4-24gb|cpu|MEM_GB"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +28,9 @@ def _build(parser: Parser) -> None:
     parser.description = (
         "Build the model and one training step of a config (forward, loss over the global batch, backward, "
         "optimizer) under PyTorch's fake tensors and report, per device: parameters, gradients, optimizer state, "
-        "activations, the loss's gathered buffers and the peak; FLOPs per step (PyTorch's FLOP counter) and the "
-        "time and pairs/s at a stated utilisation; whether it fits, and the largest chunk size (gradient caching) "
+        "activations, the loss's gathered buffers and the peak; FLOPs per step (PyTorch's FLOP counter, grouped "
+        "convolutions corrected); time and pairs/s from a step rate measured on the device for the same model "
+        "family (or, with --mfu, from the FLOPs); whether it fits, and the largest chunk size (gradient caching) "
         "that does. --train.* overrides set batch, chunk, precision, checkpointing and strategy. --validate runs "
         "small steps for real on the CPU and compares their measured peak and FLOPs with the plan's."
     )
@@ -49,7 +50,12 @@ def _build(parser: Parser) -> None:
         metavar="N",
         help="devices (DDP or FSDP2, as --train.strategy says); default 1",
     )
-    parser.add_argument("--mfu", type=float, help="fraction of peak FLOP/s a step reaches (default: the device's)")
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        help="override: derive the time from the FLOPs at this fraction of the device's peak FLOP/s "
+        "(default: a measured step rate, or none)",
+    )
     parser.add_argument("--tflops", type=float, help="the device's peak TFLOP/s in the step's precision")
     parser.add_argument(
         "--no-search", action="store_true", help="plan the given chunk size only; skip the largest-chunk search"
@@ -94,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{'largest chunk':16} no caching needed: the per-device batch of {fitting.per_rank} fits whole")
             else:
                 rate = f", {fitting.pairs_per_second:,.0f} pairs/s" if fitting.pairs_per_second else ""
+                rate += " at --mfu" if rate and fitting.mfu is not None else ""
                 print(f"{'largest chunk':16} --train.chunk_size {chunk} (peak {P.fmt_gib(fitting.peak)}{rate})")
     return 0
 
@@ -116,7 +123,8 @@ def _validate() -> int:
 
 
 def _table_row(args: argparse.Namespace, p: Plan, found: tuple[int | None, Plan | None] | None) -> str:
-    """A Markdown row: the command, then chunk size, peak and pairs/s of the plan (the largest chunk's)."""
+    """A Markdown row: the command, then chunk size, the planned peak and pairs/s (the largest chunk's plan),
+    each beside its measured figure where the measurement is this very step, with the GPU it ran on."""
     from openalign.train import plan as P
 
     command = " ".join(
@@ -128,14 +136,30 @@ def _table_row(args: argparse.Namespace, p: Plan, found: tuple[int | None, Plan 
             "--world-size",
             str(args.world_size),
             "--row",
+            *(["--no-search"] if args.no_search else []),
+            *(["--mfu", str(args.mfu)] if args.mfu is not None else []),
             *_override_words(args),
         ]
     )
     if found is not None and found[1] is None:
-        return f"| `{command}` | none fits | - | - |"
+        return f"| `{command}` | none fits | - | - | - | - |"
     chunk = "none" if p.chunk_size is None else str(p.chunk_size)
-    rate = f"{p.pairs_per_second:,.0f}" if p.pairs_per_second else "-"
-    return f"| `{command}` | {chunk} | {P.fmt_gib(p.peak)} | {rate} |"
+    m = p.measurement
+    same = m is not None and not p.differs and p.world_size == 1
+    gpu = f" ({m.gpu})" if m is not None else ""
+    peak_measured = f"{m.peak_gib:.2f} GiB{gpu}" if same and m is not None and m.peak_gib else "-"
+    rate_measured = f"{m.pairs_per_s:g}{gpu}" if same and m is not None else "-"
+    if p.pairs_per_second is None:
+        rate = f"not measured on {p.device}"
+    elif p.mfu is not None:
+        rate = f"{p.pairs_per_second:,.0f} (at --mfu {p.mfu:g})"
+    elif same:
+        rate = f"{p.pairs_per_second:,.0f}"
+    else:
+        assert m is not None
+        shape = f"batch {m.batch}, " + (f"chunks of {m.chunk}" if m.chunk else "no chunks")
+        rate = f"{p.pairs_per_second:,.0f} ({m.pairs_per_s:g}/GPU measured on {m.gpu} at {shape})"
+    return f"| `{command}` | {chunk} | {P.fmt_gib(p.peak)} | {peak_measured} | {rate} | {rate_measured} |"
 
 
 def _override_words(args: argparse.Namespace) -> list[str]:

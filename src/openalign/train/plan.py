@@ -24,7 +24,9 @@ compares.
 
 Assumptions a plan makes, and says: captions at the full ``data.max_text_length`` (the loop trims padding
 the batch does not use), DDP's gradient buckets are one more copy of the gradients (its default without
-``gradient_as_bucket_view``), and time is FLOPs over (peak × utilisation), communication not counted.
+``gradient_as_bucket_view``), and time is a measured step rate of the same model family on the same device
+(``train/throughput.py``), pairs/s per device held at the planned batch and world size, communication not
+counted; with no measurement for the device the plan has no time (``--mfu`` derives one from the FLOPs).
 """
 
 from __future__ import annotations
@@ -44,39 +46,53 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from openalign.config import ConfigError
+from openalign.data.transforms import normalize_pixels
 from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer
+from openalign.train import flops as flop_formulas
 from openalign.train.config import TrainConfig
 from openalign.train.grad_cache import cached_step, plain_step
+from openalign.train.throughput import Measurement, differences, family, load_measurements, lookup, measured_devices
 
-__all__ = ["DEVICES", "Device", "LiveBytes", "Plan", "StepMeasure", "device_spec", "largest_chunk", "measure", "plan"]
+__all__ = [
+    "DEVICES",
+    "Device",
+    "LiveBytes",
+    "Plan",
+    "StepMeasure",
+    "device_spec",
+    "largest_chunk",
+    "measure",
+    "plan",
+    "time_rows",
+]
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Device:
-    """What a plan needs of a device: usable memory and peak dense matmul throughput."""
+    """What a plan needs of a device: usable memory and peak dense matmul throughput (the latter only for a
+    time derived from FLOPs at a stated utilisation, ``--mfu``; a plan's time otherwise comes from a
+    measured step rate, ``train/throughput.py``)."""
 
     name: str
     memory_gib: float  # what the framework can allocate (nvidia-smi's total), not the marketing figure
     bf16_tflops: float | None  # dense peak with bf16 inputs
     fp32_tflops: float | None  # dense peak for fp32 matmuls (TF32 tensor cores where the card has them)
-    mfu: float  # default fraction of that peak a training step reaches
     cuda: bool = True
 
 
 # Peak figures: NVIDIA's datasheets (H100 SXM5, A100 SXM4 40/80 GB, L4), dense, i.e. half the "with
-# sparsity" figures. Memory: nvidia-smi's total (81559, 81920 MiB less ECC reserve, 40536, 23034 MiB).
-# Utilisation 0.35: below the 40-55 % reported for large transformers on A100/H100 (Megatron-LM,
-# Narayanan et al. 2021; PaLM's 46 % on TPUv4), because EfficientNet's depthwise convolutions and batch
-# norms are memory-bound; a measured figure should replace it (--mfu).
+# sparsity" figures; the H200 has the H100 SXM's compute. Memory: nvidia-smi's total (81559, 81920 MiB less
+# ECC reserve, 40536, 23034 MiB; 139.8 GiB on an H200).
 DEVICES: dict[str, Device] = {
-    "h100-80gb": Device("h100-80gb", 79.6, 989.0, 494.5, 0.35),
-    "a100-80gb": Device("a100-80gb", 79.2, 312.0, 156.0, 0.35),
-    "a100-40gb": Device("a100-40gb", 39.4, 312.0, 156.0, 0.35),
-    "l4-24gb": Device("l4-24gb", 22.5, 121.0, 60.0, 0.35),
+    "h100-80gb": Device("h100-80gb", 79.6, 989.0, 494.5),
+    "h200-141gb": Device("h200-141gb", 139.8, 989.0, 494.5),
+    "a100-80gb": Device("a100-80gb", 79.2, 312.0, 156.0),
+    "a100-40gb": Device("a100-40gb", 39.4, 312.0, 156.0),
+    "l4-24gb": Device("l4-24gb", 22.5, 121.0, 60.0),
 }
 
 # A CUDA process holds its context and cuBLAS/cuDNN workspaces outside PyTorch's allocator, and the caching
@@ -91,7 +107,7 @@ def device_spec(name: str) -> Device:
         return DEVICES[name]
     if name == "cpu":
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-        return Device("cpu", ram, None, None, 1.0, cuda=False)
+        return Device("cpu", ram, None, None, cuda=False)
     try:
         gb = float(name)
     except ValueError:
@@ -100,7 +116,7 @@ def device_spec(name: str) -> Device:
         ) from None
     if not gb > 0:
         raise ConfigError(f"device memory must be positive, got {name}")
-    return Device(f"{gb:g}gb", gb * 1e9 / GiB, None, None, 0.35)
+    return Device(f"{gb:g}gb", gb * 1e9 / GiB, None, None)
 
 
 def with_tflops(device: Device, tflops: float) -> Device:
@@ -201,7 +217,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def flop_counter() -> FlopCounterMode:
-    """PyTorch's ``FlopCounterMode`` counting the whole step only.
+    """PyTorch's ``FlopCounterMode`` counting the whole step only, with grouped convolutions' backward
+    counted right (``train/flops.py``).
 
     Its per-module breakdown (``ModuleTracker``) puts a gradient hook on the output of every module call,
     and the calls that checkpointing makes during backward, to recompute a block, produce outputs no
@@ -218,7 +235,7 @@ def flop_counter() -> FlopCounterMode:
         def __exit__(self, *_: Any) -> None:
             return None
 
-    counter = FlopCounterMode(display=False)
+    counter = flop_formulas.counter()
     counter.mod_tracker = _Global()  # type: ignore[assignment]
     return counter
 
@@ -277,6 +294,7 @@ class StepSetup:
     loss_fn: Callable[..., torch.Tensor]
     grad_clip: float | None
     fsdp: bool = False  # sharded by FSDP2 over the process group, as the loop shards it
+    pixels: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 pixels → model input, per chunk
 
 
 def input_shapes(cfg: TrainConfig) -> tuple[int, int]:
@@ -324,10 +342,22 @@ def make_batch(cfg: TrainConfig, rows: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, cfg.model.resolve().text.vocab_size, (rows, length), generator=gen)
     return {
-        "pixel_values": torch.randn(rows, 3, side, side, generator=gen),
+        # uint8, as the stream hands pixels to the device: the float copy exists one chunk at a time.
+        "pixel_values": torch.randint(0, 256, (rows, 3, side, side), dtype=torch.uint8, generator=gen),
         "input_ids": ids,
         "attention_mask": torch.ones(rows, length, dtype=torch.long),
     }
+
+
+def pixels_fn(cfg: TrainConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the step applies to each chunk's uint8 pixels: the model's normalisation, on their device."""
+    model = cfg.model.resolve()
+    return partial(normalize_pixels, mean=model.pixel_mean, std=model.pixel_std)
+
+
+def model_pixels(cfg: TrainConfig, pixels: torch.Tensor) -> torch.Tensor:
+    """``pixels`` of a ``make_batch`` batch as the model takes them (normalised floats)."""
+    return pixels_fn(cfg)(pixels)
 
 
 def _setup(
@@ -336,7 +366,7 @@ def _setup(
     t = cfg.train
     loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
     fsdp = hasattr(model, "set_requires_gradient_sync")  # an FSDPModule
-    return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip, fsdp)
+    return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip, fsdp, pixels_fn(cfg))
 
 
 def build_step(
@@ -359,10 +389,10 @@ def run_step(s: StepSetup, loss_fn: Callable[..., torch.Tensor] | None = None) -
     temperature = lambda: s.model.temperature  # noqa: E731
     with autocast:
         if s.chunk_size is None:
-            loss = plain_step(s.model, s.batch, loss_fn, temperature)
+            loss = plain_step(s.model, s.batch, loss_fn, temperature, pixels=s.pixels)
         else:
             no_sync = partial(fsdp_no_sync, s.model) if s.fsdp else None
-            loss = cached_step(s.model, s.batch, s.chunk_size, loss_fn, temperature, no_sync=no_sync)
+            loss = cached_step(s.model, s.batch, s.chunk_size, loss_fn, temperature, no_sync=no_sync, pixels=s.pixels)
     if s.fsdp:
         average_replicated_grads(replicated_params(s.model))
     params = [p for p in s.model.parameters() if p.grad is not None]
@@ -608,11 +638,15 @@ class Plan:
     peak: int  # predicted peak per device
     capacity: int  # bytes a step may use on the device
     flops: int  # per device per step (recomputation included)
-    tflops: float | None  # the peak the time is computed from
-    mfu: float
-    step_seconds: float | None
-    pairs_per_second: float | None
+    tflops: float | None  # the device's peak in the step's precision
+    mfu: float | None  # --mfu: the time is FLOPs over this fraction of the peak, not a measured rate
+    step_seconds: float | None  # None: no measured rate for this device and model family (and no --mfu)
+    pairs_per_second: float | None  # all devices together
     extrapolated: bool  # measured at three and four chunks and extended to the per-rank batch
+    family: tuple[str, str] = ("custom", "custom")  # (image tower, text tower) presets the model matches
+    measurement: Measurement | None = None  # the measured step rate the time is scaled from (or, with --mfu, beside)
+    measured_devices: tuple[str, ...] = ()  # devices with a measurement of this model family
+    differs: tuple[str, ...] = ()  # how the measured step differs from this one
 
     @property
     def fits(self) -> bool:
@@ -637,14 +671,20 @@ def plan(
     *,
     mfu: float | None = None,
     steps: StepSession | None = None,
+    measurements: list[Measurement] | None = None,
 ) -> Plan:
     """Predict one step of ``cfg`` on ``world_size`` devices like ``device`` (one device, DDP or FSDP2: the
     strategy is ``train.strategy``; with FSDP2 parameters, gradients and optimizer state are this rank's
     shards, and the peak includes the units FSDP gathers and the buffers it reduce-scatters). ``steps``: a
-    ``session`` of the same config, device and world size to measure in (one is opened when not given)."""
+    ``session`` of the same config, device and world size to measure in (one is opened when not given).
+
+    Time: the closest measured step rate of the same model family on the same device (``measurements``,
+    default the shipped table), per-device pairs/s held at any batch and world size, communication not
+    counted; none when that device has no measurement. ``mfu``: time from the FLOPs at that fraction of
+    the device's peak instead, an explicit override."""
     if steps is None:
         with session(cfg, device, world_size) as steps:
-            return plan(cfg, device, world_size, mfu=mfu, steps=steps)
+            return plan(cfg, device, world_size, mfu=mfu, steps=steps, measurements=measurements)
     if steps.world_size != world_size or steps.bf16 != resolve_bf16(cfg, device):
         raise ValueError("the step session was opened for another world size or precision")
     per_rank = cfg.per_rank_batch(world_size)
@@ -672,8 +712,14 @@ def plan(
     persistent = base.params + base.buffers + base.optimizer + inputs + buckets
     activations = max(0, peak - persistent - base.grads - loss_n[0] - base.gathered)
     tflops = device.bf16_tflops if bf16 else device.fp32_tflops
-    use_mfu = device.mfu if mfu is None else mfu
-    seconds = flops / (tflops * 1e12 * use_mfu) if tflops else None
+    rows = load_measurements() if measurements is None else measurements
+    measured = lookup(cfg, device.name, rows, world_size=world_size, bf16=bf16)
+    seconds: float | None = None
+    if mfu is not None:
+        seconds = flops / (tflops * 1e12 * mfu) if tflops else None
+    elif measured is not None:
+        # The measured rate per device, held at this batch: each device computes its own rows.
+        seconds = per_rank / measured.pairs_per_s
     return Plan(
         device=device.name,
         world_size=world_size,
@@ -696,10 +742,14 @@ def plan(
         capacity=capacity_bytes(device),
         flops=flops,
         tflops=tflops,
-        mfu=use_mfu,
+        mfu=mfu,
         step_seconds=seconds,
         pairs_per_second=per_rank * world_size / seconds if seconds else None,
         extrapolated=extrapolated,
+        family=family(cfg.model.resolve()),
+        measurement=measured,
+        measured_devices=tuple(measured_devices(cfg, rows)),
+        differs=tuple(differences(measured, cfg, per_rank, bf16)) if measured is not None else (),
     )
 
 
@@ -831,10 +881,42 @@ def describe(p: Plan) -> list[tuple[str, str]]:
             f"{fmt_flops(p.flops)} per device" + (" (extended from 3 and 4 chunks)" if p.extrapolated else ""),
         ),
     ]
-    if p.step_seconds is not None and p.tflops is not None:
-        rows.append(("step time", f"{p.step_seconds:.2f} s at {p.mfu:.0%} of {p.tflops:g} TFLOP/s"))
-        rows.append(("throughput", f"{p.pairs_per_second:,.0f} pairs/s"))
-    return rows
+    return rows + time_rows(p)
+
+
+def time_rows(p: Plan) -> list[tuple[str, str]]:
+    """Where the plan's time comes from: a measured step rate, the ``--mfu`` override, or neither."""
+    m = p.measurement
+    if p.mfu is not None:
+        if p.step_seconds is None:
+            return [("step time", f"--mfu needs the device's peak TFLOP/s (--tflops); {p.device} has none")]
+        rows = [
+            ("step time", f"{p.step_seconds:.2f} s from the FLOPs at --mfu {p.mfu:g} of {p.tflops:g} TFLOP/s"),
+            ("throughput", f"{p.pairs_per_second:,.0f} pairs/s (an --mfu override, not a measurement)"),
+        ]
+        if m is not None:
+            rows.append(("measured", m.describe()))
+        return rows
+    if m is None or p.step_seconds is None:
+        elsewhere = ", ".join(p.measured_devices) or "no device"
+        return [
+            (
+                "step time",
+                f"not measured on {p.device} (this model family, {p.family[0]} + {p.family[1]}, is measured on: "
+                f"{elsewhere}); --mfu F derives a time from the FLOPs",
+            )
+        ]
+    scale = f" × {p.world_size} devices" if p.world_size > 1 else ""
+    return [
+        ("step time", f"{p.step_seconds:.2f} s"),
+        ("throughput", f"{p.pairs_per_second:,.0f} pairs/s = {m.pairs_per_s:g} measured per device{scale}"),
+        ("measured", m.describe()),
+        (
+            "assumes",
+            "pairs/s per device as measured at this batch and world size; communication not counted"
+            + (f"; measured at {', '.join(p.differs)}" if p.differs else ""),
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- validation
