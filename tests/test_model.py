@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import openalign
 from conftest import tiny_overrides
@@ -269,6 +270,89 @@ def test_length_buckets_encode_short_rows_apart_and_change_no_embedding(tiny_mod
     assert length_buckets(torch.ones(8, 16, dtype=torch.long)) is None
     assert length_buckets((torch.arange(16) < torch.tensor([12, 16, 14, 13])[:, None]).long()) is None
     assert length_buckets(torch.flip(mask, [1])) is None
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values by the host (``int()``, ``bool()``, ``.item()``): each is a sync on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_text_tower_on_an_accelerator_reads_the_mask_once_and_matches_the_cpu_path(
+    tiny_model: openalign.DualEncoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU every read of a value waits for all queued work (``torch.cuda.set_sync_debug_mode`` reports each).
+    Without a GPU here, the accelerator path is taken by declaring the mask unreadable for free: one ``.tolist()``
+    in ``check_tokens`` (validation and the batch's width), no other read, no second pass, and the embeddings and
+    gradients of the CPU path (buckets, trimming, an all-ones mask dropped) within fp32 tolerance."""
+    import openalign.model.bert as bert
+    import openalign.model.dual_encoder as dual_encoder
+
+    tiny_model.eval()
+    lengths = [2, 9, 3, 4, 9, 2, 5, 3]
+    mask = (torch.arange(16) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, 101, (8, 16)) * mask
+    weights = torch.randn(8, tiny_model.embed_dim)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        tiny_model.zero_grad()
+        with _HostReads() as counter:
+            out = tiny_model.encode_text(ids, mask, normalize=False)
+            (out * weights).sum().backward()
+        run.reads = counter.reads  # type: ignore[attr-defined]
+        return out.detach(), [p.grad.clone() for p in tiny_model.text.parameters() if p.grad is not None]
+
+    cpu_out, cpu_grads = run()
+    assert run.reads > 0  # type: ignore[attr-defined]  # the CPU path reads lengths freely (and the counter sees it)
+    tolists: list[torch.Tensor] = []
+    real_tolist = torch.Tensor.tolist
+
+    def counted_tolist(t: torch.Tensor) -> object:
+        tolists.append(t)
+        return real_tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    for module in (dual_encoder, bert):
+        monkeypatch.setattr(module, "host_readable", lambda t: False)
+    passes = []
+    monkeypatch.setattr(tiny_model.text, "forward", _recording(tiny_model.text.forward, passes))
+    acc_out, acc_grads = run()
+    assert run.reads == 0  # type: ignore[attr-defined]
+    assert len(tolists) == 1 and tolists[0].numel() == 4
+    assert passes == [((8, 9), None)]  # cut to the longest caption, no groups
+    torch.testing.assert_close(acc_out, cpu_out, rtol=1e-5, atol=1e-6)
+    assert len(acc_grads) == len(cpu_grads) > 0
+    for acc, cpu in zip(acc_grads, cpu_grads, strict=True):
+        torch.testing.assert_close(acc, cpu, rtol=1e-4, atol=1e-6)
+
+
+def _recording(forward, calls: list[tuple[tuple[int, ...], object]]):  # type: ignore[no-untyped-def]
+    def wrapped(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append((tuple(input_ids.shape), args[1] if len(args) > 1 else None))
+        return forward(input_ids, *args)
+
+    return wrapped
+
+
+def test_additive_mask_is_what_attention_makes_of_a_boolean_one() -> None:
+    from openalign.model.bert import additive_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 12, 8, generator=gen, requires_grad=True) for _ in range(3))
+    mask = (torch.arange(12) < torch.tensor([12, 3, 7, 1])[:, None]).long()
+    boolean = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.bool()[:, None, None, :])
+    additive = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(mask, q.dtype))
+    assert torch.equal(boolean, additive)
+    grads = torch.autograd.grad(boolean.sum(), (q, k, v)), torch.autograd.grad(additive.sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert additive_mask(mask, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_channels_last_gives_the_same_embeddings() -> None:

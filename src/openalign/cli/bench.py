@@ -27,6 +27,19 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
                "transformers NCHW), channels-last or contiguous for both", type=lambda s: s.replace("-", "_"),
                metavar="{default,channels-last,contiguous}")),
     ),
+    "towers": (
+        "openalign.bench.towers:TowersBenchSettings",
+        "each tower alone (fwd + bwd): our BERT vs transformers' BertModel, our EfficientNet vs timm's",
+        "Forward + backward of our text tower against transformers' BertModel (same config, same weights, the same "
+        "captions of 6-32 tokens padded to 64; the peer also on them cut to the longest) and of our image tower "
+        "against timm's efficientnet_bN and tf_efficientnet_bN of the same size (when timm is installed), "
+        "channels-last, in alternating rounds in one process; prints the median step of each with the ratio "
+        "ours / peer.",
+        ("openalign bench towers                      # b0-mini on the CPU",
+         "openalign bench towers --preset b0-base --towers text --steps 2 --rounds 3",
+         "openalign bench towers --preset b7-base --device cuda --bf16 --batch-size 64 --image-size 289 --steps 20"),
+        (JSON,),
+    ),
     "train": (
         "openalign.bench.train:TrainBenchSettings",
         "training steps from shards, split by phase, against a plain transformers AlignModel loop",
@@ -169,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         from openalign.bench.dedup import run_dedup_bench
 
         run_dedup_bench(s)
+    elif args.bench == "towers":
+        from openalign.bench.towers import run_towers_bench
+
+        run_towers_bench(s)
     elif args.bench == "retrieval":
         from openalign.bench.retrieval import run_retrieval_bench
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openalign.config import TextTowerConfig
-from openalign.model.layers import has_values, maybe_checkpointed
+from openalign.model.layers import has_values, host_readable, maybe_checkpointed
 
 
 class BertEmbeddings(nn.Module):
@@ -48,7 +48,7 @@ class BertLayer(nn.Module):
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cls_only: bool = False) -> torch.Tensor:
-        """``mask`` is boolean [B, 1, 1, L], True where a key may be attended. With ``cls_only`` only the
+        """``mask`` is additive [B, 1, 1, L]: 0 where a key may be attended, -inf where not. With ``cls_only`` only the
         first position is computed: the last layer's other outputs are never used."""
         b, length, h = x.shape
         heads = self.num_heads
@@ -88,15 +88,26 @@ class Bert(nn.Module):
         with torch.no_grad():
             self.embeddings.word.weight[self.cfg.pad_token_id].zero_()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = None
-        # Without values (a planned step) the mask is taken as all ones: full-length captions. A compiled
-        # graph cannot branch on the mask's values, so it always applies the mask (all ones: the same result).
-        if attention_mask is not None and (
-            torch.compiler.is_compiling() or (has_values(attention_mask) and not bool(attention_mask.all()))
-        ):
-            mask = attention_mask.bool()[:, None, None, :]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        buckets: list[tuple[torch.Tensor, int]] | None = None,
+    ) -> torch.Tensor:
+        """``buckets``: (row indices, width) groups whose layers run apart, each cut to its width; the output keeps
+        the batch's row order. The embeddings run once for the whole batch: the word table's gradient is dense
+        (vocabulary × hidden, 77M values for the paper's 100k wordpieces), and one backward per group would build
+        and add it once per group."""
         x: torch.Tensor = self.embeddings(input_ids)
+        if buckets is None or attention_mask is None:
+            return self._encode(x, attention_mask)
+        parts = [self._encode(x[rows, :width], attention_mask[rows, :width]) for rows, width in buckets]
+        return torch.cat(parts)[torch.cat([rows for rows, _ in buckets]).argsort()]
+
+    def _encode(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        mask = None
+        if attention_mask is not None and needs_mask(attention_mask):
+            mask = additive_mask(attention_mask, attention_dtype(x))
         checkpoint = self.gradient_checkpointing and self.training
         cls_only = self.cfg.pooling == "cls"
         last = len(self.layers) - 1
@@ -108,3 +119,29 @@ class Bert(nn.Module):
             return x.mean(dim=1)
         weights = attention_mask.to(x.dtype).unsqueeze(-1)
         return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+
+
+def needs_mask(attention_mask: torch.Tensor) -> bool:
+    """Whether attention must apply ``attention_mask``. A mask of all ones changes nothing, and attention
+    without one is faster, but finding out reads its values: free for a CPU tensor, a host sync (a wait for all
+    queued work) for an accelerator's, where the mask is applied unread (same result). Without values (a planned
+    step) the captions are taken as full length; a compiled graph cannot branch on values and always applies it."""
+    if torch.compiler.is_compiling():
+        return True
+    if not has_values(attention_mask):
+        return False
+    return not host_readable(attention_mask) or not bool(attention_mask.all())
+
+
+def attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention's queries will have: autocast's where it is on, else the activations'."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1/0 (or boolean) mask [B, L] as the additive bias [B, 1, 1, L] ``scaled_dot_product_attention`` takes:
+    0 for keys to attend, -inf for padding. SDPA turns a boolean mask into exactly this, but inside every call:
+    three kernels per layer per forward; built once here, in the query's dtype so autocast has nothing to cast."""
+    keep = attention_mask.bool()[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))

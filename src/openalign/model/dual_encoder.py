@@ -13,7 +13,7 @@ from torch import nn
 from openalign.config import ModelConfig
 from openalign.model.bert import Bert
 from openalign.model.efficientnet import EfficientNet
-from openalign.model.layers import has_values
+from openalign.model.layers import has_values, host_readable
 
 if TYPE_CHECKING:
     from openalign.text.tokenizer import TextTokenizer
@@ -142,7 +142,9 @@ class DualEncoder(nn.Module):
         if pixel_values.shape[0] == 0:
             raise ValueError("pixel_values is an empty batch")
 
-    def check_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def check_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
+        """Raise on token ids or a mask the model cannot take; return the mask's ``tokens_width`` (None without a
+        mask, or for tensors without values)."""
         cfg = self.config.text
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -160,31 +162,48 @@ class DualEncoder(nn.Module):
                 f"attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}"
             )
         if not has_values(input_ids):
-            return
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+            return None
+        # One host read for every check and the width: on a GPU each read is a sync (the host waits for all
+        # queued kernels), so the four figures travel together.
+        ones = torch.ones((), dtype=torch.long, device=input_ids.device)
+        lo, hi, first_kept, width = torch.stack(
+            [
+                input_ids.min().long(),
+                input_ids.max().long(),
+                attention_mask[:, 0].all().long() if attention_mask is not None else ones,
+                tokens_width(attention_mask) if attention_mask is not None else ones,
+            ]
+        ).tolist()
         if lo < 0 or hi >= cfg.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(
                 f"token id {bad} is outside the model's vocabulary [0, {cfg.vocab_size}); "
                 "was the text tokenised with this model's tokenizer?"
             )
-        if attention_mask is not None and not bool(attention_mask[:, 0].all()):
+        if not first_kept:
             raise ValueError("attention_mask must keep the first ([CLS]) token of every row")
+        return int(width) if attention_mask is not None else None
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Unnormalised image embeddings [B, embed_dim]."""
         x: torch.Tensor = self.image(pixel_values)
         return self.image_proj(x) if self.image_proj is not None else x
 
-    def text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Unnormalised text embeddings [B, embed_dim]."""
+    def text_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, width: int | None = None
+    ) -> torch.Tensor:
+        """Unnormalised text embeddings [B, embed_dim]. ``width``: the mask's ``tokens_width`` when the caller has
+        already read it (``check_tokens`` returns it), so that it is not read twice."""
         if attention_mask is None:
             return self._text_features(input_ids, None)
+        # Short rows are encoded apart (two passes) only on the CPU, where arithmetic is the cost and the lengths
+        # are free to read (``length_buckets``); on a GPU the batch is only cut to its width.
         groups = length_buckets(attention_mask) if self.text_buckets else None
-        if groups is None:
-            return self._text_features(*trim_padding(input_ids, attention_mask))
-        parts = [self._text_features(*trim_padding(input_ids[g], attention_mask[g])) for g in groups]
-        return torch.cat(parts)[torch.cat(groups).argsort()]
+        input_ids, attention_mask = trim_padding(input_ids, attention_mask, width if groups is None else None)
+        # A CPU mask (the only kind with groups) gives each group's width for free.
+        buckets = None if groups is None else [(g, int(tokens_width(attention_mask[g]))) for g in groups]
+        out: torch.Tensor = self.text_proj(self.text(input_ids, attention_mask, buckets))
+        return out
 
     def _text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = self.text_proj(self.text(input_ids, attention_mask))
@@ -204,17 +223,24 @@ class DualEncoder(nn.Module):
         Without a mask, every ``text.pad_token_id`` after the first position is padding (what
         ``openalign.get_tokenizer``'s plain id tensors rely on); captions without padding attend to every token.
         """
-        self.check_tokens(input_ids, attention_mask)
+        width = self.check_tokens(input_ids, attention_mask)
         if attention_mask is None:
             attention_mask = padding_mask(input_ids, self.config.text.pad_token_id)
-        x = self.text_features(input_ids, attention_mask)
+        x = self.text_features(input_ids, attention_mask, width)
         return F.normalize(x, dim=-1) if normalize else x
 
     def forward(
         self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both normalised embeddings, the inputs of ``openalign.loss.contrastive_loss``."""
-        return self.encode_image(pixel_values), self.encode_text(input_ids, attention_mask)
+        # The tokens are checked (the text tower's one host read) before the image tower is queued: on a GPU the
+        # read then waits only for work queued before this step, not for the whole image forward.
+        self.check_pixels(pixel_values)
+        width = self.check_tokens(input_ids, attention_mask)
+        if attention_mask is None:
+            attention_mask = padding_mask(input_ids, self.config.text.pad_token_id)
+        image = F.normalize(self.image_features(pixel_values), dim=-1)
+        return image, F.normalize(self.text_features(input_ids, attention_mask, width), dim=-1)
 
 
 def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -231,9 +257,11 @@ def length_buckets(attention_mask: torch.Tensor, min_saving: float = 0.2) -> lis
     batch of short ones, encoding the short rows apart skips that padding. The split is the one that pads
     least; it is used only when it saves at least ``min_saving`` of the batch's token positions, and only for
     right padding (what ``trim_padding`` cuts). Each row's embedding is unchanged: rows never see each other.
+    Only for a mask the host reads for free (``host_readable``): on a GPU the choice would take several host syncs,
+    and a second pass doubles the kernel launches that bound a batch of captions there.
     """
     rows, width = attention_mask.shape
-    if rows < 2 or not has_values(attention_mask):
+    if rows < 2 or not host_readable(attention_mask):
         return None
     lengths = attention_mask.sum(1)
     if not bool((attention_mask == (torch.arange(width, device=lengths.device) < lengths[:, None])).all()):
@@ -248,18 +276,30 @@ def length_buckets(attention_mask: torch.Tensor, min_saving: float = 0.2) -> lis
     return [order[: best + 1], order[best + 1 :]]
 
 
-def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop trailing columns that are padding in every row.
+def tokens_width(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The number of leading columns that hold every attended token (at least 1), as a 0-dim tensor on the
+    mask's device: the columns after it are padding in every row. Computed without reading values, so callers
+    can read it together with other figures."""
+    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return (attention_mask.ne(0) * columns).amax().clamp_min(1)
+
+
+def trim_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop trailing columns that are padding in every row (``width``, or the mask's ``tokens_width``).
 
     Captions are padded to the maximum length (64) for fixed shapes, but most are far shorter; keys
     that are masked out contribute nothing, so cutting them changes no output and saves most of the
-    text tower's work. Left padding is left alone. A tensor without values (fake or meta, as when planning
-    a step's memory) is left at its full length: the plan assumes the longest captions.
+    text tower's work. Left padding keeps its full width. A tensor without values (fake or meta, as when planning
+    a step's memory) is left at its full length: the plan assumes the longest captions; so is one inside a compiled
+    graph, which cannot take its shape from values. On a GPU, reading the width is one host sync; pass ``width``
+    where it was read already.
     """
-    if not has_values(attention_mask):
+    if width is None:
+        if not has_values(attention_mask) or torch.compiler.is_compiling():
+            return input_ids, attention_mask
+        width = int(tokens_width(attention_mask))
+    if width >= attention_mask.shape[1]:
         return input_ids, attention_mask
-    lengths = attention_mask.sum(1)
-    keep = int(lengths.max())
-    if keep == attention_mask.shape[1] or bool(attention_mask[:, keep:].any()):
-        return input_ids, attention_mask
-    return input_ids[:, :keep], attention_mask[:, :keep]
+    return input_ids[:, :width], attention_mask[:, :width]
