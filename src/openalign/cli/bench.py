@@ -103,6 +103,20 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         ("openalign bench retrieval", "openalign bench retrieval --images 1000 --independent"),
         (JSON, Alias(("--independent",), "noise", "captions independent of the images (noise: null)", value=None)),
     ),
+    "gpu": (
+        "openalign.bench.gpu:GpuCheckSettings",
+        "the GPU path in one command: CUDA tests, ours against transformers, the paper's batch, plan vs measured",
+        "Runs, each part in its own process with its own time limit within --budget-s (a part that fails or runs "
+        "out of time is recorded and the next one starts): the CUDA tests, bench train (eager) and bench model "
+        "(compiled) against transformers, pretrain_align_b7 at the paper's 16384 batch with the peak host memory "
+        "of its process tree and its peak GPU memory, the same recipe at batch 64, pretrain_align at batch 512, and "
+        "the plan of each run beside what it measured. Writes OUT/gpu_check.json and OUT/gpu_check.md and prints "
+        "the markdown; exits 1 if a part failed or ran out of time.",
+        ("openalign bench gpu --out gpu-check",
+         "openalign bench gpu --out gpu-check --update-table        # also record the measured pairs/s",
+         "openalign bench gpu --device cpu --tiny --out /tmp/gc     # the check itself, at toy sizes, on a CPU"),
+        (),
+    ),
 }  # fmt: skip
 
 
@@ -190,4 +204,8 @@ def run(args: argparse.Namespace) -> int:
         from openalign.bench.retrieval import run_retrieval_bench
 
         run_retrieval_bench(s)
+    elif args.bench == "gpu":
+        from openalign.bench.gpu import run_gpu_check
+
+        return 0 if run_gpu_check(s)["ok"] else 1
     return 0
