@@ -49,10 +49,11 @@ class BenchSettings:
 
 def bench_config(settings: BenchSettings) -> Any:
     """The preset, with embed_dim set to the image feature width so that transformers can express it
-    (its AlignModel has no image projection; the projection is a negligible part of a step)."""
+    (its AlignModel has no image projection; the projection is a negligible part of a step), and the [CLS]
+    vector as the text feature, the only one AlignModel takes (nano pools the mean)."""
     cfg = model_config(settings.preset)
     width = round_filters(cfg.image.out_channels[-1], cfg.image.width_coefficient, cfg.image.depth_divisor)
-    overrides: dict[str, Any] = {"embed_dim": width}
+    overrides: dict[str, Any] = {"embed_dim": width, "text": {"pooling": "cls"}}
     if settings.memory_format != "default":
         overrides["image"] = {"channels_last": settings.memory_format == "channels_last"}
     if settings.image_size:
