@@ -1,0 +1,108 @@
+"""``openalign bench gpu --device cpu --tiny``: the GPU check end to end at toy sizes, without a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from openalign.bench import gpu
+from openalign.bench.gpu_memory import tree_memory
+from openalign.cli import main
+
+
+def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gc"
+    # l2 gets an unknown option: it must fail, be recorded with its error, and the parts after it still run.
+    # bench and compiled start several interpreters each: their limits leave room for a busy machine.
+    args = ["bench", "gpu", "--device", "cpu", "--tiny", "--out", str(out), "--break-part", "l2"]
+    code = main([*args, "--limits", '{"bench": 150, "compiled": 100}', "--budget-s", "600"])
+    printed = capsys.readouterr().out
+    assert code == 1  # a part failed
+    summary = json.loads((out / "gpu_check.json").read_text())
+    parts = summary["parts"]
+    assert list(parts) == ["tests", "paper", "bench", "loop", "l2", "compiled", "plan"]
+    assert parts["l2"]["status"] == "failed" and "--no-such-option" in parts["l2"]["tail"]
+    for name, part in parts.items():
+        if name != "l2":
+            assert part["status"] == "ok", (name, part.get("tail"))
+    assert parts["tests"]["figures"]["skipped"] >= 7  # no CUDA here: every test skips, none fails
+    bench = parts["bench"]["figures"]
+    assert bench["training"]["openalign"]["pairs_per_s"] > 0 and bench["training"]["transformers"]["pairs_per_s"] > 0
+    assert parts["compiled"]["figures"]["results"]["openalign"]["pairs_per_s"] > 0
+    for run in ("paper", "loop"):
+        figures = parts[run]["figures"]
+        assert figures["finished"] and figures["steps_done"] >= 1 and figures["pairs_per_s_compute"] > 0
+        assert parts[run]["host_memory"]["peak_pss_gib"] > 0
+        assert summary["parts"]["plan"]["figures"][run]["peak_gib"] > 0
+    assert parts["paper"]["figures"]["measurement"]["chunk"] == 16
+    assert sum(p["limit_s"] for n, p in parts.items() if n != "plan") <= 600
+
+    text = (out / "gpu_check.md").read_text()
+    assert text in printed
+    for heading in ("## Parts", "## Training step against transformers", "## Training runs", "## Plan against"):
+        assert heading in text
+    assert "| l2 | pretrain_align batch 32, chunk 16 | failed |" in text
+    assert "--no-such-option needs a value" in text
+
+
+def test_the_gpu_defaults_fit_eight_minutes() -> None:
+    """The command the GPU holder runs: every foreground part's limit together within the budget."""
+    s = gpu.GpuCheckSettings()
+    parts = gpu.build_parts(s, Path("out"), Path("work"), "h200-141gb", Path("vocab"))
+    limits = gpu._limits(s, parts)
+    assert set(limits) == {"tests", "bench", "compiled", "paper", "loop", "l2"}
+    assert sum(limits.values()) <= s.budget_s - gpu.RESERVE_S <= 480
+    paper = next(p for p in parts if p.name == "paper")
+    for flag in ("--train.batch_size", "16384", "--train.chunk_size", "64", "--data.workers", "14"):
+        assert flag in paper.argv
+    assert not any("prefetch_factor" in a for p in parts for a in p.argv)
+
+
+def test_gpu_names_map_to_plan_devices() -> None:
+    assert gpu.device_key("NVIDIA H200") == "h200-141gb"
+    assert gpu.device_key("NVIDIA H100 80GB HBM3") == "h100-80gb"
+    assert gpu.device_key("NVIDIA GeForce RTX 4090") is None and gpu.device_key(None) is None
+
+
+def test_tree_memory_counts_this_process() -> None:
+    import os
+
+    now = tree_memory(os.getpid())
+    assert now["processes"] >= 1 and 0 < now["pss"] <= now["rss"]
+
+
+def test_the_table_is_left_alone_for_toy_or_unknown_devices(tmp_path: Path) -> None:
+    base = {"settings": {"tiny": True, "device": "cpu"}, "environment": {}, "parts": {}, "date": "2026-01-01"}
+    assert gpu.update_table(base, tmp_path / "t.json").startswith("not written: toy sizes")
+    base["settings"] = {"tiny": False, "device": "cuda"}
+    base["environment"] = {"gpu": "NVIDIA L40S", "device_key": None}
+    assert "not a device plans know" in gpu.update_table(base, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_a_gpu_run_is_recorded_in_the_throughput_table(tmp_path: Path) -> None:
+    from openalign.train.throughput import load_measurements
+
+    row = {"config": "pretrain_align_b7", "image": "b7", "text": "bert-base", "batch": 16384, "chunk": 64,
+           "image_size": 289, "text_length": 64, "precision": "bf16", "compiled": False,
+           "grad_checkpointing": False}  # fmt: skip
+    figures = {"measurement": row, "pairs_per_s_compute": 61.23, "steps_done": 2, "gpu_peak_gib": 36.2}
+    summary = {
+        "settings": {"tiny": False, "device": "cuda"},
+        "environment": {"gpu": "NVIDIA H200", "device_key": "h200-141gb", "commit": "abc1234"},
+        "parts": {"paper": {"figures": figures}, "l2": {"figures": {"measurement": row}}},  # l2: no step ended
+        "date": "2026-11-27",
+    }
+    assert gpu.update_table(summary, tmp_path / "t.json").startswith("wrote 1 row(s)")
+    (m,) = load_measurements(tmp_path / "t.json")
+    assert (m.device, m.gpu, m.batch, m.chunk, m.pairs_per_s, m.commit, m.peak_gib) == (
+        "h200-141gb",
+        "NVIDIA H200",
+        16384,
+        64,
+        61.2,
+        "abc1234",
+        36.2,
+    )
