@@ -43,7 +43,7 @@ def _parts(summary: dict[str, Any]) -> list[str]:
 
 def _steps(t: dict[str, Any]) -> str:
     parts = t.get("parts_s") or {}
-    shown = ", ".join(f"{k[:3] if k != 'optimizer' else 'opt'} {v:.3f} s" for k, v in parts.items() if k != "loss")
+    shown = ", ".join(f"{k} {v:.3f} s" for k, v in parts.items() if k != "loss")
     return f"{t['pairs_per_s']:.1f} ({shown})" if shown else f"{t['pairs_per_s']:.1f}"
 
 
