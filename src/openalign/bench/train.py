@@ -60,6 +60,7 @@ class TrainBenchSettings:
     source_side: int | None = None
     pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
     baseline: bool = True  # also run the transformers loop and webdataset (--no-baseline: only ours)
+    training: bool = True  # time the training steps (false: only the input pipeline)
     json_path: str | None = None  # also write the results to this JSON file
 
     def validate(self) -> None:
@@ -286,7 +287,7 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
     """Run both benchmarks, print the tables and the ratios, and return every figure."""
     s.validate()
     cfg = bench_config(_model_settings(s))
-    contenders = ["openalign", "transformers"] if s.baseline else ["openalign"]
+    contenders = (["openalign", "transformers"] if s.baseline else ["openalign"]) if s.training else []
     with tempfile.TemporaryDirectory(prefix="openalign-bench-train-") as tmp:
         print(f"writing {s.shard_samples} synthetic pairs as shards …", flush=True)
         shards, tok = prepare_data(s, Path(tmp))
@@ -319,7 +320,8 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         per_pair = nominal / s.batch_size / 1e9
         print(f"nominal {per_pair:.2f} GFLOP per pair (fwd+bwd); matmul peak {peak / 1e9:.1f} GFLOP/s")
     header = " ".join(f"{p + ' s':>11}" for p in PARTS)
-    print(f"{'loop':>12} {'pairs/s':>8} {'step s':>7} {header} {'peak MB':>8} {'MFU':>6}")
+    if contenders:
+        print(f"{'loop':>12} {'pairs/s':>8} {'step s':>7} {header} {'peak MB':>8} {'MFU':>6}")
     for which in contenders:
         res = best[which]
         parts = " ".join(f"{res['parts_s'][p]:11.3f}" for p in PARTS)
