@@ -300,12 +300,13 @@ def test_batch_inputs_are_planned_as_uint8_pixels() -> None:
 
     cfg = P.load_plan_config("nano_cpu", {"train.batch_size": 8, "train.chunk_size": 4, "train.precision": "fp32"})
     side, length = P.input_shapes(cfg)
+    # Planned first: a fake step must leave the normalisation real steps use untouched (--validate runs both).
+    p = P.plan(cfg, P.device_spec("cpu"))
+    assert p.inputs == 8 * 3 * side * side + 2 * 8 * length * 8  # uint8 pixels, int64 ids and mask
     batch = P.make_batch(cfg, 8)
     assert batch["pixel_values"].dtype == torch.uint8
     model = cfg.model.resolve()
     x = P.model_pixels(cfg, batch["pixel_values"])
     mean = torch.tensor(model.pixel_mean).view(1, 3, 1, 1)
     std = torch.tensor(model.pixel_std).view(1, 3, 1, 1)
-    assert torch.equal(x, (batch["pixel_values"].float() / 255 - mean) / std)
-    p = P.plan(cfg, P.device_spec("cpu"))
-    assert p.inputs == 8 * 3 * side * side + 2 * 8 * length * 8  # uint8 pixels, int64 ids and mask
+    assert x.dtype == torch.float32 and torch.allclose(x, (batch["pixel_values"].float() / 255 - mean) / std, atol=1e-6)
