@@ -40,8 +40,9 @@ def _row(**kw: object) -> T.Measurement:
 def test_shipped_table_holds_the_h200_measurements_and_is_package_data(tmp_path: Path) -> None:
     rows = T.load_measurements()
     seen = {(m.config, m.batch, m.chunk): m for m in rows}
-    assert seen[("pretrain_align_b7", 64, None)].pairs_per_s == 78.0
+    assert seen[("pretrain_align_b7", 64, None)].pairs_per_s == 147.4
     assert seen[("pretrain_align_b7", 1024, 64)].pairs_per_s == 63.8
+    assert seen[("pretrain_align_b7", 16384, 64)].pairs_per_s == 103.0
     assert seen[("pretrain_align", 512, 128)].pairs_per_s == 27.7
     for m in rows:
         assert m.device in P.DEVICES and m.gpu and m.commit and m.date.count("-") == 2
@@ -157,5 +158,5 @@ def test_b7_plan_prints_measured_or_not_measured_time(device: str, capsys: pytes
         assert "not measured on h100-80gb" in time and "h200-141gb" in time
         assert "pairs/s" not in out
     else:
-        assert "0.82 s" in time  # 64 pairs at the 78 pairs/s measured at this very step
-        assert "78 pairs/s on one NVIDIA H200" in out and "2026-11-26, commit 08e9910" in out
+        assert "0.43 s" in time  # 64 pairs at the 147.4 pairs/s measured at this very step
+        assert "147.4 pairs/s on one NVIDIA H200" in out and "2026-11-26, commit 46d0d3a" in out

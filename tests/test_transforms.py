@@ -145,3 +145,16 @@ def test_uint8_pixels_normalised_later_equal_the_float_transform_bit_for_bit() -
     assert raw[0].dtype == torch.uint8
     assert torch.equal(normalize_pixels(torch.stack(raw), mean, std), torch.stack(floats))
     assert torch.equal(normalize_pixels(torch.stack(floats), mean, std), torch.stack(floats))  # float: as it is
+
+
+def test_normalising_fake_pixels_first_leaves_real_ones_right() -> None:
+    # A memory plan normalises fake pixels; the real steps after it in the same process must not see fakes.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from openalign.data.transforms import normalize_pixels
+
+    mean, std = (0.1, 0.2, 0.3), (0.9, 0.8, 0.7)
+    with FakeTensorMode():
+        assert normalize_pixels(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), mean, std).shape == (2, 3, 4, 4)
+    white = normalize_pixels(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8), mean, std).flatten()
+    assert torch.allclose(white, torch.tensor([(1 - 0.1) / 0.9, (1 - 0.2) / 0.8, (1 - 0.3) / 0.7]))

@@ -134,7 +134,11 @@ def normalize_pixels(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[
     """
     if pixels.dtype != torch.uint8:
         return pixels
-    m, s = _scale(tuple(mean), tuple(std), pixels.device)
+    from torch._subclasses.fake_tensor import is_fake
+
+    # Fake pixels (a memory plan) get fake constants of their own: a cached one would reach real steps later.
+    scale = _scale.__wrapped__ if is_fake(pixels) else _scale
+    m, s = scale(tuple(mean), tuple(std), pixels.device)
     return pixels.float().div_(255.0).sub_(m).div_(s)
 
 

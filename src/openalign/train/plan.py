@@ -351,16 +351,8 @@ def make_batch(cfg: TrainConfig, rows: int) -> dict[str, torch.Tensor]:
 
 def pixels_fn(cfg: TrainConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the step applies to each chunk's uint8 pixels: the model's normalisation, on their device."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     model = cfg.model.resolve()
-    fn = partial(normalize_pixels, mean=model.pixel_mean, std=model.pixel_std)
-    # normalize_pixels keeps its mean and std tensors per device once made: made first inside a plan's fake
-    # mode they would be fake, and every later real step on the CPU (--validate runs both) would be fed
-    # unnormalised pixels. Made here outside it, they are real, and fake steps may read real tensors.
-    with unset_fake_temporarily():
-        fn(torch.zeros(1, 3, 1, 1, dtype=torch.uint8))
-    return fn
+    return partial(normalize_pixels, mean=model.pixel_mean, std=model.pixel_std)
 
 
 def model_pixels(cfg: TrainConfig, pixels: torch.Tensor) -> torch.Tensor:
