@@ -355,10 +355,15 @@ def device_key(gpu: str | None) -> str | None:
 
 
 def _commit() -> str:
+    """The code measured: ``OPENALIGN_COMMIT`` when set (a copy of the tree whose git history is not its own),
+    else git's short commit, marked ``-dirty`` when the tree differs from it, else "unknown"."""
+    if os.environ.get("OPENALIGN_COMMIT"):
+        return os.environ["OPENALIGN_COMMIT"]
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=SRC, capture_output=True, text=True, timeout=10
-        )
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=SRC, capture_output=True, text=True,
+            timeout=10,
+        )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
