@@ -41,7 +41,6 @@ def test_shipped_table_holds_the_h200_measurements_and_is_package_data(tmp_path:
     rows = T.load_measurements()
     seen = {(m.config, m.batch, m.chunk): m for m in rows}
     assert seen[("pretrain_align_b7", 64, None)].pairs_per_s == 147.4
-    assert seen[("pretrain_align_b7", 1024, 64)].pairs_per_s == 63.8
     assert seen[("pretrain_align_b7", 16384, 64)].pairs_per_s == 103.0
     assert seen[("pretrain_align", 512, 128)].pairs_per_s == 27.7
     for m in rows:
