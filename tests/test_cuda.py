@@ -380,7 +380,9 @@ def check_wrapped_steps(device: torch.device, strategy: str, store: Path) -> Non
         for k in (k for k in want if "running" not in k and "num_batches" not in k):
             got = state[k].to(device)
             torch.testing.assert_close(got, want[k], atol=1e-4, rtol=1e-3, msg=lambda m, k=k: f"{k}: {m}")
-        assert not torch.equal(want["temperature_param"].cpu(), make_model(**_VIRTUAL).state_dict()["temperature_param"])
+        assert not torch.equal(
+            want["temperature_param"].cpu(), make_model(**_VIRTUAL).state_dict()["temperature_param"]
+        )
     finally:
         dist.destroy_process_group()
 
