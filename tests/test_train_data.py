@@ -388,6 +388,11 @@ def test_resampled_mode_gives_each_rank_its_own_draws(tmp_path: Path, tokenizer)
     s = stream(shards, tokenizer, batch_size=5, workers=2, resampled=True)
     batches = take(s, 3)
     assert all(b["input_ids"].shape == (5, 8) for b in batches) and s.state_dict()["position"] == 15
+    # Pieces of 2, 2 and 1 pairs from 2 workers (each worker's share of a batch differs from step to step).
+    s = stream(shards, tokenizer, batch_size=5, piece_size=2, workers=2, resampled=True)
+    batches = take(s, 4)
+    assert all(b["input_ids"].shape == (5, 8) for b in batches) and s.state_dict()["position"] == 20
+    assert all(len({r[1] for r in rows([b])}) > 1 for b in batches)  # filled from several draws
 
 
 def test_json_caption_field(tmp_path: Path, tokenizer) -> None:
