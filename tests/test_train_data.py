@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import pickle
 import struct
@@ -315,6 +316,48 @@ def test_a_batch_in_pieces_is_the_batch_whatever_the_pieces_and_workers(tmp_path
             pieces = rows(take(s, 4))
             assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(whole, pieces, strict=True))
             assert s.state_dict()["position"] == 4 * 8 * world
+
+
+def test_plain_tars_read_from_their_headers_give_the_batches_tarfile_gives(
+    tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # JPEGs (sized from their header without PIL) and PNGs (probed by PIL), a broken image and an empty caption.
+    samples = [good_sample(i) for i in range(40)]
+    for i in range(0, 40, 3):
+        samples[i] = {"__key__": samples[i]["__key__"], "jpg": encoded(picture(i), "JPEG"), "txt": caption(i).encode()}
+    samples[5]["png"] = samples[5]["png"][:60]
+    samples[9]["txt"] = b"  "
+    for s in range(0, 40, 8):
+        write_tar(tmp_path / f"{s // 8:05d}.tar", samples[s : s + 8])
+    shards = str(tmp_path / "{00000..00004}.tar")
+    fast = stream(shards, tokenizer, batch_size=6, piece_size=4, workers=2)
+    indexed = rows(take(fast, 6))
+    monkeypatch.setattr("openalign.train.data.index_samples", lambda url, limit: None)
+    slow = stream(shards, tokenizer, batch_size=6, piece_size=4, workers=2)
+    read = rows(take(slow, 6))
+    assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(indexed, read, strict=True))
+    assert fast.stats == slow.stats == Counter(caption_empty=1, corrupt=1)
+
+
+def test_a_worker_reads_whole_only_the_images_it_decodes(tmp_path: Path, tokenizer, monkeypatch) -> None:
+    from openalign.data.tar_index import MemberRef
+    from openalign.train.data import _Reader
+
+    shards = write_dataset(tmp_path, 96, 16)
+    plan = stream(shards, tokenizer, batch_size=8, piece_size=4)._plan
+    whole: list[tuple[str, int]] = []
+    read = MemberRef.read
+
+    def counting(self: MemberRef, limit: int | None = None, *, fd: int | None = None) -> bytes:
+        if limit is None and fd is None:  # not a caption or a head read while walking the sequence
+            whole.append((self.path, self.offset))
+        return read(self, limit, fd=fd)
+
+    monkeypatch.setattr(MemberRef, "read", counting)
+    # Worker 1 of 4 builds pieces 1, 5, 9 …: one piece of every other batch.
+    pieces = list(itertools.islice(iter(_Reader(plan, 1, 4, in_main_process=True)), 5))
+    assert sum(len(p[0]) for p in pieces) == 20
+    assert len(whole) == 20 and len(set(whole)) == 20
 
 
 def test_broken_images_in_several_pieces_are_refilled_by_different_samples(tmp_path: Path, tokenizer) -> None:

@@ -12,6 +12,7 @@ from openalign.data.transforms import (
     BadImage,
     decode_image,
     eval_transform,
+    jpeg_size,
     model_resize,
     model_transform,
     to_tensor,
@@ -158,3 +159,44 @@ def test_normalising_fake_pixels_first_leaves_real_ones_right() -> None:
         assert normalize_pixels(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), mean, std).shape == (2, 3, 4, 4)
     white = normalize_pixels(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8), mean, std).flatten()
     assert torch.allclose(white, torch.tensor([(1 - 0.1) / 0.9, (1 - 0.2) / 0.8, (1 - 0.3) / 0.7]))
+
+
+def _jpegs() -> list[tuple[str, bytes]]:
+    """JPEGs as PIL writes them in every layout its opener reads, and headers PIL must judge itself."""
+    base = gradient(37, 23)
+    exif = Image.Exif()
+    exif[0x010E] = "a described picture " * 40
+    cases = [
+        ("rgb", encode(base, "JPEG")),
+        ("grey", encode(base.convert("L"), "JPEG")),
+        ("cmyk", encode(base.convert("CMYK"), "JPEG")),
+        ("progressive", encode(base, "JPEG", progressive=True)),
+        ("restart_markers", encode(base, "JPEG", restart_marker_blocks=1)),
+        ("exif", encode(base, "JPEG", exif=exif.tobytes())),
+        ("icc", encode(base, "JPEG", icc_profile=b"\0" * 70_000)),  # split over two APP2 markers
+        ("subsampled", encode(gradient(301, 7), "JPEG", subsampling=2)),
+    ]
+    rng = np.random.default_rng(0)
+    for i in range(200):  # corrupted headers: either read exactly as PIL reads them, or left to PIL
+        data = bytearray(cases[i % len(cases)][1][:1024])
+        for _ in range(1 + i % 3):
+            data[int(rng.integers(2, 300))] = int(rng.integers(0, 256))
+        cases.append((f"mutated_{i}", bytes(data)))
+    return cases
+
+
+def test_jpeg_size_reads_what_pil_reads_or_leaves_it_to_pil() -> None:
+    read = []
+    for name, data in _jpegs():
+        size = jpeg_size(data)
+        if size is not None:
+            read.append(name)
+            assert Image.open(io.BytesIO(data)).size == size, name
+    assert all(not name.startswith("mutated") for name in read[:8]), "every plain layout is read without PIL"
+    assert len(read) >= 8 + 20, "so are mutations that leave the markers' structure whole"
+    png = encode(gradient(), "PNG")
+    assert jpeg_size(png) is None and jpeg_size(b"") is None and jpeg_size(b"\xff\xd8\xff") is None
+    whole = encode(gradient(), "JPEG")
+    sos = whole.index(b"\xff\xda")
+    assert jpeg_size(whole[:sos]) is None, "a head cut before the scan is PIL's to judge"
+    assert jpeg_size(whole[: sos + 4]) == (40, 30)

@@ -72,6 +72,44 @@ def open_image(
     return image
 
 
+# Markers without a length field (restart markers); every other marker PIL knows before the scan has one.
+_JPEG_STANDALONE = frozenset(range(0xD0, 0xD8))
+# Start-of-frame markers: every 0xC0–0xCF but DHT (C4), JPG (C8) and DAC (CC).
+_JPEG_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_size(head: bytes) -> tuple[int, int] | None:
+    """(width, height) of a JPEG from the start of its bytes, when its markers up to the scan are all plain and
+    its frame is one PIL opens (8-bit, 1, 3 or 4 components); None for anything else, including a head cut
+    before the scan, so that the caller asks PIL (``open_image``). A few microseconds against PIL's ~150."""
+    if head[:3] != b"\xff\xd8\xff":
+        return None
+    i, n, size = 2, len(head), None
+    while i + 4 <= n:
+        if head[i] != 0xFF:
+            return None
+        marker = head[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in _JPEG_STANDALONE:
+            i += 2
+            continue
+        if marker == 0xDA:  # start of scan: PIL stops reading the header here
+            return size
+        if marker < 0xC0 or marker in (0xD8, 0xD9):
+            return None  # not a header marker: PIL decides
+        length = int.from_bytes(head[i + 2 : i + 4], "big")
+        if length < 2:
+            return None
+        if marker in _JPEG_FRAME:
+            if size is not None or i + 10 > n or head[i + 4] != 8 or head[i + 9] not in (1, 3, 4):
+                return None
+            size = int.from_bytes(head[i + 7 : i + 9], "big"), int.from_bytes(head[i + 5 : i + 7], "big")
+        i += 2 + length
+    return None
+
+
 def load_pixels(image: Image.Image) -> Image.Image:
     """Decode the pixels of an image from ``open_image``; BadImage("corrupt") when the data is broken."""
     try:

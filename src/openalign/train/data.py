@@ -10,9 +10,12 @@ position is therefore one number, the samples consumed globally, and resuming on
 with another batch split) continues at exactly the right sample. Augmentation draws from a generator
 seeded by ``(seed, sample index)``, so a sample's crop and flip do not depend on who decodes it either.
 
-The price of that exactness is reading: every worker of every rank reads every tar (bytes and image
-headers, but it decodes only its own samples), and resuming fast-forwards through the current epoch
-without decoding. That is cheap on local disks for a few nodes; for many nodes use ``resampled: true``:
+The price of that exactness is reading: every worker of every rank walks every tar, and resuming
+fast-forwards through the current epoch without decoding. A plain local tar is walked from its member headers
+(``openalign.data.tar_index``): a worker reads the captions and the first bytes of each image, whose size it
+takes from the JPEG header without PIL, and reads whole only the images it decodes; other shards (compressed,
+piped, damaged) are read whole by every worker. That is cheap on local disks for a few nodes; for many nodes
+use ``resampled: true``:
 each worker then draws shards with replacement from its own generator (seeded by rank, worker and the
 position at which it started), reads only those, and a resumed run continues with fresh draws rather
 than the exact next samples.
@@ -69,6 +72,8 @@ from openalign.data.sources import (
     is_remote,
     read_samples,
 )
+from openalign.data.tar_index import MemberRef, index_samples
+from openalign.data.transforms import jpeg_size
 
 if TYPE_CHECKING:
     from openalign.text.tokenizer import TextTokenizer
@@ -80,6 +85,9 @@ _TAG_SHARD_ORDER, _TAG_BUFFER, _TAG_AUGMENT, _TAG_REFILL, _TAG_RESAMPLE = 1, 2, 
 # Samples just before a step, per piece of it, that may refill the slot of an image found broken only when decoded.
 _REFILL_POOL = 8
 GB = 10**9
+# Bytes of an image read to find its size from the header; a JPEG whose header runs longer (a large EXIF or ICC
+# block) is read whole and asked of PIL.
+_PROBE_HEAD = 1 << 14
 
 
 @dataclass
@@ -202,15 +210,22 @@ def probe_image(data: bytes, *, max_pixels: int, min_side: int) -> str | None:
     """
     if not data:
         return "empty"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
-    except Image.DecompressionBombError:
-        return "too_large"
-    except Exception:  # PIL raises many types (OSError, SyntaxError, ValueError...) for unreadable headers
-        return "corrupt"
+    size = jpeg_size(data)  # most web images: their size without PIL
+    if size is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(data)) as image:
+                    size = image.size
+        except Image.DecompressionBombError:
+            return "too_large"
+        except Exception:  # PIL raises many types (OSError, SyntaxError, ValueError...) for unreadable headers
+            return "corrupt"
+    return _size_reason(size, max_pixels=max_pixels, min_side=min_side)
+
+
+def _size_reason(size: tuple[int, int], *, max_pixels: int, min_side: int) -> str | None:
+    width, height = size
     if width * height > max_pixels:
         return "too_large"
     if min(width, height) < min_side:
@@ -299,7 +314,13 @@ class TrainSource(Protocol):
 
 class _ShardSource:
     """WebDataset shards (read by ``openalign.data.sources``), in a seeded shard order per epoch through a
-    seeded shuffle buffer. Every reader reads every sample, so a drop is known to all of them alike."""
+    seeded shuffle buffer. Every reader reads every sample, so a drop is known to all of them alike.
+
+    A plain local tar is read from its headers (``openalign.data.tar_index``): a record then holds the place of
+    its image, whose first bytes alone are read to probe it, and ``materialize`` reads the rest only for the
+    reader that decodes it. Every reader still walks every sample, but that walk no longer reads or probes
+    other readers' images through PIL, so its cost stays small beside a decode however many workers there are.
+    """
 
     def __init__(self, urls: list[str], cfg: DataConfig):
         self.urls, self.cfg = urls, cfg
@@ -314,6 +335,17 @@ class _ShardSource:
         return f"{len(urls)} shard(s) ({urls[0]}{', …' if len(urls) > 1 else ''})"
 
     def read(self, url: str) -> Iterator[Event]:
+        indexed = index_samples(url, file_limit(self.cfg.max_file_mb))
+        if indexed is not None:
+            try:
+                tar = open(url.removeprefix("file://"), "rb")  # noqa: SIM115 - closed below, after the generator
+            except OSError:
+                yield "shard_unreadable"
+                return
+            with tar:
+                for sample in indexed:
+                    yield self._indexed_record(sample, tar.fileno())
+            return
         errors: list[str] = []
         for sample in read_samples(
             url,
@@ -337,6 +369,28 @@ class _ShardSource:
             return skip.reason
         reason = probe_image(image, max_pixels=cfg.max_pixels, min_side=cfg.min_side)
         return reason or (caption, image)
+
+    def _indexed_record(self, sample: dict[str, Any], fd: int) -> Event:
+        """``_record`` of a sample from ``index_samples``: its caption read, its image probed from its head."""
+        cfg = self.cfg
+        member = image_member(sample, cfg.image_keys)
+        if member is None:
+            return "missing_image"
+        text = METADATA_MEMBER if cfg.caption_key.startswith("json:") else cfg.caption_key
+        ref: MemberRef = sample[member]
+        try:
+            caption = _caption({text: sample[text].read(fd=fd)} if text in sample else {}, cfg.caption_key)
+            head = ref.read(_PROBE_HEAD, fd=fd)
+            size = jpeg_size(head)
+            if size is None:
+                head = ref.read(fd=fd) if len(head) < ref.size else head
+        except _Skip as skip:
+            return skip.reason
+        except OSError:
+            return "shard_unreadable"
+        limits = {"max_pixels": cfg.max_pixels, "min_side": cfg.min_side}
+        reason = probe_image(head, **limits) if size is None else _size_reason(size, **limits)
+        return reason or (caption, ref)
 
     def epoch(self, seed: int, epoch: int) -> Iterator[Event]:
         urls = list(self.urls)
@@ -399,6 +453,14 @@ class _ShardSource:
                 yield _mix(seed, _TAG_AUGMENT, usable), record
 
     def materialize(self, payload: Record) -> Record:
+        caption, image = payload
+        if isinstance(image, MemberRef):
+            from openalign.data.transforms import BadImage
+
+            try:
+                return caption, image.read()
+            except OSError as err:
+                raise BadImage("unreadable", f"{image.path}: {err}") from err
         return payload
 
 
@@ -615,8 +677,8 @@ class _Reader:
         guard = torch.random.fork_rng(devices=[]) if self.in_main else contextlib.nullcontext()
         with guard:
             for pos, payload in own:
-                record = p.source.materialize(payload)
                 try:
+                    record = p.source.materialize(payload)
                     pixels.append(self._pixels(record, _mix(p.seed, _TAG_AUGMENT, pos)))
                     captions.append(record[0])
                 except BadImage as err:
@@ -627,8 +689,8 @@ class _Reader:
             refills = iter(pool)
             for i in holes:
                 for pos, payload in refills:
-                    record = p.source.materialize(payload)
                     try:
+                        record = p.source.materialize(payload)
                         pixels[i] = self._pixels(record, _mix(p.seed, _TAG_REFILL, pos))
                         captions[i] = record[0]
                         break
