@@ -539,13 +539,21 @@ class _Plan:
 
     @property
     def piece(self) -> int:
-        """Samples per piece: ``data.piece_size``, at most the per-rank batch."""
-        return min(self.cfg.piece_size, self.cfg.batch_size)
+        return piece_rows(self.cfg)
 
     @property
     def pieces(self) -> int:
-        """Pieces per per-rank batch (the last may be shorter)."""
-        return -(-self.cfg.batch_size // self.piece)
+        return pieces_per_batch(self.cfg)
+
+
+def piece_rows(cfg: DataConfig) -> int:
+    """Samples per piece: ``data.piece_size``, at most the per-rank batch."""
+    return min(cfg.piece_size, cfg.batch_size)
+
+
+def pieces_per_batch(cfg: DataConfig) -> int:
+    """Pieces per per-rank batch (the last may be shorter)."""
+    return -(-cfg.batch_size // piece_rows(cfg))
 
 
 # A piece of a rank's batch: (uint8 pixels [n,3,H,W], input_ids [n,L], attention_mask [n,L], meta).
@@ -738,7 +746,7 @@ def prefetch_pieces(cfg: DataConfig, image_size: int) -> int:
     whole batch (the workers could then never run a batch ahead of the step) or one piece per worker."""
     budget = cfg.prefetch_gb * GB
     batch = batch_bytes(cfg, image_size)
-    piece = batch_bytes(cfg, image_size, min(cfg.piece_size, cfg.batch_size))
+    piece = batch_bytes(cfg, image_size, piece_rows(cfg))
     workers = max(cfg.workers, 1)
     if budget < batch or budget < workers * piece:
         need = max(batch, workers * piece) / GB
@@ -747,8 +755,7 @@ def prefetch_pieces(cfg: DataConfig, image_size: int) -> int:
             f"with {cfg.workers} workers ({need:.2f} GB as uint8); raise data.prefetch_gb to at least "
             f"{math.ceil(need * 10) / 10:g} or lower the batch"
         )
-    pieces_per_batch = -(-cfg.batch_size // min(cfg.piece_size, cfg.batch_size))
-    in_flight = min(int(budget // piece), 2 * pieces_per_batch)
+    in_flight = min(int(budget // piece), 2 * pieces_per_batch(cfg))
     return max(1, in_flight // workers)
 
 
