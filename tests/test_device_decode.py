@@ -176,3 +176,30 @@ def test_a_missing_torchvision_is_one_clear_error(monkeypatch) -> None:
     decoder = DeviceDecoder(16, 20, "cpu")
     with pytest.raises(ImportError, match=r"needs torchvision \(pip install torchvision\)"):
         decoder([torch.frombuffer(bytearray(noise_jpeg(0, 20, 20)), dtype=torch.uint8)], [(0, 0, 16, 16)], [False])
+
+
+def test_resampled_streams_hand_over_the_same_crops(tmp_path: Path, tokenizer) -> None:
+    shards = shards_of(tmp_path / "a.tar", [noise_jpeg(i, 20, 20) for i in range(12)])
+    cpu, cuda = pair(shards, tokenizer, batch_size=4, workers=0, resampled=True)
+    for a, b in zip(take(cpu, 3), take(cuda, 3), strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_training_loop_takes_the_decoded_batches(tmp_path: Path, tokenizer) -> None:
+    from openalign.train.loop import train
+    from test_train_loop import tiny_config
+
+    tokenizer.save(tmp_path / "tok")
+    shards = shards_of(tmp_path / "a.tar", [scene_jpeg(i, 48, 36) for i in range(16)])
+    data = {"shards": shards, "tokenizer": str(tmp_path / "tok"), "workers": 0, "max_text_length": 8}
+    cfg = tiny_config(tmp_path / "run", data={**data, "decode": "cuda"}, train={"steps": 2, "device": "auto"})
+
+    def injected(*args: object, **kw: object) -> TrainStream:
+        stream = build_train_stream(*args, **kw)  # type: ignore[arg-type]
+        image = stream._plan.image
+        stream.decoder = DeviceDecoder(image["image_size"], image["resize"], "cpu", decode=pil_decode)
+        return stream
+
+    result = train(cfg, stream_factory=injected)
+    assert result.step == 2 and result.skipped_steps == 0 and np.isfinite(result.metrics["loss"])

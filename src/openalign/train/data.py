@@ -25,6 +25,13 @@ it to the device as uint8, and the model's input (float, normalised) is made the
 refused when the stream is built. So the host holds at most the budget plus the batch being assembled and the
 one in use, each ``batch × 3 × size²`` bytes (4.1 GB for the paper's 16,384 pairs at 289 px).
 
+GPU decoding. With ``decode: cuda`` a worker decodes nothing it can leave to the GPU: for a JPEG it checks the
+header as above, draws the crop box and flip from the sample's seed exactly as the CPU transform draws them, and
+hands over the encoded bytes with them; the training process decodes each piece on its device
+(``openalign.data.device_decode``) into a batch that is already there. Other images (PNG, CMYK JPEGs, a JPEG
+without its end marker) are decoded by the worker as with ``decode: cpu``, refills included. A JPEG that only the
+device finds broken is counted ``corrupt`` and its row repeats another of its piece.
+
 Bad input. A sample is dropped from the global sequence before it gets an index when it is missing its
 image or its text, its caption is empty or not UTF-8, or its image header shows it is empty, unreadable,
 too large (decompression bombs are caught from the header) or too small; an unreadable shard or member is
