@@ -403,7 +403,8 @@ DECODE_P99_TOLERANCE = 16  # 99th percentile
 
 
 def check_device_decode(device: torch.device, tmp: Path) -> dict[str, float]:
-    """Photo-like JPEGs at img2dataset's sizes (4:2:0, quality 90), crops of 289 from 346, as the paper's."""
+    """Photo-like JPEGs at img2dataset's sizes (4:2:0, quality 90; a few grey or progressive), crops of 289 from
+    346, as the paper's."""
     from openalign.config import from_dict
     from openalign.data.device_decode import DeviceDecoder, pil_decode
     from openalign.data.synthetic import SyntheticWorld
@@ -413,11 +414,16 @@ def check_device_decode(device: torch.device, tmp: Path) -> dict[str, float]:
 
     world = SyntheticWorld(0, 640)
     sizes = [(640, 480), (480, 640), (256, 256), (1024, 768), (300, 200)]
+
+    def jpeg(i: int, scene: Any) -> bytes:
+        image = world.render(scene).resize(sizes[i % 5])
+        # Every seventh grey (decoded to RGB on both sides), every eleventh progressive.
+        return encoded(image.convert("L") if i % 7 == 3 else image, "JPEG", quality=90, progressive=i % 11 == 5)
+
     samples = [
-        {"__key__": f"{i:06d}", "jpg": encoded(world.render(row.scene).resize(sizes[i % 5]), "JPEG", quality=90),
-         "txt": caption(i).encode()}
+        {"__key__": f"{i:06d}", "jpg": jpeg(i, row.scene), "txt": caption(i).encode()}
         for i, row in enumerate(world.iter_rows(40, 0.0))
-    ]  # fmt: skip
+    ]
     write_tar(tmp / "a.tar", samples)
     tokenizer = train_wordpiece([caption(i) for i in range(300)], vocab_size=120, min_frequency=1)
     base = {"shards": str(tmp / "a.tar"), "batch_size": 20, "piece_size": 8, "image_size": 289, "resize": 346}
