@@ -392,6 +392,62 @@ def test_ddp_and_fsdp2_over_nccl_with_one_process(strategy: str, tmp_path: Path)
     check_wrapped_steps(CUDA, strategy, tmp_path / "store")
 
 
+# ------------------------------------------------------------------------------------------ (f) GPU JPEG decoding
+
+# data.decode: cuda against the CPU path (draft mode off), same shards and seed: the same crops and flips, pixels
+# apart only by the decoders (nvJPEG's IDCT and chroma upsampling against libjpeg-turbo's) and by the resize's
+# rounding (PIL's decode on the device's side: 0.1-0.2 levels of 255 on average, tests/test_device_decode.py).
+# A crop one pixel off measures about 4.6 on average, a missed flip about 37.
+DECODE_MEAN_TOLERANCE = 2.0  # mean |difference| in levels of 255
+DECODE_P99_TOLERANCE = 16  # 99th percentile
+
+
+def check_device_decode(device: torch.device, tmp: Path) -> dict[str, float]:
+    """Photo-like JPEGs at img2dataset's sizes (4:2:0, quality 90; a few grey or progressive), crops of 289 from
+    346, as the paper's."""
+    from openalign.config import from_dict
+    from openalign.data.device_decode import DeviceDecoder, pil_decode
+    from openalign.data.synthetic import SyntheticWorld
+    from openalign.text import train_wordpiece
+    from openalign.train.data import DataConfig, build_train_stream
+    from test_device_decode import caption, encoded, take, write_tar
+
+    world = SyntheticWorld(0, 640)
+    sizes = [(640, 480), (480, 640), (256, 256), (1024, 768), (300, 200)]
+
+    def jpeg(i: int, scene: Any) -> bytes:
+        image = world.render(scene).resize(sizes[i % 5])
+        # Every seventh grey (decoded to RGB on both sides), every eleventh progressive.
+        return encoded(image.convert("L") if i % 7 == 3 else image, "JPEG", quality=90, progressive=i % 11 == 5)
+
+    samples = [
+        {"__key__": f"{i:06d}", "jpg": jpeg(i, row.scene), "txt": caption(i).encode()}
+        for i, row in enumerate(world.iter_rows(40, 0.0))
+    ]
+    write_tar(tmp / "a.tar", samples)
+    tokenizer = train_wordpiece([caption(i) for i in range(300)], vocab_size=120, min_frequency=1)
+    base = {"shards": str(tmp / "a.tar"), "batch_size": 20, "piece_size": 8, "image_size": 289, "resize": 346}
+    base |= {"max_text_length": 8, "draft": False, "workers": 0, "shuffle_buffer": 0, "shuffle_shards": False}
+    cpu = build_train_stream(from_dict(DataConfig, base), tokenizer, seed=3)
+    gpu = build_train_stream(from_dict(DataConfig, {**base, "decode": "cuda"}), tokenizer, seed=3)
+    if device.type != "cuda":  # by hand on the CPU: PIL's decode in place of nvJPEG
+        gpu.decoder = DeviceDecoder(289, 346, device, decode=pil_decode)
+    diffs = []
+    for a, b in zip(take(cpu, 2), take(gpu, 2), strict=True):
+        assert b["pixel_values"].device.type == device.type and b["pixel_values"].dtype == torch.uint8
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        diffs.append((a["pixel_values"].float() - b["pixel_values"].float().cpu()).abs().flatten())
+    diff = torch.cat(diffs)
+    mean, p99 = float(diff.mean()), float(torch.quantile(diff[::7], 0.99))
+    assert cpu.stats == gpu.stats == {}
+    assert mean <= DECODE_MEAN_TOLERANCE and p99 <= DECODE_P99_TOLERANCE, (mean, p99, float(diff.max()))
+    return {"mean": mean, "p99": p99, "max": float(diff.max())}
+
+
+def test_gpu_jpeg_decoding_matches_the_cpu_path(tmp_path: Path) -> None:
+    check_device_decode(CUDA, tmp_path)
+
+
 # ------------------------------------------------------------------------------------------ by hand
 
 
@@ -412,6 +468,7 @@ def main(argv: list[str]) -> None:
         "plan": lambda tmp: check_plan(device),
         "ddp": lambda tmp: check_wrapped_steps(device, "ddp", tmp / "store"),
         "fsdp": lambda tmp: check_wrapped_steps(device, "fsdp", tmp / "store"),
+        "decode": lambda tmp: check_device_decode(device, tmp),
     }
     for name, check in checks.items():
         if argv[1:] and name not in argv[1:]:

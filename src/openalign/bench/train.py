@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -54,6 +54,7 @@ class TrainBenchSettings:
     workers: int = 2  # DataLoader workers feeding each contender
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast (GPU)
+    decode: Literal["cpu", "cuda"] = "cpu"  # where our stream decodes JPEGs (data.decode; cuda needs torchvision)
     shard_samples: int = 512  # synthetic pairs written once and cycled through
     # Longer side of the shards' JPEGs, 4:3 (img2dataset writes 256 border-resized, 384–1024 keep-ratio);
     # None: square at 1.25× the pre-crop size.
@@ -71,6 +72,8 @@ class TrainBenchSettings:
             raise ValueError(f"--source-side must be at least 16 pixels, got {self.source_side}")
         if self.warmup < 0 or self.workers < 0:
             raise ValueError("--warmup and --workers must not be negative")
+        if self.decode == "cuda" and self.device != "cuda":
+            raise ValueError("--decode cuda decodes on the GPU: it needs --device cuda")
 
 
 def _model_settings(s: TrainBenchSettings) -> BenchSettings:
@@ -108,7 +111,9 @@ def _stream(
 ) -> TrainStream:
     from openalign.train.data import DataConfig, build_train_stream
 
-    data = DataConfig(shards=shards, batch_size=s.batch_size, workers=workers, max_text_length=cfg.text.max_length)
+    data = DataConfig(
+        shards=shards, batch_size=s.batch_size, workers=workers, max_text_length=cfg.text.max_length, decode=s.decode
+    )
     return build_train_stream(data, tokenizer, seed=0, model_config=cfg)
 
 
@@ -228,6 +233,8 @@ def measure_pipeline(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
     n = 0
     for _ in range(batches):
         n += len(next(loader)["input_ids"])
+    if which == "openalign" and s.decode == "cuda":
+        torch.cuda.synchronize()  # the last batch's decode, queued on the GPU
     return n / (time.perf_counter() - start)
 
 
@@ -313,7 +320,8 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         res["mfu"] = nominal / res["step_s"] / peak if nominal else None
 
     print(
-        f"\nbench train: {s.preset} at {cfg.image_size} px, batch {s.batch_size}, {s.workers} data workers, "
+        f"\nbench train: {s.preset} at {cfg.image_size} px, batch {s.batch_size}, {s.workers} data workers"
+        f"{' (JPEGs decoded on the GPU)' if s.decode == 'cuda' else ''}, "
         f"{s.device}{' bf16' if s.bf16 else ''}, {torch.get_num_threads()} threads"
     )
     if nominal:

@@ -21,6 +21,8 @@ from openalign.data.sources import BadInput
 
 # The paper resizes to 346 before cropping 289; other sizes keep the same ratio.
 RESIZE_RATIO = 346 / 289
+# Downscales by 3× or more first average whole blocks of pixels (PIL's ``reducing_gap``), then resample bicubically.
+REDUCING_GAP = 3.0
 
 Transform = Callable[[Image.Image], torch.Tensor]
 
@@ -197,7 +199,7 @@ def _resize(image: Image.Image, size: int) -> Image.Image:
     if image.size == (size, size):
         return image
     # Square resize, as the paper does (346×346), so the crop sees the whole image whatever its aspect.
-    return image.resize((size, size), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    return image.resize((size, size), Image.Resampling.BICUBIC, reducing_gap=REDUCING_GAP)
 
 
 def train_transform(
@@ -217,14 +219,28 @@ def train_transform(
 
     def apply(image: Image.Image) -> torch.Tensor:
         image = _resize(image, resize)
-        top = int(torch.randint(0, resize - image_size + 1, ()).item())
-        left = int(torch.randint(0, resize - image_size + 1, ()).item())
-        image = image.crop((left, top, left + image_size, top + image_size))
-        if flip and bool(torch.rand(()) < 0.5):
+        box, flipped = random_crop(image_size, resize, flip)
+        image = image.crop(box)
+        if flipped:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_tensor(image, mean, std) if normalize else to_uint8(image)
 
     return apply
+
+
+def random_crop(image_size: int, resize: int, flip: bool = True) -> tuple[tuple[int, int, int, int], bool]:
+    """``train_transform``'s draw: a (left, top, right, bottom) ``image_size`` box in the ``resize``-square image
+    and whether to flip it, from torch's generator (the draws a GPU decode path repeats to get the same crops)."""
+    top = int(torch.randint(0, resize - image_size + 1, ()).item())
+    left = int(torch.randint(0, resize - image_size + 1, ()).item())
+    flipped = flip and bool(torch.rand(()) < 0.5)
+    return (left, top, left + image_size, top + image_size), flipped
+
+
+def center_crop(image_size: int, resize: int) -> tuple[int, int, int, int]:
+    """``eval_transform``'s box: the central ``image_size`` square of the ``resize``-square image."""
+    offset = (resize - image_size) // 2
+    return offset, offset, offset + image_size, offset + image_size
 
 
 def eval_transform(
@@ -236,11 +252,11 @@ def eval_transform(
 ) -> Transform:
     """Resize to ``resize``×``resize`` and take the centre ``image_size`` crop (uint8 with ``normalize=False``)."""
     _check_sizes(image_size, resize)
-    offset = (resize - image_size) // 2
+    box = center_crop(image_size, resize)
 
     def apply(image: Image.Image) -> torch.Tensor:
         image = _resize(image, resize)
-        image = image.crop((offset, offset, offset + image_size, offset + image_size))
+        image = image.crop(box)
         return to_tensor(image, mean, std) if normalize else to_uint8(image)
 
     return apply

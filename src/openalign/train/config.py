@@ -156,6 +156,10 @@ class TrainConfig:
         if e.every and e.source == "karpathy" and not e.karpathy:
             raise ConfigError("eval.karpathy must name a dataset_*.json when eval.source is 'karpathy'")
         self.data.validate()
+        if self.data.decode == "cuda" and t.device == "cpu":
+            raise ConfigError(
+                "data.decode: cuda decodes on the training GPU, but train.device is cpu (use data.decode: cpu)"
+            )
 
     def per_rank_batch(self, world_size: int) -> int:
         """The rows each rank draws per step; checks that the global batch splits evenly."""

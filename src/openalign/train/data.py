@@ -28,6 +28,13 @@ it to the device as uint8, and the model's input (float, normalised) is made the
 refused when the stream is built. So the host holds at most the budget plus the batch being assembled and the
 one in use, each ``batch × 3 × size²`` bytes (4.1 GB for the paper's 16,384 pairs at 289 px).
 
+GPU decoding. With ``decode: cuda`` a worker decodes nothing it can leave to the GPU: for a JPEG it checks the
+header as above, draws the crop box and flip from the sample's seed exactly as the CPU transform draws them, and
+hands over the encoded bytes with them; the training process decodes each piece on its device
+(``openalign.data.device_decode``) into a batch that is already there. Other images (PNG, CMYK JPEGs, a JPEG
+without its end marker) are decoded by the worker as with ``decode: cpu``, refills included. A JPEG that only the
+device finds broken is counted ``corrupt`` and its row repeats another of its piece.
+
 Bad input. A sample is dropped from the global sequence before it gets an index when it is missing its
 image or its text, its caption is empty or not UTF-8, or its image header shows it is empty, unreadable,
 too large (decompression bombs are caught from the header) or too small; an unreadable shard or member is
@@ -76,6 +83,7 @@ from openalign.data.tar_index import MemberRef, index_samples
 from openalign.data.transforms import jpeg_size
 
 if TYPE_CHECKING:
+    from openalign.data.device_decode import DeviceDecoder
     from openalign.text.tokenizer import TextTokenizer
 
 __all__ = ["DataConfig", "SyntheticDataConfig", "TrainSource", "TrainStream", "build_train_stream", "reduce_stats"]
@@ -125,6 +133,9 @@ class DataConfig:
     prefetch_gb: float = 8.0  # host memory for decoded pieces in flight, all workers together; holds ≥ one batch
     pin_memory: bool = False  # assemble batches in page-locked memory for faster host-to-GPU copies
     draft: bool = True  # decode JPEGs ≥ 2× the resize at 1/2, 1/4 or 1/8 scale (PIL draft mode), then resize
+    # cuda: workers read JPEG headers and draw crops; the training process decodes, crops, resizes and flips on its
+    # GPU (torchvision); other formats are decoded by the workers as with cpu (draft mode then applies to those)
+    decode: Literal["cpu", "cuda"] = "cpu"
     seed: int | None = None  # None = the run's seed
     max_pixels: int = 64_000_000  # larger images are skipped from their header (decompression-bomb guard)
     min_side: int = 2  # images with a shorter side are skipped
@@ -156,6 +167,11 @@ class DataConfig:
             raise ConfigError(f"data.pixel_std must be positive, got {list(self.pixel_std)}")
         if not self.image_keys:
             raise ConfigError("data.image_keys must name at least one image extension")
+        if self.decode == "cuda" and self.source != "shards":
+            raise ConfigError(
+                "data.decode: cuda decodes the JPEGs of shards; the synthetic world renders its images "
+                "(use data.decode: cpu)"
+            )
         if self.caption_key.startswith("json:") and not self.caption_key[5:]:
             raise ConfigError("data.caption_key 'json:' needs a field name, e.g. 'json:caption'")
         syn = self.synthetic
@@ -556,8 +572,31 @@ def pieces_per_batch(cfg: DataConfig) -> int:
     return -(-cfg.batch_size // piece_rows(cfg))
 
 
-# A piece of a rank's batch: (uint8 pixels [n,3,H,W], input_ids [n,L], attention_mask [n,L], meta).
-Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]
+# A piece of a rank's batch: (uint8 pixels [n,3,H,W], input_ids [n,L], attention_mask [n,L], meta); with
+# ``decode: cuda`` its pixels are an ``_encode_rows`` dict instead, decoded by the training process.
+Piece = tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]
+# A sample made ready for the device: the encoded JPEG (1-D uint8), its crop box and its flip.
+Encoded = tuple[torch.Tensor, tuple[int, int, int, int], bool]
+
+
+def _encode_rows(rows: list[Any], image_size: int) -> dict[str, torch.Tensor]:
+    """A piece's rows, each an ``Encoded`` sample or uint8 pixels (decoded by the worker), as tensors:
+    ``data`` the encoded bytes end to end, row ``i``'s from ``offsets[i]`` to ``offsets[i + 1]`` (none for a
+    decoded row), ``boxes`` [n, 4], ``flips`` [n], and ``pixels`` [m, 3, S, S] of the decoded ``rows`` [m]."""
+    encoded = [r if isinstance(r, tuple) else None for r in rows]
+    decoded = [i for i, r in enumerate(encoded) if r is None]
+    lengths = [0 if r is None else r[0].numel() for r in encoded]
+    empty = torch.empty(0, dtype=torch.uint8)
+    return {
+        "data": torch.cat([r[0] for r in encoded if r is not None] or [empty]),
+        "offsets": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long),
+        "boxes": torch.tensor([(0, 0, 0, 0) if r is None else r[1] for r in encoded], dtype=torch.long),
+        "flips": torch.tensor([r is not None and r[2] for r in encoded], dtype=torch.bool),
+        "pixels": torch.stack([rows[i] for i in decoded])
+        if decoded
+        else torch.empty((0, 3, image_size, image_size), dtype=torch.uint8),
+        "rows": torch.tensor(decoded, dtype=torch.long),
+    }
 
 
 class _Reader:
@@ -568,7 +607,7 @@ class _Reader:
 
         self.p, self.worker, self.workers, self.in_main = plan, worker, workers, in_main_process
         self.epoch_length = plan.epoch_length
-        random_crop = plan.cfg.crop == "random"
+        random_crop = self.random_crop = plan.cfg.crop == "random"
         image = {**plan.image, "normalize": False}  # uint8 until the device
         self.transform: Callable[[Image.Image], torch.Tensor] = (
             train_transform(**image, flip=plan.cfg.flip) if random_crop else eval_transform(**image)
@@ -631,7 +670,7 @@ class _Reader:
 
         p = self.p
         seed = _mix(p.seed, _TAG_RESAMPLE, p.rank, self.worker, p.start)
-        pixels: list[torch.Tensor] = []
+        pixels: list[torch.Tensor | Encoded] = []
         captions: list[str] = []
         skipped: Counter[str] = Counter()
         in_main = self.in_main
@@ -647,7 +686,7 @@ class _Reader:
             try:
                 with torch.random.fork_rng(devices=[]) if in_main else contextlib.nullcontext():
                     record = p.source.materialize(payload)
-                    pixels.append(self._pixels(record, sample_seed))
+                    pixels.append(self._row(record, sample_seed))
                 captions.append(record[0])
             except BadImage as err:
                 # Nothing to keep exact here: the next sample simply takes the place.
@@ -658,6 +697,27 @@ class _Reader:
                 want = next(sizes)
 
     # ------------------------------------------------------------------ decoding
+
+    def _row(self, record: Record, sample_seed: int) -> torch.Tensor | Encoded:
+        """A sample's uint8 crop, or with ``decode: cuda`` its encoded JPEG with the crop box and flip that the
+        CPU transform would draw from the same seed (the header alone is read, and checked as the CPU path
+        checks it); an image the GPU decoder would not take is decoded here as with ``decode: cpu``."""
+        from openalign.data.device_decode import device_decodable
+        from openalign.data.transforms import center_crop, open_image, random_crop
+
+        image, cfg, opts = record[1], self.p.cfg, self.p.image
+        if cfg.decode == "cuda" and isinstance(image, bytes | bytearray):
+            data = bytes(image)
+            header = open_image(data, max_pixels=cfg.max_pixels, min_side=cfg.min_side)
+            if device_decodable(data, header):
+                size, resize = opts["image_size"], opts["resize"]
+                torch.default_generator.manual_seed(sample_seed)
+                if self.random_crop:
+                    box, flip = random_crop(size, resize, cfg.flip)
+                else:
+                    box, flip = center_crop(size, resize), False
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip
+        return self._pixels(record, sample_seed)
 
     def _pixels(self, record: Record, sample_seed: int) -> torch.Tensor:
         from openalign.data.transforms import decode_image
@@ -679,7 +739,7 @@ class _Reader:
 
         p = self.p
         skipped = Counter(skipped)
-        pixels: list[torch.Tensor | None] = []
+        pixels: list[torch.Tensor | Encoded | None] = []
         captions: list[str | None] = []
         # Seeding torch's generator per sample must not disturb the training process's own draws.
         guard = torch.random.fork_rng(devices=[]) if self.in_main else contextlib.nullcontext()
@@ -687,7 +747,7 @@ class _Reader:
             for pos, payload in own:
                 try:
                     record = p.source.materialize(payload)
-                    pixels.append(self._pixels(record, _mix(p.seed, _TAG_AUGMENT, pos)))
+                    pixels.append(self._row(record, _mix(p.seed, _TAG_AUGMENT, pos)))
                     captions.append(record[0])
                 except BadImage as err:
                     skipped[err.reason] += 1
@@ -699,7 +759,7 @@ class _Reader:
                 for pos, payload in refills:
                     try:
                         record = p.source.materialize(payload)
-                        pixels[i] = self._pixels(record, _mix(p.seed, _TAG_REFILL, pos))
+                        pixels[i] = self._row(record, _mix(p.seed, _TAG_REFILL, pos))
                         captions[i] = record[0]
                         break
                     except BadImage:
@@ -715,6 +775,9 @@ class _Reader:
     def _assemble(self, pixels: list[Any], captions: list[Any], skipped: Counter[str]) -> Piece:
         tokens = self.p.tokenizer(captions, max_length=self.p.cfg.max_text_length)
         meta = {"skipped": dict(skipped), "epoch_length": self.epoch_length}
+        if self.p.cfg.decode == "cuda":
+            rows = _encode_rows(pixels, self.p.image["image_size"])
+            return rows, tokens["input_ids"], tokens["attention_mask"], meta
         return torch.stack(pixels), tokens["input_ids"], tokens["attention_mask"], meta
 
 
@@ -766,10 +829,15 @@ class TrainStream:
     ``state_dict()`` holds the position (samples consumed globally), the skip counts of this rank and the
     epoch length once known; ``load_state_dict`` before iterating resumes there, on any world size. Each
     ``iter()`` starts DataLoader workers at the current position.
+
+    With ``decode: cuda`` the batches' pixel values are made on ``decoder``'s device, piece by piece as the pieces
+    come (``DeviceDecoder`` on the current CUDA device unless one is set before iterating). A JPEG that its header
+    passed but no decoder reads is counted as ``corrupt`` and its row repeats another of its piece.
     """
 
     def __init__(self, plan: _Plan):
         self._plan = plan
+        self.decoder: DeviceDecoder | None = None
         self.position = plan.start
         self.stats: Counter[str] = Counter()
         self._epoch_length: int | None = None
@@ -813,16 +881,23 @@ class TrainStream:
             )
         size = plan.image["image_size"]
         pin = cfg.pin_memory and torch.cuda.is_available()
+        decoder = self._decoder() if cfg.decode == "cuda" else None
         pieces = iter(pieces)
         while True:
             # Filled piece by piece: the batch exists once, in the memory the host-to-device copy reads.
-            pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, pin_memory=pin)
+            if decoder is None:
+                pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, pin_memory=pin)
+            else:
+                pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, device=decoder.device)
             tokens = torch.empty((2, cfg.batch_size, cfg.max_text_length), dtype=torch.long, pin_memory=pin)
             row = 0
             while row < cfg.batch_size:
                 piece_pixels, input_ids, attention_mask, meta = next(pieces)
-                n = piece_pixels.shape[0]
-                pixels[row : row + n] = piece_pixels
+                n = input_ids.shape[0]
+                if isinstance(piece_pixels, dict):
+                    self._decode(decoder, piece_pixels, pixels[row : row + n])
+                else:
+                    pixels[row : row + n] = piece_pixels
                 tokens[0, row : row + n] = input_ids
                 tokens[1, row : row + n] = attention_mask
                 row += n
@@ -832,6 +907,45 @@ class TrainStream:
                 del piece_pixels, input_ids, attention_mask
             self.position += self.global_batch_size
             yield {"pixel_values": pixels, "input_ids": tokens[0], "attention_mask": tokens[1]}
+
+    def _decoder(self) -> DeviceDecoder:
+        if self.decoder is None:
+            from openalign.data.device_decode import DeviceDecoder
+
+            if not torch.cuda.is_available():
+                raise ConfigError("data.decode: cuda needs a CUDA device (use data.decode: cpu)")
+            image = self._plan.image
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.decoder = DeviceDecoder(image["image_size"], image["resize"], device)
+        return self.decoder
+
+    def _decode(self, decoder: DeviceDecoder | None, piece: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """A ``decode: cuda`` piece's pixels into ``out`` (its rows of the batch, on the decoder's device)."""
+        if decoder is None:
+            raise ValueError("a piece of encoded images reached a stream that decodes on the CPU")
+        decoded = piece["rows"].tolist()
+        if decoded:  # the rows a worker decoded (not JPEG, or not one the GPU decoder takes)
+            out[piece["rows"].to(out.device)] = piece["pixels"].to(out.device, non_blocking=True)
+        skip = set(decoded)
+        encoded = [i for i in range(out.shape[0]) if i not in skip]
+        offsets, data = piece["offsets"].tolist(), piece["data"]
+        boxes, flips = piece["boxes"].tolist(), piece["flips"].tolist()
+        _, failed = decoder(
+            [data[offsets[i] : offsets[i + 1]] for i in encoded],
+            [boxes[i] for i in encoded],
+            [flips[i] for i in encoded],
+            out=out,
+            rows=encoded,
+        )
+        if not failed:
+            return
+        bad = {encoded[i] for i in failed}
+        good = [i for i in range(out.shape[0]) if i not in bad]
+        if not good:
+            raise ValueError(f"no decodable image in a whole piece of {self._plan.source.describe()}")
+        for n, i in enumerate(sorted(bad)):
+            out[i] = out[good[n % len(good)]]
+        self.stats["corrupt"] += len(bad)
 
     def state_dict(self) -> dict[str, Any]:
         return {
