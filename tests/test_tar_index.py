@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from openalign.data.shards import read_samples, write_shards
-from openalign.data.tar_index import MemberRef, index_samples
+from openalign.data.tar_index import MemberRef, TarWindow, index_samples
 
 LIMIT = 1 << 20
 
@@ -193,6 +193,8 @@ def test_member_refs_read_heads_and_report_a_changed_file_by_a_short_read(plain:
     assert len(whole) == ref.size and whole[:2] == b"\xff\xd8"
     assert ref.read(16) == whole[:16]
     with open(plain, "rb") as f:
-        assert ref.read(fd=f.fileno()) == whole
+        window = TarWindow(f.fileno())
+        assert window.read(ref, 16) == whole[:16] and window.read(ref) == whole
+        assert [window.read(s["txt"]) for s in indexed] == [f"caption {i}".encode() for i in range(5)]
     plain.write_bytes(plain.read_bytes()[: ref.offset + 10])
     assert ref.read() == whole[:10]

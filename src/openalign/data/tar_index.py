@@ -40,16 +40,33 @@ class MemberRef:
     offset: int
     size: int
 
-    def read(self, limit: int | None = None, *, fd: int | None = None) -> bytes:
+    def read(self, limit: int | None = None) -> bytes:
         """The member's bytes, or its first ``limit`` of them; fewer when the file has changed since it was
-        indexed (the caller's decoder then finds the data broken). ``fd``: the tar, already open."""
+        indexed (the caller's decoder then finds the data broken)."""
         n = self.size if limit is None else min(limit, self.size)
         if n == 0:
             return b""
-        if fd is not None:
-            return os.pread(fd, n, self.offset)
         with open(self.path, "rb") as f:
             return os.pread(f.fileno(), n, self.offset)
+
+
+class TarWindow:
+    """Reads members of one open tar, in file order, through a window of the file: the captions and image
+    heads of a run of small samples then come from one read."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer, self.start = fd, b"", 0
+
+    def read(self, ref: MemberRef, limit: int | None = None) -> bytes:
+        """``ref.read(limit)``, from the window when it holds those bytes."""
+        n = ref.size if limit is None else min(limit, ref.size)
+        at = ref.offset - self.start
+        if 0 <= at and at + n <= len(self.buffer):
+            return self.buffer[at : at + n]
+        if n >= _READ_AHEAD:
+            return os.pread(self.fd, n, ref.offset)
+        self.buffer, self.start = os.pread(self.fd, _READ_AHEAD, ref.offset), ref.offset
+        return self.buffer[:n]
 
 
 def _octal(field: bytes) -> int | None:
@@ -63,10 +80,11 @@ def _octal(field: bytes) -> int | None:
 
 
 def _checksum_ok(header: bytes) -> bool:
-    stored = _octal(header[148:156])
+    field = header[148:156]
+    stored = _octal(field)
     if stored is None:
         return False
-    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    unsigned = sum(header) - sum(field) + 8 * 32  # the checksum field counts as eight spaces
     if stored == unsigned:
         return True
     # tarfile accepts the signed sum too (some old writers computed it so).
@@ -88,7 +106,9 @@ def _members(path: str, max_member_bytes: int) -> Iterator[tuple[str, int, int]]
                 if offset + _BLOCK > end:
                     return None  # no end-of-archive marker
                 if not start <= offset <= start + len(buffer) - _BLOCK:
-                    buffer, start = os.pread(f.fileno(), _READ_AHEAD, offset), offset
+                    # A jump over a large member reads a small window: what follows it may be large too.
+                    ahead = _READ_AHEAD if offset - start - len(buffer) < _READ_AHEAD else 4 * _BLOCK
+                    buffer, start = os.pread(f.fileno(), ahead, offset), offset
                     if len(buffer) < _BLOCK:
                         return None
                 header = buffer[offset - start : offset - start + _BLOCK]

@@ -79,7 +79,7 @@ from openalign.data.sources import (
     is_remote,
     read_samples,
 )
-from openalign.data.tar_index import MemberRef, index_samples
+from openalign.data.tar_index import MemberRef, TarWindow, index_samples
 from openalign.data.transforms import jpeg_size
 
 if TYPE_CHECKING:
@@ -359,8 +359,9 @@ class _ShardSource:
                 yield "shard_unreadable"
                 return
             with tar:
+                window = TarWindow(tar.fileno())
                 for sample in indexed:
-                    yield self._indexed_record(sample, tar.fileno())
+                    yield self._indexed_record(sample, window)
             return
         errors: list[str] = []
         for sample in read_samples(
@@ -386,7 +387,7 @@ class _ShardSource:
         reason = probe_image(image, max_pixels=cfg.max_pixels, min_side=cfg.min_side)
         return reason or (caption, image)
 
-    def _indexed_record(self, sample: dict[str, Any], fd: int) -> Event:
+    def _indexed_record(self, sample: dict[str, Any], tar: TarWindow) -> Event:
         """``_record`` of a sample from ``index_samples``: its caption read, its image probed from its head."""
         cfg = self.cfg
         member = image_member(sample, cfg.image_keys)
@@ -395,11 +396,11 @@ class _ShardSource:
         text = METADATA_MEMBER if cfg.caption_key.startswith("json:") else cfg.caption_key
         ref: MemberRef = sample[member]
         try:
-            caption = _caption({text: sample[text].read(fd=fd)} if text in sample else {}, cfg.caption_key)
-            head = ref.read(_PROBE_HEAD, fd=fd)
+            caption = _caption({text: tar.read(sample[text])} if text in sample else {}, cfg.caption_key)
+            head = tar.read(ref, _PROBE_HEAD)
             size = jpeg_size(head)
             if size is None:
-                head = ref.read(fd=fd) if len(head) < ref.size else head
+                head = tar.read(ref) if len(head) < ref.size else head
         except _Skip as skip:
             return skip.reason
         except OSError:
