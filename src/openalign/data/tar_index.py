@@ -61,7 +61,7 @@ class TarWindow:
         """``ref.read(limit)``, from the window when it holds those bytes."""
         n = ref.size if limit is None else min(limit, ref.size)
         at = ref.offset - self.start
-        if 0 <= at and at + n <= len(self.buffer):
+        if at >= 0 and at + n <= len(self.buffer):
             return self.buffer[at : at + n]
         if n >= _READ_AHEAD:
             return os.pread(self.fd, n, ref.offset)
