@@ -242,10 +242,19 @@ def _webdataset_loader(
     s: TrainBenchSettings, shards: str, tokenizer: TextTokenizer, cfg: ModelConfig, workers: int
 ) -> Any:
     import webdataset as wds
+    from PIL import Image
 
-    from openalign.data.transforms import train_transform
+    from openalign.data.transforms import random_crop, to_tensor
 
-    transform = train_transform(cfg.image_size, model_resize(cfg.image_size), cfg.pixel_mean, cfg.pixel_std, flip=True)
+    resize = model_resize(cfg.image_size)
+
+    def transform(image: Image.Image) -> torch.Tensor:
+        # The usual PIL recipe: resize the whole image, then crop and flip (ours resamples only the crop).
+        box, flipped = random_crop(cfg.image_size, resize)
+        image = image.resize((resize, resize), Image.Resampling.BICUBIC, reducing_gap=3.0).crop(box)
+        if flipped:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return to_tensor(image, cfg.pixel_mean, cfg.pixel_std)
 
     def collate(samples: list[tuple[Any, str]]) -> dict[str, torch.Tensor]:
         tokens = tokenizer([caption for _, caption in samples], max_length=cfg.text.max_length)

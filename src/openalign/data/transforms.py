@@ -202,6 +202,18 @@ def _resize(image: Image.Image, size: int) -> Image.Image:
     return image.resize((size, size), Image.Resampling.BICUBIC, reducing_gap=REDUCING_GAP)
 
 
+def _resized_crop(image: Image.Image, size: int, box: tuple[int, int, int, int]) -> Image.Image:
+    """``_resize(image, size).crop(box)``, resampling only the source region under ``box``: the same filter on
+    the same pixels, a third less work. PIL may then run its two passes in the other order, so a few pixels
+    differ by the rounding between them."""
+    if image.size == (size, size):
+        return image.crop(box)
+    sx, sy = image.width / size, image.height / size
+    region = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    target = (box[2] - box[0], box[3] - box[1])
+    return image.resize(target, Image.Resampling.BICUBIC, box=region, reducing_gap=REDUCING_GAP)
+
+
 def train_transform(
     image_size: int = 289,
     resize: int = 346,
@@ -218,9 +230,8 @@ def train_transform(
     _check_sizes(image_size, resize)
 
     def apply(image: Image.Image) -> torch.Tensor:
-        image = _resize(image, resize)
         box, flipped = random_crop(image_size, resize, flip)
-        image = image.crop(box)
+        image = _resized_crop(image, resize, box)
         if flipped:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_tensor(image, mean, std) if normalize else to_uint8(image)
