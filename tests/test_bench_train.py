@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -29,13 +30,15 @@ def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pyt
 def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:
     from openalign.bench.model import bench_config
     from openalign.bench.recipe import recipe_config
-    from openalign.bench.train import TrainBenchSettings, _model_settings
+    from openalign.bench.train import TrainBenchSettings, _model_settings, model_cfg
 
-    s = TrainBenchSettings(preset="nano", image_size=32, batch_size=8, recipe=True)
+    s = TrainBenchSettings(preset="nano", image_size=32, batch_size=8, recipe=True, virtual_batch_size=4)
     cfg = recipe_config(s, "a.tar", "tok", str(tmp_path))
     # The loop resolves its model with the tokenizer's size and cuts captions at data.max_text_length.
-    assert cfg.model.resolve(vocab_size=100) == bench_config(_model_settings(s))
-    assert cfg.data.max_text_length == bench_config(_model_settings(s)).text.max_length
+    model = cfg.model.resolve(vocab_size=100)
+    assert model == model_cfg(s) and model.image.batch_norm == "virtual" and model.image.virtual_batch_size == 4
+    assert model_cfg(dataclasses.replace(s, virtual_batch_size=None)) == bench_config(_model_settings(s))
+    assert cfg.data.max_text_length == model.text.max_length
     assert cfg.train.batch_size == 8 and cfg.train.steps == s.warmup + s.steps + 1
 
 

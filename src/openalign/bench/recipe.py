@@ -44,12 +44,11 @@ class TimedStream:
 
 def recipe_config(s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_dir: str) -> TrainConfig:
     """The training run the recipe mode times: the bare step's model and batch, the paper's loop settings."""
-    from openalign.bench.model import bench_config
-    from openalign.bench.train import _model_settings
+    from openalign.bench.train import model_cfg
     from openalign.config import to_dict
     from openalign.train.config import load_train_config
 
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     overrides: dict[str, Any] = {
         "model.preset": s.preset,
         "data.source": "shards",
@@ -81,13 +80,13 @@ def recipe_config(s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_di
 def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
     """The real loop's step (median of the timed steps, as the bare step's), its data wait, pairs/s and peak
     memory, measured in the calling process."""
-    from openalign.bench.model import bench_config, peak_memory_mb
-    from openalign.bench.train import _model_settings, _stream
+    from openalign.bench.model import peak_memory_mb
+    from openalign.bench.train import _stream, model_cfg
     from openalign.text import load_tokenizer
     from openalign.train.loop import train
 
     device = torch.device(s.device)
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     timed: list[TimedStream] = []
 

@@ -47,6 +47,8 @@ class TrainBenchSettings:
 
     preset: str = "nano"  # model preset
     image_size: int | None = None  # square crop size (default: the preset's)
+    # Ghost batch norm: groups of this many samples in our image tower, bare step and loop alike (the recipes' 16).
+    virtual_batch_size: int | None = None
     batch_size: int = 256  # pairs per step (the nano_cpu recipe's batch)
     steps: int = 5  # timed steps per round
     warmup: int = 2  # untimed steps per round
@@ -74,12 +76,24 @@ class TrainBenchSettings:
             raise ValueError(f"--source-side must be at least 16 pixels, got {self.source_side}")
         if self.warmup < 0 or self.workers < 0:
             raise ValueError("--warmup and --workers must not be negative")
+        if self.virtual_batch_size is not None and self.virtual_batch_size < 1:
+            raise ValueError(f"--virtual-batch-size must be at least 1, got {self.virtual_batch_size}")
         if self.grad_clip is not None and not 0 < self.grad_clip < float("inf"):
             raise ValueError(f"--grad-clip must be positive and finite, got {self.grad_clip}")
 
 
 def _model_settings(s: TrainBenchSettings) -> BenchSettings:
     return BenchSettings(preset=s.preset, image_size=s.image_size, batch_size=s.batch_size, device=s.device)
+
+
+def model_cfg(s: TrainBenchSettings) -> ModelConfig:
+    """Our model's config: ``bench model``'s for the preset, with ghost batch norm when asked for."""
+    from openalign.config import model_config
+
+    cfg: ModelConfig = bench_config(_model_settings(s))
+    if s.virtual_batch_size is None:
+        return cfg
+    return model_config(cfg, image={"batch_norm": "virtual", "virtual_batch_size": s.virtual_batch_size})
 
 
 def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
@@ -89,7 +103,7 @@ def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
     from openalign.data.synthetic import SyntheticWorld
     from openalign.text import train_wordpiece
 
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     side = s.source_side or max(16, round(1.25 * model_resize(cfg.image_size)))
     size = (side, side * 3 // 4) if s.source_side else (side, side)
     world = SyntheticWorld(0, side)
@@ -161,7 +175,7 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
 
     torch.manual_seed(0)
     device = torch.device(s.device)
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     _, forward, loss_fn, optimizer = _build(which, cfg, device)
     train_stream = _stream(s, shards, tokenizer, cfg, s.workers)
@@ -226,7 +240,7 @@ def measure_pipeline(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
     """Decoded + augmented + tokenised samples per second through ``workers`` processes (0: in-process)."""
     from openalign.text import load_tokenizer
 
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     batches = max(2, -(-s.pipeline_samples // s.batch_size))
     if which == "openalign":
@@ -298,7 +312,7 @@ def _in_subprocess(fn_name: str, *args: Any) -> Any:
 def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
     """Run both benchmarks, print the tables and the ratios, and return every figure."""
     s.validate()
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     contenders = (["openalign", "transformers"] if s.baseline else ["openalign"]) if s.training else []
     if s.training and s.recipe:
         contenders.insert(1, "recipe")
