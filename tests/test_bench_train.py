@@ -13,7 +13,7 @@ from openalign.cli import main
 
 def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    argv = ["bench", "train", "--preset", "nano", "--image-size", "32", "--batch-size", "8", "--steps", "2",
+    argv = ["bench", "train", "--preset", "nano", "--image-size", "32", "--batch-size", "8", "--steps", "1",
             "--warmup", "1", "--rounds", "1", "--workers", "0", "--shard-samples", "16", "--pipeline-samples", "8",
             "--no-baseline", "--recipe", "--grad-clip", "1.0", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
