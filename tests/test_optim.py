@@ -93,6 +93,46 @@ def test_lamb_three_steps_match_hand_computation(bias_correction):
     assert opt.state[w]["step"] == 3
 
 
+def test_lamb_on_a_model_matches_the_per_parameter_reference_over_steps():
+    """The bucketed foreach update, over many tensors of several shapes with the paper's exclusions (biases,
+    norms and a declared parameter: no decay, no trust), equals the per-parameter algorithm step by step."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3)
+            self.bn = nn.BatchNorm2d(8)
+            self.fc = nn.Linear(8, 5)
+            self.ln = nn.LayerNorm(5)
+            self.emb = nn.Embedding(7, 5)
+            self.scale = nn.Parameter(torch.tensor(0.7))
+
+        def no_weight_decay(self) -> set[str]:
+            return {"scale"}
+
+    torch.manual_seed(0)
+    net = Net()
+    lr, betas, eps, wd = 0.01, (0.9, 0.999), 1e-6, 0.05
+    groups = param_groups(net, wd)
+    opt = Lamb(groups, lr=lr, betas=betas, eps=eps)
+    hands = {
+        p: HandLamb(p.detach().double(), lr, *betas, eps, g["weight_decay"], trust=g["trust_ratio"])
+        for g in groups
+        for p in g["params"]
+    }
+    excluded = {p for g in groups if not g["trust_ratio"] for p in g["params"]}
+    assert net.fc.bias in excluded and net.bn.weight in excluded and net.ln.weight in excluded
+    assert net.scale in excluded and net.fc.weight not in excluded and net.emb.weight not in excluded
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        for p, hand in hands.items():
+            p.grad = torch.randn(p.shape, generator=gen) * (0.1 + step)
+            hand.step(p.grad.double())
+        opt.step()
+        for p, hand in hands.items():
+            torch.testing.assert_close(p.detach().double(), hand.w, rtol=1e-6, atol=1e-7)
+
+
 def test_lamb_excluded_group_is_adam_and_decayed_untrusted_group_is_adamw():
     gen = torch.Generator().manual_seed(3)
     init = torch.randn(5, 3, generator=gen, dtype=torch.float64)

@@ -47,6 +47,8 @@ class TrainBenchSettings:
 
     preset: str = "nano"  # model preset
     image_size: int | None = None  # square crop size (default: the preset's)
+    # Ghost batch norm: groups of this many samples in our image tower, bare step and loop alike (the recipes' 16).
+    virtual_batch_size: int | None = None
     batch_size: int = 256  # pairs per step (the nano_cpu recipe's batch)
     steps: int = 5  # timed steps per round
     warmup: int = 2  # untimed steps per round
@@ -62,6 +64,9 @@ class TrainBenchSettings:
     pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
     baseline: bool = True  # also run the transformers loop and webdataset (--no-baseline: only ours)
     training: bool = True  # time the training steps (false: only the input pipeline)
+    # Also time the real loop (`openalign train`: guard, schedule, logging) on the same model, batch and shards.
+    recipe: bool = False
+    grad_clip: float | None = None  # --recipe: the loop clips the gradient norm to this (None: no clipping, the paper)
     json_path: str | None = None  # also write the results to this JSON file
 
     def validate(self) -> None:
@@ -74,10 +79,24 @@ class TrainBenchSettings:
             raise ValueError("--warmup and --workers must not be negative")
         if self.decode == "cuda" and self.device != "cuda":
             raise ValueError("--decode cuda decodes on the GPU: it needs --device cuda")
+        if self.virtual_batch_size is not None and self.virtual_batch_size < 1:
+            raise ValueError(f"--virtual-batch-size must be at least 1, got {self.virtual_batch_size}")
+        if self.grad_clip is not None and not 0 < self.grad_clip < float("inf"):
+            raise ValueError(f"--grad-clip must be positive and finite, got {self.grad_clip}")
 
 
 def _model_settings(s: TrainBenchSettings) -> BenchSettings:
     return BenchSettings(preset=s.preset, image_size=s.image_size, batch_size=s.batch_size, device=s.device)
+
+
+def model_cfg(s: TrainBenchSettings) -> ModelConfig:
+    """Our model's config: ``bench model``'s for the preset, with ghost batch norm when asked for."""
+    from openalign.config import model_config
+
+    cfg: ModelConfig = bench_config(_model_settings(s))
+    if s.virtual_batch_size is None:
+        return cfg
+    return model_config(cfg, image={"batch_norm": "virtual", "virtual_batch_size": s.virtual_batch_size})
 
 
 def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
@@ -87,7 +106,7 @@ def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
     from openalign.data.synthetic import SyntheticWorld
     from openalign.text import train_wordpiece
 
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     side = s.source_side or max(16, round(1.25 * model_resize(cfg.image_size)))
     size = (side, side * 3 // 4) if s.source_side else (side, side)
     world = SyntheticWorld(0, side)
@@ -161,7 +180,7 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
 
     torch.manual_seed(0)
     device = torch.device(s.device)
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     _, forward, loss_fn, optimizer = _build(which, cfg, device)
     train_stream = _stream(s, shards, tokenizer, cfg, s.workers)
@@ -215,11 +234,18 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
     }
 
 
+def measure_recipe(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
+    """The real training loop's step on the bare step's model, batch and shards (``openalign.bench.recipe``)."""
+    from openalign.bench.recipe import measure_loop
+
+    return measure_loop(s, shards, tokenizer_dir)
+
+
 def measure_pipeline(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str, workers: int) -> float:
     """Decoded + augmented + tokenised samples per second through ``workers`` processes (0: in-process)."""
     from openalign.text import load_tokenizer
 
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     batches = max(2, -(-s.pipeline_samples // s.batch_size))
     if which == "openalign":
@@ -302,15 +328,18 @@ def _in_subprocess(fn_name: str, *args: Any) -> Any:
 def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
     """Run both benchmarks, print the tables and the ratios, and return every figure."""
     s.validate()
-    cfg = bench_config(_model_settings(s))
+    cfg = model_cfg(s)
     contenders = (["openalign", "transformers"] if s.baseline else ["openalign"]) if s.training else []
+    if s.training and s.recipe:
+        contenders.insert(1, "recipe")
     with tempfile.TemporaryDirectory(prefix="openalign-bench-train-") as tmp:
         print(f"writing {s.shard_samples} synthetic pairs as shards …", flush=True)
         shards, tok = prepare_data(s, Path(tmp))
         best: dict[str, dict[str, Any]] = {}
         for r in range(s.rounds):
             for which in contenders if r % 2 == 0 else contenders[::-1]:
-                res = _in_subprocess("measure_training", which, s, shards, str(tok))
+                measure = "measure_recipe" if which == "recipe" else "measure_training"
+                res = _in_subprocess(measure, which, s, shards, str(tok))
                 print(f"  round {r + 1} {which:>12}: {res['pairs_per_s']:.2f} pairs/s", flush=True)
                 if which not in best or res["step_s"] < best[which]["step_s"]:
                     best[which] = res
@@ -340,6 +369,8 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
     if contenders:
         print(f"{'loop':>12} {'pairs/s':>8} {'step s':>7} {header} {'peak MB':>8} {'MFU':>6}")
     for which in contenders:
+        if which == "recipe":
+            continue
         res = best[which]
         parts = " ".join(f"{res['parts_s'][p]:11.3f}" for p in PARTS)
         mfu = f"{100 * res['mfu']:5.1f}%" if res["mfu"] is not None else "     -"
@@ -355,6 +386,14 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         ratio = best["openalign"]["pairs_per_s"] / best["transformers"]["pairs_per_s"]
         summary["speedup"] = ratio
         print(f"openalign / transformers pairs/s: {ratio:.2f}x")
+    if "recipe" in best:
+        loop, bare = best["recipe"], best["openalign"]
+        summary["recipe_ratio"] = loop["pairs_per_s"] / bare["pairs_per_s"]
+        print(
+            f"loop (recipe) {loop['pairs_per_s']:.2f} pairs/s vs bare step {bare['pairs_per_s']:.2f} -> "
+            f"{summary['recipe_ratio']:.2f}x; step {loop['step_s']:.3f} s of which data wait "
+            f"{loop['parts_s']['data']:.3f} s (bare step {bare['step_s']:.3f} s, data {bare['parts_s']['data']:.3f} s)"
+        )
     print("\ninput pipeline (decode + resize + crop + flip + tokenise), samples/s:")
     print(f"{'pipeline':>12} {'1 process':>10} {f'{s.workers} workers':>10} {'per worker':>11}")
     for which, fig in pipeline.items():

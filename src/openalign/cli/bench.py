@@ -47,8 +47,10 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "our training step (dual encoder, contrastive loss, LAMB, our input stream) and of a plain loop over "
         "transformers' AlignModel (its own loss, torch AdamW) on the same batches of the same synthetic shards, "
         "in one run; then the input pipeline alone (samples/s in one process and per worker) against "
-        "webdataset's pipeline.",
+        "webdataset's pipeline. With --recipe, the real loop of `openalign train` (guard, schedule, logging) on the "
+        "same model, batch and shards too, its pairs/s beside the bare step's.",
         ("openalign bench train", "openalign bench train --preset nano --batch-size 128 --steps 8",
+         "openalign bench train --preset nano --batch-size 64 --recipe --virtual-batch-size 16 --no-baseline",
          "openalign bench train --preset b0-tiny --device cuda --bf16 --batch-size 256 --workers 8"),
         (JSON,),
     ),

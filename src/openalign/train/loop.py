@@ -372,6 +372,10 @@ class _Run:
         # Pixels travel as uint8 and become the model's input on the device, chunk by chunk.
         self.pixels = getattr(self.stream, "pixels", None)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        # A bad batch would leave NaN in batch-norm running statistics even though the step is skipped: each
+        # step copies the buffers into this space, allocated once, and a skipped step copies them back.
+        buffers = list(self.model.buffers())
+        saved_buffers = [b.detach().clone() for b in buffers]
         metrics: dict[str, float] = {}
         batches = iter(self.stream)
         tick, tick_step = time.perf_counter(), self.step
@@ -380,15 +384,16 @@ class _Run:
             batch = {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()}
             if not small_data_warned and info.is_main:
                 small_data_warned = self._warn_small_epoch()
-            # A bad batch would leave NaN in batch-norm running statistics even though the step is skipped.
-            saved_buffers = [(b, b.clone()) for b in self.model.buffers()]
+            if buffers:
+                torch._foreach_copy_(saved_buffers, buffers)
             loss = self._forward_backward(batch, loss_fn)
             if self.fsdp:
                 average_replicated_grads(replicated_params(self.model))
             norm = grad_norm(params)
-            loss_value, finite, checkpoint_due = self._reduce(loss, norm)
+            # The step's one host sync: the guard's decision and what a log record reads, together.
+            loss_value, finite, checkpoint_due, norm_value, temperature = self._reduce(loss, norm)
             if not finite:
-                self._skip_step(saved_buffers, guard)
+                self._skip_step(buffers, saved_buffers, guard)
                 continue
             guard(True, self.step)
             if t.grad_clip is not None:
@@ -403,9 +408,9 @@ class _Run:
                 now = time.perf_counter()
                 metrics = {
                     "loss": loss_value,
-                    "temperature": float(self.model.temperature.detach().float().mean()),
+                    "temperature": temperature,  # the one this step's loss used
                     "lr": lr,
-                    "grad_norm": float(norm),
+                    "grad_norm": norm_value,
                     "pairs_per_s": self.global_batch * (self.step - tick_step) / max(now - tick, 1e-9),
                     "skipped_steps": self.skipped_steps,
                     "samples_seen": (self.step + self.skipped_steps) * self.global_batch,
@@ -433,10 +438,12 @@ class _Run:
         )
         return True
 
-    def _skip_step(self, saved_buffers: list[tuple[torch.Tensor, torch.Tensor]], guard: Callable[..., int]) -> None:
+    def _skip_step(
+        self, buffers: list[torch.Tensor], saved_buffers: list[torch.Tensor], guard: Callable[..., int]
+    ) -> None:
         """Undo a non-finite step: no update, batch-norm statistics back, gradients dropped; maybe abort."""
-        for buffer, value in saved_buffers:
-            buffer.copy_(value)
+        if buffers:
+            torch._foreach_copy_(buffers, saved_buffers)
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         try:
@@ -474,26 +481,33 @@ class _Run:
                 pixels=self.pixels,
             )
 
-    def _reduce(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool]:
-        """(global loss, every rank finite, rank 0's clock says checkpoint) in one collective, one sync."""
+    def _reduce(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float, float]:
+        """(global loss, every rank finite, rank 0's clock says checkpoint, gradient norm, temperature) in one
+        collective, one sync. The norm is global and the temperature replicated already: every rank adds the same."""
         t = self.cfg.train
         due = (
             self.info.is_main
             and t.checkpoint_minutes > 0
             and time.monotonic() - self.last_checkpoint_time >= 60 * t.checkpoint_minutes
         )
-        finite = torch.isfinite(loss.float()) & torch.isfinite(norm.float())
+        loss, norm = loss.float(), norm.float().to(loss.device)
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        zero = torch.zeros_like(loss)
+        temperature = self.model.temperature.detach().float().mean().to(loss.device)
         packed = torch.stack(
             [
-                torch.where(finite, loss.float(), torch.zeros_like(loss.float())),
+                torch.where(finite, loss, zero),
                 (~finite).float(),
-                torch.tensor(float(due), device=loss.device),
+                torch.full_like(loss, float(due)),
+                torch.where(finite, norm, zero),
+                temperature,
             ]
         )
         if is_distributed():
             dist.all_reduce(packed)
         values = packed.tolist()
-        return values[0] / self.info.world_size, values[1] == 0, values[2] > 0
+        world = self.info.world_size
+        return values[0] / world, values[1] == 0, values[2] > 0, values[3] / world, values[4] / world
 
     def _evaluate(self) -> None:
         if not (self.info.is_main or self.fsdp):

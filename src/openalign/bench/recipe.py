@@ -1,0 +1,118 @@
+"""``openalign bench train --recipe``: the real training loop timed on the bare step's model, batch and shards.
+
+``train()`` runs as ``openalign train`` would (its non-finite guard, clipping when set, the schedule, a metrics
+record every step, TensorBoard when installed), on the model ``bench train`` builds for its bare step
+(the same preset, image size, embedding width, text pooling and vocabulary), fed by the same stream over the
+same synthetic shards. The stream is wrapped so that the loop's own requests for the next batch are timed: a
+step is the time from one request to the next, and the part of it spent waiting for the batch is reported
+apart, as the bare step's ``data`` part is.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from openalign.bench.train import TrainBenchSettings
+    from openalign.train.config import TrainConfig
+
+
+class TimedStream:
+    """A training stream whose batches are timed as the loop asks for them; everything else is the stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.asked: list[float] = []  # when the loop asked for each batch
+        self.got: list[float] = []  # when it had it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        batches = iter(self.stream)
+        while True:
+            self.asked.append(time.perf_counter())
+            batch = next(batches)
+            self.got.append(time.perf_counter())
+            yield batch
+
+
+def recipe_config(s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_dir: str) -> TrainConfig:
+    """The training run the recipe mode times: the bare step's model and batch, the paper's loop settings."""
+    from openalign.bench.train import model_cfg
+    from openalign.config import to_dict
+    from openalign.train.config import load_train_config
+
+    cfg = model_cfg(s)
+    overrides: dict[str, Any] = {
+        "model.preset": s.preset,
+        "data.source": "shards",
+        "data.shards": shards,
+        "data.tokenizer": tokenizer_dir,
+        "data.workers": s.workers,
+        "data.max_text_length": cfg.text.max_length,
+        "optim.name": "lamb",  # as the bare step's optimizer
+        "optim.lr": 1e-3,
+        "optim.weight_decay": 1e-5,
+        "optim.schedule": "warmup_linear_decay",
+        "train.run_dir": run_dir,
+        "train.batch_size": s.batch_size,
+        "train.steps": s.warmup + s.steps + 1,  # the last step's end is never asked for a batch: untimed
+        "train.device": s.device,
+        "train.precision": "bf16" if s.bf16 else "fp32",
+        "train.grad_clip": s.grad_clip,
+        "train.checkpoint_every": 0,
+        "train.checkpoint_minutes": 0,
+        "log.every": 1,
+        "log.progress": False,
+        "eval.every": 0,
+    }
+    train_cfg = load_train_config({}, overrides)
+    train_cfg.model.overrides = to_dict(cfg)  # every field: the very model the bare step trains
+    return train_cfg
+
+
+def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
+    """The real loop's step (median of the timed steps, as the bare step's), its data wait, pairs/s and peak
+    memory, measured in the calling process."""
+    from openalign.bench.model import peak_memory_mb
+    from openalign.bench.train import _stream, model_cfg
+    from openalign.text import load_tokenizer
+    from openalign.train.loop import train
+
+    device = torch.device(s.device)
+    cfg = model_cfg(s)
+    tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
+    timed: list[TimedStream] = []
+
+    def factory(*_: Any, **__: Any) -> TimedStream:
+        # The bare step's stream, not one rebuilt from the run's data section: the same batches, the same work.
+        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers)))
+        return timed[0]
+
+    with tempfile.TemporaryDirectory(prefix="openalign-bench-recipe-") as run_dir:
+        result = train(recipe_config(s, shards, tokenizer_dir, run_dir), stream_factory=factory, tokenizer=tokenizer)
+    stream = timed[0]
+    first = s.warmup
+    steps = [stream.asked[i + 1] - stream.asked[i] for i in range(first, first + s.steps)]
+    waits = [stream.got[i] - stream.asked[i] for i in range(first, first + s.steps)]
+    median = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]
+    step_s = steps[median]
+    return {
+        "model": "recipe",
+        "step_s": step_s,
+        "parts_s": {"data": waits[median], "compute": step_s - waits[median]},
+        "mean_step_s": sum(steps) / len(steps),
+        "mean_data_s": sum(waits) / len(waits),
+        "pairs_per_s": s.batch_size / step_s,
+        "peak_mem_mb": peak_memory_mb(device),
+        "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS of the training process",
+        "flops_per_step": 0,
+        "skipped_steps": result.skipped_steps,
+        "final_loss": float(result.metrics.get("loss", float("nan"))),
+    }

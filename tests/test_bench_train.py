@@ -1,0 +1,49 @@
+"""``openalign bench train --recipe``: the real loop timed beside the bare step, at toy size."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from openalign.cli import main
+
+
+def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "train", "--preset", "nano", "--image-size", "32", "--batch-size", "8", "--steps", "1",
+            "--warmup", "1", "--rounds", "1", "--workers", "0", "--shard-samples", "16", "--pipeline-samples", "8",
+            "--no-baseline", "--recipe", "--grad-clip", "1.0", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("loop (recipe)"))
+    assert " pairs/s vs bare step " in line and "x; step " in line and "data wait" in line
+    summary = json.loads(out.read_text())
+    loop, bare = summary["training"]["recipe"], summary["training"]["openalign"]
+    assert loop["skipped_steps"] == 0 and loop["pairs_per_s"] > 0 and bare["pairs_per_s"] > 0
+    assert 0 <= loop["parts_s"]["data"] <= loop["step_s"]
+    assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])
+
+
+def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:
+    from openalign.bench.model import bench_config
+    from openalign.bench.recipe import recipe_config
+    from openalign.bench.train import TrainBenchSettings, _model_settings, model_cfg
+
+    s = TrainBenchSettings(preset="nano", image_size=32, batch_size=8, recipe=True, virtual_batch_size=4)
+    cfg = recipe_config(s, "a.tar", "tok", str(tmp_path))
+    # The loop resolves its model with the tokenizer's size and cuts captions at data.max_text_length.
+    model = cfg.model.resolve(vocab_size=100)
+    assert model == model_cfg(s) and model.image.batch_norm == "virtual" and model.image.virtual_batch_size == 4
+    assert model_cfg(dataclasses.replace(s, virtual_batch_size=None)) == bench_config(_model_settings(s))
+    assert cfg.data.max_text_length == model.text.max_length
+    assert cfg.train.batch_size == 8 and cfg.train.steps == s.warmup + s.steps + 1
+
+
+def test_grad_clip_must_be_positive() -> None:
+    from openalign.bench.train import TrainBenchSettings
+
+    with pytest.raises(ValueError, match="--grad-clip"):
+        TrainBenchSettings(grad_clip=0.0).validate()
