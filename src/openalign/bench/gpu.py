@@ -123,6 +123,8 @@ def _train_overrides(
         "train.device": s.device,
         "train.checkpoint_every": 0,
         "train.checkpoint_minutes": 0,
+        # Eager steps, as the shipped throughput rows: compiling would spend minutes of a part's time limit.
+        "train.compile": False,
         "eval.every": 0,
         "log.every": 1,
         "log.tensorboard": False,

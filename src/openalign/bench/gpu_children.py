@@ -135,7 +135,7 @@ def train_run(argv: list[str], report: Path) -> int:
 
     from openalign.model.dual_encoder import DualEncoder
     from openalign.train import throughput
-    from openalign.train.config import load_train_config, parse_overrides
+    from openalign.train.config import compile_enabled, load_train_config, parse_overrides
     from openalign.train.data import build_train_stream
     from openalign.train.loop import train
 
@@ -164,7 +164,7 @@ def train_run(argv: list[str], report: Path) -> int:
             "image_size": cfg.data.image_size or model.image_size,
             "text_length": cfg.data.max_text_length,
             "precision": "bf16" if bf16 else "fp32",
-            "compiled": cfg.train.compile,
+            "compiled": compile_enabled(cfg, cfg.train.device),
             "grad_checkpointing": cfg.train.grad_checkpointing,
         },
     }

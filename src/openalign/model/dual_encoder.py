@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,9 @@ class DualEncoder(nn.Module):
         # Encode short captions apart from long ones (``length_buckets``). Off under FSDP, where every rank must
         # run its towers the same number of times (each run gathers the tower's shards).
         self.text_buckets = True
+        # Captions keep the width they arrive with (no trimming, no buckets): set by ``compile_towers``, since a
+        # compiled text tower fed a new width would compile again.
+        self.fixed_text_width = False
         self.image = EfficientNet(config.image)
         self.text = Bert(config.text)
         d = config.embed_dim
@@ -106,6 +111,28 @@ class DualEncoder(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.image.gradient_checkpointing = enable
         self.text.gradient_checkpointing = enable
+
+    def compile_towers(self, **options: Any) -> None:
+        """``torch.compile`` both towers in place, each as one graph (``fullgraph=True``: a graph break is an
+        error). Captions then keep the width they are padded to (``data.max_text_length`` in training): trimming
+        them to each batch's longest would hand the text tower a new shape, and so a new compilation, at every
+        width. ``options`` go to ``torch.compile`` (``backend``, ``mode``)."""
+        self.image.compile(fullgraph=True, **options)
+        self.text.compile(fullgraph=True, **options)
+        self.fixed_text_width = True
+
+    @contextmanager
+    def eager_towers(self) -> Iterator[None]:
+        """Inside, compiled towers run uncompiled and captions are trimmed again: for occasional calls whose
+        shapes or modes differ from training's (in-training evaluation), which would otherwise compile graphs of
+        their own."""
+        fixed = self.fixed_text_width
+        self.fixed_text_width = False
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        finally:
+            self.fixed_text_width = fixed
 
     # ------------------------------------------------------------------ saving and loading
 
@@ -194,8 +221,8 @@ class DualEncoder(nn.Module):
     ) -> torch.Tensor:
         """Unnormalised text embeddings [B, embed_dim]. ``width``: the mask's ``tokens_width`` when the caller has
         already read it (``check_tokens`` returns it), so that it is not read twice."""
-        if attention_mask is None:
-            return self._text_features(input_ids, None)
+        if attention_mask is None or self.fixed_text_width:
+            return self._text_features(input_ids, attention_mask)
         # Short rows are encoded apart (two passes) only on the CPU, where arithmetic is the cost and the lengths
         # are free to read (``length_buckets``); on a GPU the batch is only cut to its width.
         groups = length_buckets(attention_mask) if self.text_buckets else None

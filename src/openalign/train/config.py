@@ -37,6 +37,7 @@ __all__ = [
     "LoopConfig",
     "ModelSection",
     "TrainConfig",
+    "compile_enabled",
     "list_recipes",
     "load_train_config",
     "parse_overrides",
@@ -92,7 +93,7 @@ class LoopConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, fp32 on a CPU
     strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes; fsdp (FSDP2) for models beyond one device
-    compile: bool = False  # torch.compile the towers
+    compile: bool | None = None  # torch.compile each tower as one graph; None = on CUDA, eager on a CPU
     grad_checkpointing: bool = False  # recompute block activations in backward (memory for compute)
     grad_clip: float | None = None  # clip the global gradient norm to this; None = no clipping (paper)
     max_bad_steps: int = 10  # abort after this many consecutive non-finite steps (each one is skipped)
@@ -187,6 +188,16 @@ class TrainConfig:
         section = {k: v for k, v in model.items() if k != "overrides"}
         out["model"] = {**section, **model["overrides"]}
         return out
+
+
+def compile_enabled(cfg: TrainConfig, device: Any) -> bool:
+    """Whether a run of ``cfg`` on ``device`` (a ``torch.device`` or its name: "cuda", "cuda:1", "cpu") compiles
+    its towers: ``train.compile`` when set, else on CUDA only. On a CPU compiling costs minutes of C++ builds and
+    gains little, so eager is the default there."""
+    if cfg.train.compile is not None:
+        return cfg.train.compile
+    kind = getattr(device, "type", None) or str(device).partition(":")[0]
+    return bool(kind == "cuda")
 
 
 # --------------------------------------------------------------------------------------------------

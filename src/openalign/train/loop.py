@@ -34,7 +34,7 @@ from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
 from openalign.outputs import check_writable
 from openalign.train import checkpoint as ckpt
-from openalign.train.config import TrainConfig
+from openalign.train.config import TrainConfig, compile_enabled
 from openalign.train.distributed import (
     DistInfo,
     all_gather_object,
@@ -205,9 +205,9 @@ class _Run:
         if t.grad_checkpointing:
             model.set_grad_checkpointing(True)
         model.to(info.device).train()
-        if t.compile:
-            model.image.compile()
-            model.text.compile()
+        self.compiled = compile_enabled(cfg, info.device)
+        if self.compiled:
+            model.compile_towers()
         self.model = model
         self.fsdp = info.world_size > 1 and t.strategy == "fsdp"
         self.wrapped = wrap_model(model, info, t.strategy, bf16=self.bf16)
@@ -380,18 +380,26 @@ class _Run:
         batches = iter(self.stream)
         tick, tick_step = time.perf_counter(), self.step
         small_data_warned = False
+        # The first step compiles the towers' graphs (forward and backward; with gradient caching, the no-grad
+        # pass's too): its time is reported once.
+        compiling = self.compiled
         while self.step < self.total_steps:
             batch = {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()}
             if not small_data_warned and info.is_main:
                 small_data_warned = self._warn_small_epoch()
             if buffers:
                 torch._foreach_copy_(saved_buffers, buffers)
+            first = time.perf_counter() if compiling else 0.0
             loss = self._forward_backward(batch, loss_fn)
             if self.fsdp:
                 average_replicated_grads(replicated_params(self.model))
             norm = grad_norm(params)
             # The step's one host sync: the guard's decision and what a log record reads, together.
             loss_value, finite, checkpoint_due, norm_value, temperature = self._reduce(loss, norm)
+            if compiling:
+                compiling = False
+                if info.is_main:
+                    print(f"compiled towers in {time.perf_counter() - first:.1f} s (first step)", file=sys.stderr)
             if not finite:
                 self._skip_step(buffers, saved_buffers, guard)
                 continue
@@ -519,15 +527,17 @@ class _Run:
         if self.tokenizer is None:
             raise ValueError("evaluation needs a tokenizer; set data.tokenizer")
         model = cast("DualEncoder", unwrap(self.wrapped))
-        # Evaluation leaves the random stream alone, or a resumed run would diverge from a straight one.
-        result = evaluate_retrieval(
-            model,
-            self.tokenizer,
-            self.eval_set,
-            batch_size=self.cfg.eval.batch_size,
-            device=str(self.info.device),
-            progress=False,
-        )
+        # Evaluation leaves the random stream alone, or a resumed run would diverge from a straight one. It runs
+        # eager: its batches, captions and modes differ from training's, so compiled towers would compile again.
+        with model.eager_towers():
+            result = evaluate_retrieval(
+                model,
+                self.tokenizer,
+                self.eval_set,
+                batch_size=self.cfg.eval.batch_size,
+                device=str(self.info.device),
+                progress=False,
+            )
         model.train()
         if self.info.is_main:
             self.logger.log(self.step, {f"eval/{k}": float(v) for k, v in result.items()})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from openalign.config import ConfigError, ModelConfig, list_presets, model_config
-from openalign.train.config import TrainConfig
+from openalign.train.config import TrainConfig, compile_enabled
 
 __all__ = ["TABLE", "Measurement", "family", "load_measurements", "lookup", "record"]
 
@@ -182,7 +182,7 @@ def _distance(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool, ima
         m.grad_checkpointing != cfg.train.grad_checkpointing,
         0.0 if chunk is None or m.chunk is None else abs(math.log(m.chunk / chunk)),
         abs(math.log(m.batch / per_device)),
-        m.compiled != cfg.train.compile,
+        m.compiled != compile_enabled(cfg, "cuda"),
         -_ordinal(m.date),
     )
 
@@ -239,6 +239,6 @@ def differences(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool) -
         out.append(f"{m.precision}, not {'bf16' if bf16 else 'fp32'}")
     if m.grad_checkpointing != cfg.train.grad_checkpointing:
         out.append("checkpointed" if m.grad_checkpointing else "not checkpointed")
-    if m.compiled != cfg.train.compile:
+    if m.compiled != compile_enabled(cfg, "cuda"):
         out.append("compiled" if m.compiled else "eager")
     return out
