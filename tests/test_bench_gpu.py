@@ -17,12 +17,12 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     # l2 gets an unknown option: it must fail, be recorded with its error, and the parts after it still run.
     # bench and compiled start several interpreters each: their limits leave room for a busy machine.
     args = ["bench", "gpu", "--device", "cpu", "--tiny", "--out", str(out), "--break-part", "l2"]
-    code = main([*args, "--limits", '{"bench": 150, "compiled": 100}', "--budget-s", "600"])
+    code = main([*args, "--limits", '{"bench": 220, "compiled": 100, "towers": 60}', "--budget-s", "760"])
     printed = capsys.readouterr().out
     assert code == 1  # a part failed
     summary = json.loads((out / "gpu_check.json").read_text())
     parts = summary["parts"]
-    assert list(parts) == ["tests", "paper", "bench", "loop", "l2", "compiled", "plan"]
+    assert list(parts) == ["tests", "paper", "bench", "loop", "l2", "compiled", "towers", "plan"]
     assert parts["l2"]["status"] == "failed" and "--no-such-option" in parts["l2"]["tail"]
     for name, part in parts.items():
         if name != "l2":
@@ -30,20 +30,24 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     assert parts["tests"]["figures"]["skipped"] >= 7  # no CUDA here: every test skips, none fails
     bench = parts["bench"]["figures"]
     assert bench["training"]["openalign"]["pairs_per_s"] > 0 and bench["training"]["transformers"]["pairs_per_s"] > 0
+    assert bench["training"]["recipe"]["pairs_per_s"] > 0 and bench["recipe_ratio"] > 0
     assert parts["compiled"]["figures"]["results"]["openalign"]["pairs_per_s"] > 0
+    towers = parts["towers"]["figures"]
+    assert towers["text"][0]["median_ms"] > 0 and towers["text"][1]["model"].startswith("transformers BertModel")
     for run in ("paper", "loop"):
         figures = parts[run]["figures"]
         assert figures["finished"] and figures["steps_done"] >= 1 and figures["pairs_per_s_compute"] > 0
         assert parts[run]["host_memory"]["peak_pss_gib"] > 0
         assert summary["parts"]["plan"]["figures"][run]["peak_gib"] > 0
     assert parts["paper"]["figures"]["measurement"]["chunk"] == 16
-    assert sum(p["limit_s"] for n, p in parts.items() if n != "plan") <= 600
+    assert sum(p["limit_s"] for n, p in parts.items() if n != "plan") <= 760
 
     text = (out / "gpu_check.md").read_text()
     assert text in printed
     for heading in ("## Parts", "## Training step against transformers", "## Training runs", "## Plan against"):
         assert heading in text
     assert "| l2 | pretrain_align batch 32, chunk 16 | failed |" in text
+    assert "`bench train --recipe`: the training loop" in text and "| text tower alone, fwd + bwd ms" in text
     assert "--no-such-option needs a value" in text
 
 
@@ -52,7 +56,7 @@ def test_the_gpu_defaults_fit_eight_minutes() -> None:
     s = gpu.GpuCheckSettings()
     parts = gpu.build_parts(s, Path("out"), Path("work"), "h200-141gb", Path("vocab"))
     limits = gpu._limits(s, parts)
-    assert set(limits) == {"tests", "bench", "compiled", "paper", "loop", "l2"}
+    assert set(limits) == {"tests", "bench", "compiled", "towers", "paper", "loop", "l2"}
     assert sum(limits.values()) <= s.budget_s - gpu.RESERVE_S <= 480
     paper = next(p for p in parts if p.name == "paper")
     for flag in ("--train.batch_size", "16384", "--train.chunk_size", "64", "--data.workers", "14"):

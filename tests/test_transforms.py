@@ -204,20 +204,23 @@ def test_jpeg_size_reads_what_pil_reads_or_leaves_it_to_pil() -> None:
 
 
 @pytest.mark.parametrize("size", [(256, 192), (200, 300), (768, 576), (1500, 1000), (30, 20), (346, 346)])
-def test_train_transform_resamples_only_the_crop_as_resizing_then_cropping_would(size: tuple[int, int]) -> None:
+@pytest.mark.parametrize("noise", [0, 40])
+def test_train_transform_resizes_as_pil_resizes_then_crops(size: tuple[int, int], noise: int) -> None:
     w, h = size
     yy, xx = np.mgrid[0:h, 0:w]
-    image = Image.fromarray(
-        np.stack([128 + 100 * np.sin(xx / (7 + 3 * i) + yy / (11 + i)) for i in range(3)], -1).astype(np.uint8)
-    )
-    transform = train_transform(289, 346, normalize=False, flip=False)
+    waves = np.stack([128 + 100 * np.sin(xx / (3 + 3 * i) + yy / (5 + i)) for i in range(3)], -1)
+    noisy = waves + np.random.default_rng(0).normal(0, noise, waves.shape)
+    image = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+    transform = train_transform(289, 346, normalize=False, flip=True)
     for seed in range(4):
         torch.manual_seed(seed)
         got = transform(image).numpy().astype(int)
         torch.manual_seed(seed)
-        box, _ = random_crop(289, 346, False)
-        whole = image.resize((346, 346), Image.Resampling.BICUBIC, reducing_gap=3.0).crop(box)
-        expected = np.asarray(whole).transpose(2, 0, 1).astype(int)
-        diff = np.abs(got - expected)
-        # PIL may run its two passes in the other order: the rounding between them, nothing more.
-        assert diff.mean() < 0.25 and diff.max() <= 6, (size, seed, diff.mean(), diff.max())
+        box, flipped = random_crop(289, 346, True)
+        pil = image.resize((346, 346), Image.Resampling.BICUBIC, reducing_gap=3.0).crop(box)
+        if flipped:
+            pil = pil.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        diff = np.abs(got - np.asarray(pil).transpose(2, 0, 1).astype(int))
+        # The same kernel in other arithmetic: a level or two on a few pixels, never a shifted crop or a
+        # missed flip (those differ by tens of levels on most pixels).
+        assert diff.mean() < 0.02 and diff.max() <= 2, (size, seed, diff.mean(), diff.max())

@@ -5,9 +5,11 @@ recorded with the end of its output, and the next part starts):
 
 - ``tests``: ``pytest -m cuda tests/test_cuda.py`` (bf16, gradient caching, exact resume, the memory plan,
   DDP and FSDP2 over NCCL); skipped with a note where the tests are not installed (a wheel);
-- ``bench``: ``bench train`` (data, forward, loss, backward, optimizer), ours against transformers' AlignModel,
-  eager, and the input pipeline against webdataset's;
+- ``bench``: ``bench train --recipe`` (data, forward, loss, backward, optimizer), ours against transformers'
+  AlignModel, eager, the real training loop beside that bare step, and the input pipeline against webdataset's;
 - ``compiled``: ``bench model --compile``, ours against transformers, both compiled;
+- ``towers``: ``bench towers``, each tower alone (forward + backward) against its peer: the text tower against
+  transformers' ``BertModel``, the image tower against timm's EfficientNets;
 - ``paper``: ``pretrain_align_b7`` at the paper's batch (16,384 pairs, chunks of 64) on synthetic data,
   while a sampler records the peak memory of the whole process tree (the training process and its data
   workers) and the run reports its peak GPU memory;
@@ -56,9 +58,9 @@ __all__ = ["GpuCheckSettings", "run_gpu_check"]
 
 SRC = Path(__file__).resolve().parents[2]  # the directory holding the openalign package
 TESTS = SRC.parent / "tests" / "test_cuda.py"  # present in a checkout, not in an installed wheel
-PARTS = ("tests", "bench", "compiled", "paper", "loop", "l2", "plan")
+PARTS = ("tests", "bench", "compiled", "towers", "paper", "loop", "l2", "plan")
 # Shares of the budget (seconds at the default 480 s, less the reserve): the paper's batch first of all.
-WEIGHTS = {"tests": 70.0, "paper": 160.0, "bench": 85.0, "loop": 45.0, "l2": 60.0, "compiled": 45.0}
+WEIGHTS = {"tests": 65.0, "paper": 150.0, "bench": 95.0, "loop": 40.0, "l2": 55.0, "compiled": 45.0, "towers": 25.0}
 RESERVE_S = 15.0  # probing the device, writing the results
 GPU_KEYS = {"H200": "h200-141gb", "H100": "h100-80gb", "A100-SXM4-80GB": "a100-80gb", "A100-SXM4-40GB": "a100-40gb"}
 
@@ -75,6 +77,7 @@ class GpuCheckSettings:
     tests: bool = True  # pytest -m cuda tests/test_cuda.py
     bench: bool = True  # bench train, ours against transformers, eager (b7-base, bf16, batch 64)
     compiled: bool = True  # bench model --compile, ours against transformers (b7-base, bf16, batch 64)
+    towers: bool = True  # bench towers: text tower against BertModel, image tower against timm (b7-base, batch 64)
     paper: bool = True  # pretrain_align_b7 at 16384 pairs in chunks of 64, with host and GPU memory
     loop: bool = True  # pretrain_align_b7 at batch 64: the loop's step beside bench train's
     l2: bool = True  # pretrain_align (L2 + BERT-Large) at batch 512 in chunks of 128
@@ -162,9 +165,16 @@ def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
         if s.tiny:
             return {"preset": "nano", "image_size": 32, "batch_size": 16, "steps": 1, "warmup": 1, "rounds": 1,
                     "workers": 0, "device": s.device, "bf16": cuda, "shard_samples": 32,
-                    "pipeline_samples": 32}  # fmt: skip
+                    "pipeline_samples": 32, "recipe": True}  # fmt: skip
         return {"preset": "b7-base", "batch_size": 64, "steps": 5, "warmup": 2, "rounds": 1, "workers": s.workers,
-                "device": s.device, "bf16": cuda, "shard_samples": 512, "pipeline_samples": 512}  # fmt: skip
+                "device": s.device, "bf16": cuda, "shard_samples": 512, "pipeline_samples": 512,
+                "recipe": True}  # fmt: skip
+    if which == "towers":
+        if s.tiny:
+            return {"preset": "nano", "image_size": 32, "batch_size": 8, "steps": 1, "warmup": 1, "rounds": 1,
+                    "device": s.device, "bf16": cuda}  # fmt: skip
+        return {"preset": "b7-base", "batch_size": 64, "steps": 3, "warmup": 1, "rounds": 2, "device": s.device,
+                "bf16": cuda}  # fmt: skip
     if s.tiny:
         # Compiling on a CPU takes minutes (a C++ toolchain per kernel); the CPU proof runs the part eager.
         return {"preset": "nano", "image_size": 32, "batch_size": 8, "steps": 1, "warmup": 1, "rounds": 1,
@@ -214,10 +224,15 @@ def build_parts(
             Part(run, title, _self("train-run", report, recipe, *_flags(overrides)), report, sample_memory=True)
         )
         plans += [run, recipe, json.dumps(overrides)]
-    for name, title in (("bench", "bench train (eager)"), ("compiled", "bench model --compile")):
+    benches = (
+        ("bench", "bench train --recipe (eager)"),
+        ("compiled", "bench model --compile"),
+        ("towers", "bench towers"),
+    )
+    for name, title in benches:
         if getattr(s, name):
             settings = json.dumps(_bench_settings(s, name))
-            command = "bench-train" if name == "bench" else "bench-model"
+            command = {"bench": "bench-train", "compiled": "bench-model", "towers": "bench-towers"}[name]
             part = Part(name, title, _self(command, reports / f"{name}.json", settings), reports / f"{name}.json")
             # bench train goes after the paper's batch, compiling last: it is the part most likely to need more
             # than its share, and the last part is the one a late start shortens.
@@ -462,11 +477,11 @@ def update_table(summary: dict[str, Any], path: str | Path | None = None) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The parts this module runs in children: ``train-run``, ``plan-run``, ``bench-train``, ``bench-model``."""
+    """The parts this module runs in children: ``train-run``, ``plan-run`` and the ``bench-*`` commands."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m openalign.bench.gpu")
-    parser.add_argument("command", choices=["train-run", "plan-run", "bench-train", "bench-model"])
+    parser.add_argument("command", choices=["train-run", "plan-run", "bench-train", "bench-model", "bench-towers"])
     parser.add_argument("--report", required=True, type=Path)
     args, rest = parser.parse_known_args(argv)
     from openalign.bench import gpu_children as children

@@ -226,14 +226,18 @@ def plan_run(argv: list[str], report: Path) -> int:
 
 
 def bench(command: str, settings: dict[str, Any], report: Path) -> int:
-    """``bench-train`` / ``bench-model`` with these settings, figures to ``report``."""
+    """``bench-train`` / ``bench-model`` / ``bench-towers`` with these settings, figures to ``report``."""
     import importlib.util
 
     from openalign.bench.model import BenchSettings, run_model_bench
+    from openalign.bench.towers import TowersBenchSettings, run_towers_bench
     from openalign.bench.train import TrainBenchSettings, run_train_bench
 
     if command == "bench-model":
         run_model_bench(BenchSettings(**settings, json_path=str(report)))
+        return 0
+    if command == "bench-towers":
+        run_towers_bench(TowersBenchSettings(**settings, json_path=str(report)))
         return 0
     s = TrainBenchSettings(**settings, json_path=str(report))
     if importlib.util.find_spec("webdataset") is not None:

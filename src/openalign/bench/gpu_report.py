@@ -59,6 +59,13 @@ def _versus(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {what} | {_steps(ours)} | {peer} | {_ratio(ours['pairs_per_s'], (theirs or {}).get('pairs_per_s'))} |"
         )
+    recipe = training.get("recipe")
+    if recipe and ours:
+        lines.append(
+            f"| `bench train --recipe`: the training loop (guard, logging, LAMB schedule) on the same model, batch "
+            f"and shards (peer: the bare step above) | {_steps(recipe)} | {ours['pairs_per_s']:.1f} | "
+            f"{_ratio(recipe['pairs_per_s'], ours['pairs_per_s'])} |"
+        )
     results = compiled.get("results") or {}
     c_ours, c_theirs = results.get("openalign"), results.get("transformers")
     c_settings = compiled.get("settings") or {}
@@ -89,6 +96,15 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"| input pipeline samples/s, {where} (peer: webdataset + PIL) | {_num(ours_p)}{per} | "
             f"{_num(theirs_p) if theirs_p is not None else 'webdataset not installed'} | {_ratio(ours_p, theirs_p)} |"
         )
+    towers = _figures(summary, "towers")
+    for tower in ("text", "image"):
+        rows = towers.get(tower) or []
+        for peer in rows[1:]:
+            lines.append(
+                f"| {tower} tower alone, fwd + bwd ms, batch {(towers.get('settings') or {}).get('batch_size')} "
+                f"(peer: {peer['model']}; ratio: peer time / ours) | {rows[0]['median_ms']:.1f} | "
+                f"{peer['median_ms']:.1f} | {_ratio(peer['median_ms'], rows[0]['median_ms'])} |"
+            )
     loop = _figures(summary, "loop")
     if loop.get("pairs_per_s_compute") or ours:
         rate = loop.get("pairs_per_s_compute")
