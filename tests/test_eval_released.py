@@ -342,6 +342,38 @@ def test_vtab1k_malformed_list(tmp_path: Path) -> None:
     _one_line_error(lambda: load_classification(f"vtab1k:{folder}:train800"), str(folder / "train800.txt"))
 
 
+# ------------------------------------------------------------------------------------------ hardening
+
+
+def test_annotation_paths_stay_inside_the_dataset_folder(tmp_path: Path) -> None:
+    outside = tmp_path / "other" / "secret.jpg"
+    _jpg(outside)
+    # Cars: an annotation walking out with ..
+    root = write_cars_devkit(tmp_path / "cars")
+    rows = [_car("../../other/secret.jpg", 1), _car("00002.jpg", 2)]
+    savemat(root / "cars_test_annos_withlabels.mat", {"annotations": _struct(rows, ["fname", "class"])})
+    listed = root / "cars_test_annos_withlabels.mat"
+    _one_line_error(lambda: load_classification(f"cars:{root}"), f"{listed}: annotation 1", "outside the dataset")
+    # Food-101: a CLASS/ID line climbing out of its class folder
+    root = write_food(tmp_path / "food")
+    path = root / "meta" / "test.txt"
+    path.write_text("apple_pie/99\napple_pie/../../../other/secret\n")
+    _one_line_error(lambda: load_classification(f"food101:{root}"), f"{path}:2", "outside the dataset folder")
+    # VTAB-1k: an absolute path, and a symlink pointing out
+    folder = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_text(f"images/test/0.jpg 1\n{outside} 2\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:2", "outside the dataset folder")
+    (folder / "images" / "link.jpg").symlink_to(outside)
+    path.write_text("images/link.jpg 1\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:1", "outside the dataset folder")
+    # Pets: an annotation naming a system file is refused before it is opened
+    root = write_pets(tmp_path / "pets")
+    path = root / "annotations" / "test.txt"
+    path.write_text("../../../../../../../../etc/passwd 1 1 1\n")
+    _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:1", "outside the dataset folder")
+
+
 # ------------------------------------------------------------------------------------------ specs
 
 

@@ -25,7 +25,9 @@ otherwise the release's own (Cars' ``class_names``, Food-101's ``labels.txt``); 
 
 Every metadata file is read through ``read_annotation`` (within ``max_annotation_bytes``), and a file
 that is missing, unreadable, lacks a variable or holds a bad label is a one-line error naming it; so is a
-listed image that is not on disk.
+listed image that is not on disk. Every listed image must lie inside the dataset folder once symlinks are
+resolved, as a table's image paths must lie inside its image root (``ImageRoot``): an annotation naming an
+absolute path, a ``..`` escape or a symlink pointing out is an error naming the row that lists it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openalign.data.sources import DEFAULT_MAX_ANNOTATION_BYTES, DEFAULT_MAX_FILE_BYTES, read_annotation, scan_folder
+from openalign.data.sources import (
+    DEFAULT_MAX_ANNOTATION_BYTES,
+    DEFAULT_MAX_FILE_BYTES,
+    BadInput,
+    ImageRoot,
+    read_annotation,
+    scan_folder,
+)
 from openalign.eval.datasets import ClassificationSet, ImageSource, read_classnames, resolve_images
 
 # Spec names, CLIP_benchmark's names for the same datasets among them (flowers, cars, imagenet1k, pets, food101).
@@ -113,7 +122,7 @@ def load_released(
         if len(override) != len(names):
             raise ValueError(f"{classnames}: {len(override)} class names for the {len(names)} classes of {name}")
         names = override
-    paths = resolve_images([[f] for f in read.files], read.listed_in)
+    paths = resolve_images([[f] for f in _confined(parsed.root, read)], read.listed_in)
     images = ImageSource.from_files(paths, max_bytes=max_file_bytes)
     return ClassificationSet(name, list(names), list(read.class_ids), read.labels, images, read.skipped)
 
@@ -129,6 +138,25 @@ class Read:
     labels: list[int]
     listed_in: str  # the file that lists the images, named when one is missing
     skipped: list[str] = field(default_factory=list)  # non-image files in class folders
+    rows: list[str] = field(default_factory=list)  # where each file is listed ("FILE:LINE"), named in errors
+
+    def row(self, i: int) -> str:
+        return self.rows[i] if i < len(self.rows) else self.listed_in
+
+
+def _confined(root: Path, read: Read) -> list[Path]:
+    """Every listed file resolved (symlinks included) inside the dataset folder, as a table's image paths are
+    kept inside its image root (``ImageRoot``): an absolute path, a ``..`` escape or a symlink pointing out is
+    an error naming the row that lists it."""
+    images = ImageRoot(root)
+    out = []
+    for i, file in enumerate(read.files):
+        try:
+            out.append(images.resolve(str(file)))
+        except BadInput as err:
+            detail = err.detail.replace("outside the image root", "outside the dataset folder")
+            raise ValueError(f"{read.row(i)}: {detail}") from None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,14 +256,15 @@ def _flowers102(root: Path, split: str, max_bytes: int) -> Read:
     per_image = _int_list(_loadmat(labels_path, ["labels"], max_bytes)["labels"], labels_path, "labels")
     keys = {"train": ["trnid"], "val": ["valid"], "test": ["tstid"], "trainval": ["trnid", "valid"]}[split]
     setid = _loadmat(setid_path, keys, max_bytes)
-    files, labels = [], []
+    files, labels, rows = [], [], []
     for key in keys:
         for image_id in _int_list(setid[key], setid_path, key):
             if not 1 <= image_id <= len(per_image):
                 raise ValueError(f"{setid_path}: {key} lists image {image_id}, outside the {len(per_image)} labels")
             labels.append(_label(per_image[image_id - 1], len(names), f"{labels_path}: image {image_id}"))
             files.append(root / "jpg" / f"image_{image_id:05d}.jpg")
-    return Read("flowers102", names, _numbered(len(names)), files, labels, str(setid_path))
+            rows.append(f"{setid_path}: {key} image {image_id}")
+    return Read("flowers102", names, _numbered(len(names)), files, labels, str(setid_path), rows=rows)
 
 
 def _pets(root: Path, split: str, max_bytes: int) -> Read:
@@ -243,7 +272,7 @@ def _pets(root: Path, split: str, max_bytes: int) -> Read:
 
     names = shipped_classnames("pets")
     path = root / "annotations" / f"{split}.txt"
-    files, labels = [], []
+    files, labels, rows = [], [], []
     breed_of: dict[int, str] = {}  # the file-name breed each class number was first seen with
     for n, line in _lines(path, max_bytes):
         parts = line.split()
@@ -256,7 +285,8 @@ def _pets(root: Path, split: str, max_bytes: int) -> Read:
             raise ValueError(f"{path}:{n}: {parts[0]} has class {label + 1}, the class of {breed_of[label]} images")
         labels.append(label)
         files.append(root / "images" / f"{parts[0]}.jpg")
-    return Read("pets", names, _numbered(len(names)), files, labels, str(path))
+        rows.append(f"{path}:{n}")
+    return Read("pets", names, _numbered(len(names)), files, labels, str(path), rows=rows)
 
 
 def _cars(root: Path, split: str, max_bytes: int) -> Read:
@@ -284,11 +314,12 @@ def _cars(root: Path, split: str, max_bytes: int) -> Read:
         rows = _records(_loadmat(listed, ["annotations"], max_bytes)["annotations"], fields, listed, "annotations")
         chosen = [(r["fname"], r["class"]) for r in rows]
         image_dir = root / f"cars_{split}"
-    files, labels = [], []
+    files, labels, where = [], [], []
     for i, (file, cls) in enumerate(chosen, 1):
         labels.append(_label(cls, len(names), f"{listed}: annotation {i}"))
         files.append(image_dir / str(file))
-    return Read("cars", names, _numbered(len(names)), files, labels, str(listed))
+        where.append(f"{listed}: annotation {i}")
+    return Read("cars", names, _numbered(len(names)), files, labels, str(listed), rows=where)
 
 
 def _food101(root: Path, split: str, max_bytes: int) -> Read:
@@ -302,14 +333,15 @@ def _food101(root: Path, split: str, max_bytes: int) -> Read:
             raise ValueError(f"{meta / 'labels.txt'}: {len(readable)} labels for {len(classes)} classes.txt entries")
         names = readable
     path = meta / f"{split}.txt"
-    files, labels = [], []
+    files, labels, rows = [], [], []
     for n, line in _lines(path, max_bytes):
         cls, sep, _ = line.partition("/")
         if not sep or cls not in index:
             raise ValueError(f"{path}:{n}: {line!r} is not CLASS/ID with a class of {meta / 'classes.txt'}")
         labels.append(index[cls])
         files.append(root / "images" / f"{line}.jpg")
-    return Read("food101", names, classes, files, labels, str(path))
+        rows.append(f"{path}:{n}")
+    return Read("food101", names, classes, files, labels, str(path), rows=rows)
 
 
 def _imagenet(root: Path, split: str, max_bytes: int) -> Read:
@@ -333,14 +365,15 @@ def _imagenet(root: Path, split: str, max_bytes: int) -> Read:
     if split == "train":
         raise ValueError(f"{folder}: the ImageNet train split needs one WordNet-id folder per class")
     wnid_of, listed = _val_ground_truth(root, max_bytes)
-    files, labels = [], []
+    files, labels, rows = [], [], []
     for stem in sorted(wnid_of):
         wnid = wnid_of[stem]
         if wnid not in index:
             raise ValueError(f"{listed}: {stem} is labelled {wnid!r}, not an ImageNet class")
         files.append(folder / f"{stem}.JPEG")
         labels.append(index[wnid])
-    return Read("imagenet", names, wnids, files, labels, str(listed))
+        rows.append(f"{listed}: {stem}")
+    return Read("imagenet", names, wnids, files, labels, str(listed), rows=rows)
 
 
 def _val_ground_truth(root: Path, max_bytes: int) -> tuple[dict[str, str], Path]:
@@ -397,7 +430,7 @@ def _vtab1k(root: Path, split: str, max_bytes: int) -> Read:
     from openalign.eval.templates import vtab1k_classnames
 
     path = root / f"{split}.txt"
-    files, labels = [], []
+    files, labels, rows = [], [], []
     for n, line in _lines(path, max_bytes):
         parts = line.rsplit(None, 1)
         image, label = (parts[0], parts[1]) if len(parts) == 2 else ("", "")
@@ -405,6 +438,7 @@ def _vtab1k(root: Path, split: str, max_bytes: int) -> Read:
             raise ValueError(f"{path}:{n}: expected 'PATH LABEL' with a label 0, 1, ..., got {line!r}")
         files.append(root / image)
         labels.append(int(label))
+        rows.append(f"{path}:{n}")
     shipped = vtab1k_classnames().get(root.name)
     count = len(shipped) if shipped else (max(labels) + 1 if labels else 0)
     bad = next((i for i, y in enumerate(labels) if y >= count), None)
@@ -413,7 +447,7 @@ def _vtab1k(root: Path, split: str, max_bytes: int) -> Read:
             f"{path}: label {labels[bad]} of {files[bad].name} is outside the {count} classes of {root.name}"
         )
     names = list(shipped) if shipped else _numbered(count)
-    return Read(f"vtab1k/{root.name}", names, _numbered(count), files, labels, str(path))
+    return Read(f"vtab1k/{root.name}", names, _numbered(count), files, labels, str(path), rows=rows)
 
 
 _LAYOUTS: dict[str, Callable[[Path, str, int], Read]] = {
