@@ -374,6 +374,32 @@ def test_annotation_paths_stay_inside_the_dataset_folder(tmp_path: Path) -> None
     _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:1", "outside the dataset folder")
 
 
+def test_an_image_listed_twice_is_a_damaged_list(tmp_path: Path) -> None:
+    root = write_flowers(tmp_path / "flowers")
+    setid = root / "setid.mat"
+    savemat(setid, {"trnid": np.array([[1, 2]]), "valid": np.array([[3]]), "tstid": np.array([[4, 5, 4]])})
+    load = load_classification
+    _one_line_error(lambda: load(f"flowers102:{root}"), f"{setid}: tstid entry 3 (image 4)", "listed again", "damaged")
+    savemat(setid, {"trnid": np.array([[1, 2]]), "valid": np.array([[2]]), "tstid": np.array([[4]])})
+    _one_line_error(lambda: load(f"flowers102:{root}:trainval"), f"{setid}: valid entry 1 (image 2)", "trnid entry 2")
+    root = write_pets(tmp_path / "pets")
+    path = root / "annotations" / "test.txt"
+    path.write_text(path.read_text() * 2)
+    _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:3", "Abyssinian_201.jpg is listed again")
+    root = write_food(tmp_path / "food")
+    path = root / "meta" / "test.txt"
+    path.write_text("apple_pie/99\nbaby_back_ribs/230\napple_pie/99\n")
+    _one_line_error(lambda: load_classification(f"food101:{root}"), f"{path}:3", f"first at {path}:1")
+    folder = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_text("images/test/0.jpg 1\nimages/test/1.jpg 2\nimages/test/../test/0.jpg 1\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:3", "listed again")
+    root = write_imagenet(tmp_path / "imagenet", "loc-csv")
+    solution = root / "LOC_val_solution.csv"
+    solution.write_text(solution.read_text() + "ILSVRC2012_val_00000002,n01440764 1 2 3 4\n")
+    _one_line_error(lambda: load_classification(f"imagenet:{root}"), f"{solution}:6", "listed again")
+
+
 # ------------------------------------------------------------------------------------------ specs
 
 

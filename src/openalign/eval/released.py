@@ -27,7 +27,9 @@ Every metadata file is read through ``read_annotation`` (within ``max_annotation
 that is missing, unreadable, lacks a variable or holds a bad label is a one-line error naming it; so is a
 listed image that is not on disk. Every listed image must lie inside the dataset folder once symlinks are
 resolved, as a table's image paths must lie inside its image root (``ImageRoot``): an annotation naming an
-absolute path, a ``..`` escape or a symlink pointing out is an error naming the row that lists it.
+absolute path, a ``..`` escape or a symlink pointing out is an error naming the row that lists it; so is
+an image listed twice in one split (a released list never repeats one, so a repeat is a damaged file that
+would count the image twice).
 """
 
 from __future__ import annotations
@@ -147,15 +149,23 @@ class Read:
 def _confined(root: Path, read: Read) -> list[Path]:
     """Every listed file resolved (symlinks included) inside the dataset folder, as a table's image paths are
     kept inside its image root (``ImageRoot``): an absolute path, a ``..`` escape or a symlink pointing out is
-    an error naming the row that lists it."""
+    an error naming the row that lists it, and so is a file listed a second time."""
     images = ImageRoot(root)
-    out = []
+    out: list[Path] = []
+    first: dict[Path, int] = {}
     for i, file in enumerate(read.files):
         try:
-            out.append(images.resolve(str(file)))
+            resolved = images.resolve(str(file))
         except BadInput as err:
             detail = err.detail.replace("outside the image root", "outside the dataset folder")
             raise ValueError(f"{read.row(i)}: {detail}") from None
+        seen = first.setdefault(resolved, i)
+        if seen != i:
+            raise ValueError(
+                f"{read.row(i)}: {file} is listed again (first at {read.row(seen)}); a released list names each "
+                "image once, so the file is damaged"
+            )
+        out.append(resolved)
     return out
 
 
@@ -258,12 +268,12 @@ def _flowers102(root: Path, split: str, max_bytes: int) -> Read:
     setid = _loadmat(setid_path, keys, max_bytes)
     files, labels, rows = [], [], []
     for key in keys:
-        for image_id in _int_list(setid[key], setid_path, key):
+        for position, image_id in enumerate(_int_list(setid[key], setid_path, key), 1):
             if not 1 <= image_id <= len(per_image):
                 raise ValueError(f"{setid_path}: {key} lists image {image_id}, outside the {len(per_image)} labels")
             labels.append(_label(per_image[image_id - 1], len(names), f"{labels_path}: image {image_id}"))
             files.append(root / "jpg" / f"image_{image_id:05d}.jpg")
-            rows.append(f"{setid_path}: {key} image {image_id}")
+            rows.append(f"{setid_path}: {key} entry {position} (image {image_id})")
     return Read("flowers102", names, _numbered(len(names)), files, labels, str(setid_path), rows=rows)
 
 
@@ -422,7 +432,10 @@ def _val_ground_truth(root: Path, max_bytes: int) -> tuple[dict[str, str], Path]
             raise ValueError(
                 f"{solution}:{n}: expected 'ILSVRC2012_val_NNNNNNNN,WNID x y x y ...', got {','.join(row)!r}"
             )
-        out[row[0].strip()] = prediction[0]
+        stem = row[0].strip()
+        if stem in out:
+            raise ValueError(f"{solution}:{n}: {stem} is listed again; a released list names each image once")
+        out[stem] = prediction[0]
     return out, solution
 
 
