@@ -400,6 +400,32 @@ def test_an_image_listed_twice_is_a_damaged_list(tmp_path: Path) -> None:
     _one_line_error(lambda: load_classification(f"imagenet:{root}"), f"{solution}:6", "listed again")
 
 
+@pytest.mark.parametrize("labels", ["devkit", "loc-csv"])
+def test_imagenet_labels_for_fewer_images_than_the_folder_holds(tmp_path: Path, labels: str) -> None:
+    root = write_imagenet(tmp_path / "imagenet", labels)
+    for n in (5, 6):
+        _jpg(root / "val" / f"ILSVRC2012_val_{n:08d}.JPEG", seed=n)
+    listed = (
+        root / "ILSVRC2012_devkit_t12" / "data" / "ILSVRC2012_validation_ground_truth.txt"
+        if labels == "devkit"
+        else root / "LOC_val_solution.csv"
+    )
+    _one_line_error(
+        lambda: load_classification(f"imagenet:{root}"),
+        f"{listed}: labels for 4 images",
+        f"{root / 'val'} holds 6 ILSVRC2012_val_* images",
+        "ILSVRC2012_val_00000005",
+    )
+    (root / "val" / "notes.txt").write_text("not an image, not counted")
+    for n in (5, 6):
+        (root / "val" / f"ILSVRC2012_val_{n:08d}.JPEG").unlink()
+    assert load_classification(f"imagenet:{root}").labels[:1] == [index_of(DEVKIT_IDS[1])]
+
+
+def index_of(wnid: str) -> int:
+    return next(c.index for c in imagenet_classes() if c.wnid == wnid)
+
+
 # ------------------------------------------------------------------------------------------ specs
 
 

@@ -12,7 +12,7 @@
 - ``imagenet:DIR[:SPLIT]``: ``train/WNID/`` (or Kaggle's ``ILSVRC/Data/CLS-LOC/train``); ``val/`` as WNID
   folders, or flat ``ILSVRC2012_val_*.JPEG`` labelled by the devkit's
   ``ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt`` (with ``meta.mat`` beside it) or by
-  ``LOC_val_solution.csv``; splits val, train.
+  ``LOC_val_solution.csv`` (which must label every flat image in the folder); splits val, train.
 - ``vtab1k:DIR/TASK[:SPLIT]``: the VTAB-1k list files ``train800.txt``, ``val200.txt``,
   ``train800val200.txt``, ``test.txt`` (lines ``PATH LABEL``, paths relative to the task folder); splits
   test, train800val200, train800, val200.
@@ -48,6 +48,7 @@ from openalign.data.sources import (
     DEFAULT_MAX_FILE_BYTES,
     BadInput,
     ImageRoot,
+    is_image_file,
     read_annotation,
     scan_folder,
 )
@@ -375,6 +376,14 @@ def _imagenet(root: Path, split: str, max_bytes: int) -> Read:
     if split == "train":
         raise ValueError(f"{folder}: the ImageNet train split needs one WordNet-id folder per class")
     wnid_of, listed = _val_ground_truth(root, max_bytes)
+    # Labels for fewer images than the folder holds would shrink the validation set without a word.
+    on_disk = sorted(p.stem for p in folder.iterdir() if _VAL_NAME.match(p.stem) and is_image_file(p))
+    unlabelled = [stem for stem in on_disk if stem not in wnid_of]
+    if unlabelled:
+        raise ValueError(
+            f"{listed}: labels for {len(wnid_of)} images, but {folder} holds {len(on_disk)} ILSVRC2012_val_* images "
+            f"({len(unlabelled)} without a label, the first {unlabelled[0]}); a short or truncated label file?"
+        )
     files, labels, rows = [], [], []
     for stem in sorted(wnid_of):
         wnid = wnid_of[stem]
