@@ -510,3 +510,40 @@ def test_suite_entry_takes_a_spec(checkpoint: Path, tmp_path: Path) -> None:
     metrics = json.loads((out / "zeroshot-pets.json").read_text())["metrics"]
     assert metrics["num_images"] == 2 and metrics["num_classes"] == 37
     assert "Abyssinian" not in metrics["empty_classes"] and "Beagle" in metrics["empty_classes"]
+
+
+def test_annotation_lists_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
+    root = write_pets(tmp_path / "pets")
+    path = root / "annotations" / "test.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_classification(f"pets:{root}").labels == [0, 36]
+    root = write_food(tmp_path / "food")
+    for name in ("classes.txt", "test.txt"):
+        path = root / "meta" / name
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_classification(f"food101:{root}").labels == [1, 0]
+    folder = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_classification(f"vtab1k:{folder}").labels == [1, 2]
+    root = write_imagenet(tmp_path / "imagenet", "loc-csv")
+    path = root / "LOC_val_solution.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert len(load_classification(f"imagenet:{root}").labels) == 4
+
+
+def test_suite_reports_a_failed_entry_as_failed(checkpoint: Path, tmp_path: Path) -> None:
+    from openalign.eval.suite import run_suite
+
+    root = write_pets(tmp_path / "pets")
+    (root / "images" / "yorkshire_terrier_9.jpg").unlink()
+    out = tmp_path / "res"
+    entry = {"task": "finetune", "recipe": "paper-finegrained", "steps": 1, "batch_size": 2}
+    entry |= {"train": f"pets:{root}:trainval", "val": f"pets:{root}:test"}
+    summary = run_suite({"model": str(checkpoint), "out": str(out), "tasks": [entry]})
+    assert len(summary.failed) == 1 and "yorkshire_terrier_9.jpg" in summary.failed[0]
+    for report in (summary.markdown, (out / "results.md").read_text()):
+        row = next(line for line in report.splitlines() if line.startswith("| Table 6: Oxford Pets"))
+        assert "| failed: FileNotFoundError: " in row and "yorkshire_terrier_9.jpg: image file not found" in row
+        assert "not run" not in row and "\n- tasks[0] finetune: FileNotFoundError: " in report
+        assert "| Table 6: Stanford Cars | top1 |  | 96.13 | not run |" in report

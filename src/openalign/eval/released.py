@@ -181,7 +181,7 @@ def _bytes(path: Path, max_bytes: int) -> bytes:
 def _lines(path: Path, max_bytes: int) -> list[tuple[int, str]]:
     """(line number, stripped text) of every non-blank line that is not a ``#`` comment."""
     try:
-        text = _bytes(path, max_bytes).decode("utf-8")
+        text = _bytes(path, max_bytes).decode("utf-8-sig")  # a byte-order mark, as Windows editors write, dropped
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     return [(n, s) for n, line in enumerate(text.splitlines(), 1) if (s := line.strip()) and not s.startswith("#")]
@@ -428,7 +428,7 @@ def _val_ground_truth(root: Path, max_bytes: int) -> tuple[dict[str, str], Path]
             f"{root}: the flat validation folder needs labels: ILSVRC2012_devkit_t12/data/"
             "ILSVRC2012_validation_ground_truth.txt with meta.mat, or LOC_val_solution.csv"
         )
-    text = _bytes(solution, max_bytes).decode("utf-8", "replace")
+    text = _bytes(solution, max_bytes).decode("utf-8-sig", "replace")
     rows = list(csv.reader(io.StringIO(text)))
     if not rows or [c.strip() for c in rows[0][:2]] != ["ImageId", "PredictionString"]:
         raise ValueError(f"{solution}: expected the header 'ImageId,PredictionString'")
