@@ -547,3 +547,24 @@ def test_suite_reports_a_failed_entry_as_failed(checkpoint: Path, tmp_path: Path
         assert "| failed: FileNotFoundError: " in row and "yorkshire_terrier_9.jpg: image file not found" in row
         assert "not run" not in row and "\n- tasks[0] finetune: FileNotFoundError: " in report
         assert "| Table 6: Stanford Cars | top1 |  | 96.13 | not run |" in report
+
+
+def test_vtab1k_labels_are_bounded_before_anything_is_sized_by_them(tmp_path: Path) -> None:
+    # A task without a shipped class list has as many classes as its largest label needs; a label at the bound
+    # is refused while reading the list, before a name or a classifier row is made for it. (The first case is
+    # small enough to run safely on code without the bound; the ones after it are refused just the same.)
+    folder = write_vtab_task(tmp_path / "vtab-1k", "dtd", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_text("images/test/0.jpg 1\nimages/test/1.jpg 100000\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:2", "beyond the 100000 classes")
+    for label in ("30000000", "100000000000000000000", "9" * 5000):
+        path.write_text(f"images/test/0.jpg 1\nimages/test/1.jpg {label}\n")
+        _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:2", "beyond the 100000 classes")
+    for label in ("1e20", "²", "-1", "1.0"):
+        path.write_text(f"images/test/0.jpg {label}\n")
+        _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:1", "expected 'PATH LABEL'")
+    path.write_text("images/test/0.jpg 1\nimages/test/1.jpg 99999\n")  # the largest label allowed
+    assert len(load_classification(f"vtab1k:{folder}").classnames) == 100_000
+    shipped = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    (shipped / "test.txt").write_text("images/test/0.jpg 1\nimages/test/1.jpg 30000000\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{shipped}"), f"{shipped / 'test.txt'}:2", "the 10 classes")

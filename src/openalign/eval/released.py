@@ -15,7 +15,8 @@
   ``LOC_val_solution.csv`` (which must label every flat image in the folder); splits val, train.
 - ``vtab1k:DIR/TASK[:SPLIT]``: the VTAB-1k list files ``train800.txt``, ``val200.txt``,
   ``train800val200.txt``, ``test.txt`` (lines ``PATH LABEL``, paths relative to the task folder); splits
-  test, train800val200, train800, val200.
+  test, train800val200, train800, val200. A label must be below the task's number of classes, or, for a task
+  without a shipped class list (the labels are its names), below ``MAX_VTAB_CLASSES`` (100,000).
 
 CLIP_benchmark's names ``flowers``, ``cars``, ``imagenet1k`` (and ``pets``, ``food101``) are accepted too.
 Labels in the ``.mat`` files and list files are 1-based, as released (VTAB-1k's are 0-based); every class
@@ -74,6 +75,12 @@ SPLITS: dict[str, tuple[str, ...]] = {
     "vtab1k": ("test", "train800val200", "train800", "val200"),
 }
 _VAL_NAME = re.compile(r"^ILSVRC2012_val_(\d{8})$")
+_LABEL = re.compile(r"^[0-9]+$")  # a VTAB-1k label: ASCII digits only (str.isdigit takes "²" and other digits)
+# The most classes a VTAB-1k task folder may have (labels 0 .. MAX_VTAB_CLASSES - 1). A task without a shipped
+# class list has as many classes as its largest label needs, and every class costs a name, a classifier row and
+# a column of every score matrix, so a mistyped label (30000000) would otherwise allocate gigabytes. The 19 tasks
+# have at most 397 classes; 100,000 leaves room for any custom task (ImageNet-21k has 21,843).
+MAX_VTAB_CLASSES = 100_000
 
 
 @dataclass(frozen=True)
@@ -452,22 +459,28 @@ def _vtab1k(root: Path, split: str, max_bytes: int) -> Read:
     from openalign.eval.templates import vtab1k_classnames
 
     path = root / f"{split}.txt"
+    shipped = vtab1k_classnames().get(root.name)
     files, labels, rows = [], [], []
     for n, line in _lines(path, max_bytes):
         parts = line.rsplit(None, 1)
         image, label = (parts[0], parts[1]) if len(parts) == 2 else ("", "")
-        if not image or not label.isdigit():
+        if not image or not _LABEL.match(label):
             raise ValueError(f"{path}:{n}: expected 'PATH LABEL' with a label 0, 1, ..., got {line!r}")
+        # Checked before anything is sized by it: a task without a shipped class list has as many classes as its
+        # largest label needs, and one mistyped label must not make that millions.
+        if shipped and (len(label) > 6 or int(label) >= len(shipped)):
+            raise ValueError(
+                f"{path}:{n}: label {label} of {image} is outside the {len(shipped)} classes of {root.name}"
+            )
+        if len(label) > 6 or int(label) >= MAX_VTAB_CLASSES:
+            raise ValueError(
+                f"{path}:{n}: label {label} of {image} is beyond the {MAX_VTAB_CLASSES} classes a task may have "
+                "(labels are 0, 1, ..., number of classes - 1)"
+            )
         files.append(root / image)
         labels.append(int(label))
         rows.append(f"{path}:{n}")
-    shipped = vtab1k_classnames().get(root.name)
     count = len(shipped) if shipped else (max(labels) + 1 if labels else 0)
-    bad = next((i for i, y in enumerate(labels) if y >= count), None)
-    if bad is not None:
-        raise ValueError(
-            f"{path}: label {labels[bad]} of {files[bad].name} is outside the {count} classes of {root.name}"
-        )
     names = list(shipped) if shipped else _numbered(count)
     return Read(f"vtab1k/{root.name}", names, _numbered(count), files, labels, str(path), rows=rows)
 
