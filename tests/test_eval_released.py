@@ -342,6 +342,90 @@ def test_vtab1k_malformed_list(tmp_path: Path) -> None:
     _one_line_error(lambda: load_classification(f"vtab1k:{folder}:train800"), str(folder / "train800.txt"))
 
 
+# ------------------------------------------------------------------------------------------ hardening
+
+
+def test_annotation_paths_stay_inside_the_dataset_folder(tmp_path: Path) -> None:
+    outside = tmp_path / "other" / "secret.jpg"
+    _jpg(outside)
+    # Cars: an annotation walking out with ..
+    root = write_cars_devkit(tmp_path / "cars")
+    rows = [_car("../../other/secret.jpg", 1), _car("00002.jpg", 2)]
+    savemat(root / "cars_test_annos_withlabels.mat", {"annotations": _struct(rows, ["fname", "class"])})
+    listed = root / "cars_test_annos_withlabels.mat"
+    _one_line_error(lambda: load_classification(f"cars:{root}"), f"{listed}: annotation 1", "outside the dataset")
+    # Food-101: a CLASS/ID line climbing out of its class folder
+    root = write_food(tmp_path / "food")
+    path = root / "meta" / "test.txt"
+    path.write_text("apple_pie/99\napple_pie/../../../other/secret\n")
+    _one_line_error(lambda: load_classification(f"food101:{root}"), f"{path}:2", "outside the dataset folder")
+    # VTAB-1k: an absolute path, and a symlink pointing out
+    folder = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_text(f"images/test/0.jpg 1\n{outside} 2\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:2", "outside the dataset folder")
+    (folder / "images" / "link.jpg").symlink_to(outside)
+    path.write_text("images/link.jpg 1\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:1", "outside the dataset folder")
+    # Pets: an annotation naming a system file is refused before it is opened
+    root = write_pets(tmp_path / "pets")
+    path = root / "annotations" / "test.txt"
+    path.write_text("../../../../../../../../etc/passwd 1 1 1\n")
+    _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:1", "outside the dataset folder")
+
+
+def test_an_image_listed_twice_is_a_damaged_list(tmp_path: Path) -> None:
+    root = write_flowers(tmp_path / "flowers")
+    setid = root / "setid.mat"
+    savemat(setid, {"trnid": np.array([[1, 2]]), "valid": np.array([[3]]), "tstid": np.array([[4, 5, 4]])})
+    load = load_classification
+    _one_line_error(lambda: load(f"flowers102:{root}"), f"{setid}: tstid entry 3 (image 4)", "listed again", "damaged")
+    savemat(setid, {"trnid": np.array([[1, 2]]), "valid": np.array([[2]]), "tstid": np.array([[4]])})
+    _one_line_error(lambda: load(f"flowers102:{root}:trainval"), f"{setid}: valid entry 1 (image 2)", "trnid entry 2")
+    root = write_pets(tmp_path / "pets")
+    path = root / "annotations" / "test.txt"
+    path.write_text(path.read_text() * 2)
+    _one_line_error(lambda: load_classification(f"pets:{root}"), f"{path}:3", "Abyssinian_201.jpg is listed again")
+    root = write_food(tmp_path / "food")
+    path = root / "meta" / "test.txt"
+    path.write_text("apple_pie/99\nbaby_back_ribs/230\napple_pie/99\n")
+    _one_line_error(lambda: load_classification(f"food101:{root}"), f"{path}:3", f"first at {path}:1")
+    folder = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_text("images/test/0.jpg 1\nimages/test/1.jpg 2\nimages/test/../test/0.jpg 1\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:3", "listed again")
+    root = write_imagenet(tmp_path / "imagenet", "loc-csv")
+    solution = root / "LOC_val_solution.csv"
+    solution.write_text(solution.read_text() + "ILSVRC2012_val_00000002,n01440764 1 2 3 4\n")
+    _one_line_error(lambda: load_classification(f"imagenet:{root}"), f"{solution}:6", "listed again")
+
+
+@pytest.mark.parametrize("labels", ["devkit", "loc-csv"])
+def test_imagenet_labels_for_fewer_images_than_the_folder_holds(tmp_path: Path, labels: str) -> None:
+    root = write_imagenet(tmp_path / "imagenet", labels)
+    for n in (5, 6):
+        _jpg(root / "val" / f"ILSVRC2012_val_{n:08d}.JPEG", seed=n)
+    listed = (
+        root / "ILSVRC2012_devkit_t12" / "data" / "ILSVRC2012_validation_ground_truth.txt"
+        if labels == "devkit"
+        else root / "LOC_val_solution.csv"
+    )
+    _one_line_error(
+        lambda: load_classification(f"imagenet:{root}"),
+        f"{listed}: labels for 4 images",
+        f"{root / 'val'} holds 6 ILSVRC2012_val_* images",
+        "ILSVRC2012_val_00000005",
+    )
+    (root / "val" / "notes.txt").write_text("not an image, not counted")
+    for n in (5, 6):
+        (root / "val" / f"ILSVRC2012_val_{n:08d}.JPEG").unlink()
+    assert load_classification(f"imagenet:{root}").labels[:1] == [index_of(DEVKIT_IDS[1])]
+
+
+def index_of(wnid: str) -> int:
+    return next(c.index for c in imagenet_classes() if c.wnid == wnid)
+
+
 # ------------------------------------------------------------------------------------------ specs
 
 
@@ -426,3 +510,61 @@ def test_suite_entry_takes_a_spec(checkpoint: Path, tmp_path: Path) -> None:
     metrics = json.loads((out / "zeroshot-pets.json").read_text())["metrics"]
     assert metrics["num_images"] == 2 and metrics["num_classes"] == 37
     assert "Abyssinian" not in metrics["empty_classes"] and "Beagle" in metrics["empty_classes"]
+
+
+def test_annotation_lists_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
+    root = write_pets(tmp_path / "pets")
+    path = root / "annotations" / "test.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_classification(f"pets:{root}").labels == [0, 36]
+    root = write_food(tmp_path / "food")
+    for name in ("classes.txt", "test.txt"):
+        path = root / "meta" / name
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_classification(f"food101:{root}").labels == [1, 0]
+    folder = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_classification(f"vtab1k:{folder}").labels == [1, 2]
+    root = write_imagenet(tmp_path / "imagenet", "loc-csv")
+    path = root / "LOC_val_solution.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert len(load_classification(f"imagenet:{root}").labels) == 4
+
+
+def test_suite_reports_a_failed_entry_as_failed(checkpoint: Path, tmp_path: Path) -> None:
+    from openalign.eval.suite import run_suite
+
+    root = write_pets(tmp_path / "pets")
+    (root / "images" / "yorkshire_terrier_9.jpg").unlink()
+    out = tmp_path / "res"
+    entry = {"task": "finetune", "recipe": "paper-finegrained", "steps": 1, "batch_size": 2}
+    entry |= {"train": f"pets:{root}:trainval", "val": f"pets:{root}:test"}
+    summary = run_suite({"model": str(checkpoint), "out": str(out), "tasks": [entry]})
+    assert len(summary.failed) == 1 and "yorkshire_terrier_9.jpg" in summary.failed[0]
+    for report in (summary.markdown, (out / "results.md").read_text()):
+        row = next(line for line in report.splitlines() if line.startswith("| Table 6: Oxford Pets"))
+        assert "| failed: FileNotFoundError: " in row and "yorkshire_terrier_9.jpg: image file not found" in row
+        assert "not run" not in row and "\n- tasks[0] finetune: FileNotFoundError: " in report
+        assert "| Table 6: Stanford Cars | top1 |  | 96.13 | not run |" in report
+
+
+def test_vtab1k_labels_are_bounded_before_anything_is_sized_by_them(tmp_path: Path) -> None:
+    # A task without a shipped class list has as many classes as its largest label needs; a label at the bound
+    # is refused while reading the list, before a name or a classifier row is made for it. (The first case is
+    # small enough to run safely on code without the bound; the ones after it are refused just the same.)
+    folder = write_vtab_task(tmp_path / "vtab-1k", "dtd", {"test": [1, 2]})
+    path = folder / "test.txt"
+    path.write_text("images/test/0.jpg 1\nimages/test/1.jpg 100000\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:2", "beyond the 100000 classes")
+    for label in ("30000000", "100000000000000000000", "9" * 5000):
+        path.write_text(f"images/test/0.jpg 1\nimages/test/1.jpg {label}\n")
+        _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:2", "beyond the 100000 classes")
+    for label in ("1e20", "²", "-1", "1.0"):
+        path.write_text(f"images/test/0.jpg {label}\n")
+        _one_line_error(lambda: load_classification(f"vtab1k:{folder}"), f"{path}:1", "expected 'PATH LABEL'")
+    path.write_text("images/test/0.jpg 1\nimages/test/1.jpg 99999\n")  # the largest label allowed
+    assert len(load_classification(f"vtab1k:{folder}").classnames) == 100_000
+    shipped = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
+    (shipped / "test.txt").write_text("images/test/0.jpg 1\nimages/test/1.jpg 30000000\n")
+    _one_line_error(lambda: load_classification(f"vtab1k:{shipped}"), f"{shipped / 'test.txt'}:2", "the 10 classes")

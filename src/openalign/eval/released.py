@@ -12,10 +12,11 @@
 - ``imagenet:DIR[:SPLIT]``: ``train/WNID/`` (or Kaggle's ``ILSVRC/Data/CLS-LOC/train``); ``val/`` as WNID
   folders, or flat ``ILSVRC2012_val_*.JPEG`` labelled by the devkit's
   ``ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt`` (with ``meta.mat`` beside it) or by
-  ``LOC_val_solution.csv``; splits val, train.
+  ``LOC_val_solution.csv`` (which must label every flat image in the folder); splits val, train.
 - ``vtab1k:DIR/TASK[:SPLIT]``: the VTAB-1k list files ``train800.txt``, ``val200.txt``,
   ``train800val200.txt``, ``test.txt`` (lines ``PATH LABEL``, paths relative to the task folder); splits
-  test, train800val200, train800, val200.
+  test, train800val200, train800, val200. A label must be below the task's number of classes, or, for a task
+  without a shipped class list (the labels are its names), below ``MAX_VTAB_CLASSES`` (100,000).
 
 CLIP_benchmark's names ``flowers``, ``cars``, ``imagenet1k`` (and ``pets``, ``food101``) are accepted too.
 Labels in the ``.mat`` files and list files are 1-based, as released (VTAB-1k's are 0-based); every class
@@ -25,7 +26,11 @@ otherwise the release's own (Cars' ``class_names``, Food-101's ``labels.txt``); 
 
 Every metadata file is read through ``read_annotation`` (within ``max_annotation_bytes``), and a file
 that is missing, unreadable, lacks a variable or holds a bad label is a one-line error naming it; so is a
-listed image that is not on disk.
+listed image that is not on disk. Every listed image must lie inside the dataset folder once symlinks are
+resolved, as a table's image paths must lie inside its image root (``ImageRoot``): an annotation naming an
+absolute path, a ``..`` escape or a symlink pointing out is an error naming the row that lists it; so is
+an image listed twice in one split (a released list never repeats one, so a repeat is a damaged file that
+would count the image twice).
 """
 
 from __future__ import annotations
@@ -39,7 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openalign.data.sources import DEFAULT_MAX_ANNOTATION_BYTES, DEFAULT_MAX_FILE_BYTES, read_annotation, scan_folder
+from openalign.data.sources import (
+    DEFAULT_MAX_ANNOTATION_BYTES,
+    DEFAULT_MAX_FILE_BYTES,
+    BadInput,
+    ImageRoot,
+    is_image_file,
+    read_annotation,
+    scan_folder,
+)
 from openalign.eval.datasets import ClassificationSet, ImageSource, read_classnames, resolve_images
 
 # Spec names, CLIP_benchmark's names for the same datasets among them (flowers, cars, imagenet1k, pets, food101).
@@ -62,6 +75,12 @@ SPLITS: dict[str, tuple[str, ...]] = {
     "vtab1k": ("test", "train800val200", "train800", "val200"),
 }
 _VAL_NAME = re.compile(r"^ILSVRC2012_val_(\d{8})$")
+_LABEL = re.compile(r"^[0-9]+$")  # a VTAB-1k label: ASCII digits only (str.isdigit takes "²" and other digits)
+# The most classes a VTAB-1k task folder may have (labels 0 .. MAX_VTAB_CLASSES - 1). A task without a shipped
+# class list has as many classes as its largest label needs, and every class costs a name, a classifier row and
+# a column of every score matrix, so a mistyped label (30000000) would otherwise allocate gigabytes. The 19 tasks
+# have at most 397 classes; 100,000 leaves room for any custom task (ImageNet-21k has 21,843).
+MAX_VTAB_CLASSES = 100_000
 
 
 @dataclass(frozen=True)
@@ -113,7 +132,7 @@ def load_released(
         if len(override) != len(names):
             raise ValueError(f"{classnames}: {len(override)} class names for the {len(names)} classes of {name}")
         names = override
-    paths = resolve_images([[f] for f in read.files], read.listed_in)
+    paths = resolve_images([[f] for f in _confined(parsed.root, read)], read.listed_in)
     images = ImageSource.from_files(paths, max_bytes=max_file_bytes)
     return ClassificationSet(name, list(names), list(read.class_ids), read.labels, images, read.skipped)
 
@@ -129,6 +148,33 @@ class Read:
     labels: list[int]
     listed_in: str  # the file that lists the images, named when one is missing
     skipped: list[str] = field(default_factory=list)  # non-image files in class folders
+    rows: list[str] = field(default_factory=list)  # where each file is listed ("FILE:LINE"), named in errors
+
+    def row(self, i: int) -> str:
+        return self.rows[i] if i < len(self.rows) else self.listed_in
+
+
+def _confined(root: Path, read: Read) -> list[Path]:
+    """Every listed file resolved (symlinks included) inside the dataset folder, as a table's image paths are
+    kept inside its image root (``ImageRoot``): an absolute path, a ``..`` escape or a symlink pointing out is
+    an error naming the row that lists it, and so is a file listed a second time."""
+    images = ImageRoot(root)
+    out: list[Path] = []
+    first: dict[Path, int] = {}
+    for i, file in enumerate(read.files):
+        try:
+            resolved = images.resolve(str(file))
+        except BadInput as err:
+            detail = err.detail.replace("outside the image root", "outside the dataset folder")
+            raise ValueError(f"{read.row(i)}: {detail}") from None
+        seen = first.setdefault(resolved, i)
+        if seen != i:
+            raise ValueError(
+                f"{read.row(i)}: {file} is listed again (first at {read.row(seen)}); a released list names each "
+                "image once, so the file is damaged"
+            )
+        out.append(resolved)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,7 +188,7 @@ def _bytes(path: Path, max_bytes: int) -> bytes:
 def _lines(path: Path, max_bytes: int) -> list[tuple[int, str]]:
     """(line number, stripped text) of every non-blank line that is not a ``#`` comment."""
     try:
-        text = _bytes(path, max_bytes).decode("utf-8")
+        text = _bytes(path, max_bytes).decode("utf-8-sig")  # a byte-order mark, as Windows editors write, dropped
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     return [(n, s) for n, line in enumerate(text.splitlines(), 1) if (s := line.strip()) and not s.startswith("#")]
@@ -228,14 +274,15 @@ def _flowers102(root: Path, split: str, max_bytes: int) -> Read:
     per_image = _int_list(_loadmat(labels_path, ["labels"], max_bytes)["labels"], labels_path, "labels")
     keys = {"train": ["trnid"], "val": ["valid"], "test": ["tstid"], "trainval": ["trnid", "valid"]}[split]
     setid = _loadmat(setid_path, keys, max_bytes)
-    files, labels = [], []
+    files, labels, rows = [], [], []
     for key in keys:
-        for image_id in _int_list(setid[key], setid_path, key):
+        for position, image_id in enumerate(_int_list(setid[key], setid_path, key), 1):
             if not 1 <= image_id <= len(per_image):
                 raise ValueError(f"{setid_path}: {key} lists image {image_id}, outside the {len(per_image)} labels")
             labels.append(_label(per_image[image_id - 1], len(names), f"{labels_path}: image {image_id}"))
             files.append(root / "jpg" / f"image_{image_id:05d}.jpg")
-    return Read("flowers102", names, _numbered(len(names)), files, labels, str(setid_path))
+            rows.append(f"{setid_path}: {key} entry {position} (image {image_id})")
+    return Read("flowers102", names, _numbered(len(names)), files, labels, str(setid_path), rows=rows)
 
 
 def _pets(root: Path, split: str, max_bytes: int) -> Read:
@@ -243,7 +290,7 @@ def _pets(root: Path, split: str, max_bytes: int) -> Read:
 
     names = shipped_classnames("pets")
     path = root / "annotations" / f"{split}.txt"
-    files, labels = [], []
+    files, labels, rows = [], [], []
     breed_of: dict[int, str] = {}  # the file-name breed each class number was first seen with
     for n, line in _lines(path, max_bytes):
         parts = line.split()
@@ -256,7 +303,8 @@ def _pets(root: Path, split: str, max_bytes: int) -> Read:
             raise ValueError(f"{path}:{n}: {parts[0]} has class {label + 1}, the class of {breed_of[label]} images")
         labels.append(label)
         files.append(root / "images" / f"{parts[0]}.jpg")
-    return Read("pets", names, _numbered(len(names)), files, labels, str(path))
+        rows.append(f"{path}:{n}")
+    return Read("pets", names, _numbered(len(names)), files, labels, str(path), rows=rows)
 
 
 def _cars(root: Path, split: str, max_bytes: int) -> Read:
@@ -284,11 +332,12 @@ def _cars(root: Path, split: str, max_bytes: int) -> Read:
         rows = _records(_loadmat(listed, ["annotations"], max_bytes)["annotations"], fields, listed, "annotations")
         chosen = [(r["fname"], r["class"]) for r in rows]
         image_dir = root / f"cars_{split}"
-    files, labels = [], []
+    files, labels, where = [], [], []
     for i, (file, cls) in enumerate(chosen, 1):
         labels.append(_label(cls, len(names), f"{listed}: annotation {i}"))
         files.append(image_dir / str(file))
-    return Read("cars", names, _numbered(len(names)), files, labels, str(listed))
+        where.append(f"{listed}: annotation {i}")
+    return Read("cars", names, _numbered(len(names)), files, labels, str(listed), rows=where)
 
 
 def _food101(root: Path, split: str, max_bytes: int) -> Read:
@@ -302,14 +351,15 @@ def _food101(root: Path, split: str, max_bytes: int) -> Read:
             raise ValueError(f"{meta / 'labels.txt'}: {len(readable)} labels for {len(classes)} classes.txt entries")
         names = readable
     path = meta / f"{split}.txt"
-    files, labels = [], []
+    files, labels, rows = [], [], []
     for n, line in _lines(path, max_bytes):
         cls, sep, _ = line.partition("/")
         if not sep or cls not in index:
             raise ValueError(f"{path}:{n}: {line!r} is not CLASS/ID with a class of {meta / 'classes.txt'}")
         labels.append(index[cls])
         files.append(root / "images" / f"{line}.jpg")
-    return Read("food101", names, classes, files, labels, str(path))
+        rows.append(f"{path}:{n}")
+    return Read("food101", names, classes, files, labels, str(path), rows=rows)
 
 
 def _imagenet(root: Path, split: str, max_bytes: int) -> Read:
@@ -333,14 +383,23 @@ def _imagenet(root: Path, split: str, max_bytes: int) -> Read:
     if split == "train":
         raise ValueError(f"{folder}: the ImageNet train split needs one WordNet-id folder per class")
     wnid_of, listed = _val_ground_truth(root, max_bytes)
-    files, labels = [], []
+    # Labels for fewer images than the folder holds would shrink the validation set without a word.
+    on_disk = sorted(p.stem for p in folder.iterdir() if _VAL_NAME.match(p.stem) and is_image_file(p))
+    unlabelled = [stem for stem in on_disk if stem not in wnid_of]
+    if unlabelled:
+        raise ValueError(
+            f"{listed}: labels for {len(wnid_of)} images, but {folder} holds {len(on_disk)} ILSVRC2012_val_* images "
+            f"({len(unlabelled)} without a label, the first {unlabelled[0]}); a short or truncated label file?"
+        )
+    files, labels, rows = [], [], []
     for stem in sorted(wnid_of):
         wnid = wnid_of[stem]
         if wnid not in index:
             raise ValueError(f"{listed}: {stem} is labelled {wnid!r}, not an ImageNet class")
         files.append(folder / f"{stem}.JPEG")
         labels.append(index[wnid])
-    return Read("imagenet", names, wnids, files, labels, str(listed))
+        rows.append(f"{listed}: {stem}")
+    return Read("imagenet", names, wnids, files, labels, str(listed), rows=rows)
 
 
 def _val_ground_truth(root: Path, max_bytes: int) -> tuple[dict[str, str], Path]:
@@ -376,7 +435,7 @@ def _val_ground_truth(root: Path, max_bytes: int) -> tuple[dict[str, str], Path]
             f"{root}: the flat validation folder needs labels: ILSVRC2012_devkit_t12/data/"
             "ILSVRC2012_validation_ground_truth.txt with meta.mat, or LOC_val_solution.csv"
         )
-    text = _bytes(solution, max_bytes).decode("utf-8", "replace")
+    text = _bytes(solution, max_bytes).decode("utf-8-sig", "replace")
     rows = list(csv.reader(io.StringIO(text)))
     if not rows or [c.strip() for c in rows[0][:2]] != ["ImageId", "PredictionString"]:
         raise ValueError(f"{solution}: expected the header 'ImageId,PredictionString'")
@@ -389,7 +448,10 @@ def _val_ground_truth(root: Path, max_bytes: int) -> tuple[dict[str, str], Path]
             raise ValueError(
                 f"{solution}:{n}: expected 'ILSVRC2012_val_NNNNNNNN,WNID x y x y ...', got {','.join(row)!r}"
             )
-        out[row[0].strip()] = prediction[0]
+        stem = row[0].strip()
+        if stem in out:
+            raise ValueError(f"{solution}:{n}: {stem} is listed again; a released list names each image once")
+        out[stem] = prediction[0]
     return out, solution
 
 
@@ -397,23 +459,30 @@ def _vtab1k(root: Path, split: str, max_bytes: int) -> Read:
     from openalign.eval.templates import vtab1k_classnames
 
     path = root / f"{split}.txt"
-    files, labels = [], []
+    shipped = vtab1k_classnames().get(root.name)
+    files, labels, rows = [], [], []
     for n, line in _lines(path, max_bytes):
         parts = line.rsplit(None, 1)
         image, label = (parts[0], parts[1]) if len(parts) == 2 else ("", "")
-        if not image or not label.isdigit():
+        if not image or not _LABEL.match(label):
             raise ValueError(f"{path}:{n}: expected 'PATH LABEL' with a label 0, 1, ..., got {line!r}")
+        # Checked before anything is sized by it: a task without a shipped class list has as many classes as its
+        # largest label needs, and one mistyped label must not make that millions.
+        if shipped and (len(label) > 6 or int(label) >= len(shipped)):
+            raise ValueError(
+                f"{path}:{n}: label {label} of {image} is outside the {len(shipped)} classes of {root.name}"
+            )
+        if len(label) > 6 or int(label) >= MAX_VTAB_CLASSES:
+            raise ValueError(
+                f"{path}:{n}: label {label} of {image} is beyond the {MAX_VTAB_CLASSES} classes a task may have "
+                "(labels are 0, 1, ..., number of classes - 1)"
+            )
         files.append(root / image)
         labels.append(int(label))
-    shipped = vtab1k_classnames().get(root.name)
+        rows.append(f"{path}:{n}")
     count = len(shipped) if shipped else (max(labels) + 1 if labels else 0)
-    bad = next((i for i, y in enumerate(labels) if y >= count), None)
-    if bad is not None:
-        raise ValueError(
-            f"{path}: label {labels[bad]} of {files[bad].name} is outside the {count} classes of {root.name}"
-        )
     names = list(shipped) if shipped else _numbered(count)
-    return Read(f"vtab1k/{root.name}", names, _numbered(count), files, labels, str(path))
+    return Read(f"vtab1k/{root.name}", names, _numbered(count), files, labels, str(path), rows=rows)
 
 
 _LAYOUTS: dict[str, Callable[[Path, str, int], Read]] = {

@@ -42,6 +42,21 @@ class PaperReference:
     table: str = ""  # for the transfer results (Tables 4-6): the row label in results.md's transfer summary
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A task a suite ran that raised: reported as failed, with its reason, never as "not run"."""
+
+    entry: str  # the suite entry, as the suite names it ("tasks[4] finetune")
+    task: str
+    dataset: str  # the dataset it was given ("pets"), "" when the entry does not tell
+    reason: str  # one line
+
+
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell: one line, no column separators."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 _RETRIEVAL_KEYS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
 _CXC_KEYS = tuple(f"{d}_r{k}" for d in ("i2t", "t2i", "t2t", "i2i") for k in (1, 5, 10))
 _SIMLEX_KEYS = ("all", "adjs", "nouns", "verbs", "conc_q1", "conc_q2", "conc_q3", "conc_q4", "hard")
@@ -284,12 +299,14 @@ def _paper(value: float) -> str:
     return f"{value:.1f}" if round(value, 1) == value else f"{value:.2f}"
 
 
-def transfer_summary(results: Iterable[Mapping[str, Any]]) -> list[str]:
+def transfer_summary(results: Iterable[Mapping[str, Any]], failed: Iterable[Failure] = ()) -> list[str]:
     """The paper's transfer tables (4-6), every row of them, with our number beside each where we have one
-    and whether it is comparable (the paper's test split; for VTAB-1k, every task of a group)."""
+    and whether it is comparable (the paper's test split; for VTAB-1k, every task of a group); a row whose
+    task ``failed`` says so, with the reason."""
     found = {(r["task"], canonical_dataset(r["dataset"])): r for r in results}
+    failures = {(f.task, canonical_dataset(f.dataset)): f for f in failed if f.dataset}
     refs = [p for p in PAPER if p.table]
-    if not any((p.task, p.dataset) in found for p in refs):
+    if not any((p.task, p.dataset) in found or (p.task, p.dataset) in failures for p in refs):
         return []
     lines = [
         "## Transfer: the paper's Tables 4-6 beside ours",
@@ -303,7 +320,10 @@ def transfer_summary(results: Iterable[Mapping[str, Any]]) -> list[str]:
         mismatch = [f"{k} {metrics.get(k)} (paper {v:g})" for k, v in ref.requires.items() if metrics.get(k) != v]
         for key, paper in ref.align.items():
             ours = metrics.get(key)
-            if result is None:
+            failure = failures.get((ref.task, ref.dataset))
+            if result is None and failure is not None:
+                note, shown = f"failed: {_cell(failure.reason)}", ""
+            elif result is None:
                 note, shown = "not run", ""
             elif ours is None:
                 note, shown = "not measured (a task of the group did not run)", ""
@@ -317,11 +337,14 @@ def transfer_summary(results: Iterable[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown(results: Iterable[Mapping[str, Any]]) -> str:
+def markdown(results: Iterable[Mapping[str, Any]], failed: Iterable[Failure] = ()) -> str:
     """One table per result: metric, ours, and the paper's ALIGN and baseline numbers where comparable;
-    with transfer results, first a summary of the paper's Tables 4-6 beside ours."""
-    results = list(results)
-    parts = ["# Evaluation results", "", *transfer_summary(results)]
+    with transfer results, first a summary of the paper's Tables 4-6 beside ours; every ``failed`` task
+    listed with its reason."""
+    results, failed = list(results), list(failed)
+    parts = ["# Evaluation results", "", *transfer_summary(results, failed)]
+    if failed:
+        parts += ["## Failed", "", *(f"- {f.entry}: {' '.join(f.reason.split())}" for f in failed), ""]
     for r in results:
         metrics = r["metrics"]
         model = f" — model `{r['model']}`" if r.get("model") else ""
@@ -350,6 +373,6 @@ def markdown(results: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_report(out_dir: str | Path) -> Path:
-    """Regenerate ``results.md`` from every result JSON in ``out_dir``."""
-    return atomic_write_text(Path(out_dir) / "results.md", markdown(read_results(out_dir)))
+def write_report(out_dir: str | Path, failed: Iterable[Failure] = ()) -> Path:
+    """Regenerate ``results.md`` from every result JSON in ``out_dir`` (and the tasks of this run that ``failed``)."""
+    return atomic_write_text(Path(out_dir) / "results.md", markdown(read_results(out_dir), failed))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from openalign.config import ConfigError, from_dict, load_yaml
 from openalign.eval.report import (
     CLIP_BENCHMARK_TASKS,
+    Failure,
     clip_benchmark_result,
     markdown,
     result_filename,
@@ -64,6 +65,7 @@ class SuiteConfig:
 class SuiteSummary:
     results: list[dict[str, Any]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # "entry: reason" for every task that raised
+    failures: list[Failure] = field(default_factory=list)  # the same, as the report lists them
     skipped: list[str] = field(default_factory=list)  # entries whose results were already on disk (resume)
     absent: list[str] = field(default_factory=list)  # entries whose `needs:` folder is not under the root
     clip_benchmark: list[dict[str, Any]] = field(default_factory=list)  # the results in CLIP_benchmark's JSON
@@ -282,7 +284,9 @@ def run_suite(
         try:
             result = run_task(name, net, tok, options_i, model_name=model_path).to_dict()
         except Exception as err:  # one broken dataset must not cost the other tasks' results
-            summary.failed.append(f"{label}: {type(err).__name__}: {err}")
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            summary.failed.append(f"{label}: {reason}")
+            summary.failures.append(Failure(label, name, _entry_dataset(name, options_i), reason))
             print(f"eval suite: {label} failed: {err}", file=sys.stderr)
             continue
         summary.results.append(result)
@@ -293,12 +297,32 @@ def run_suite(
                 write_clip_benchmark(converted, out_dir)
         elif out_dir is not None:
             write_result(result, out_dir)
-            write_report(out_dir)
+            write_report(out_dir, summary.failures)
     if out_dir is not None and format != "clip_benchmark":
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_report(out_dir)
-    summary.markdown = markdown(summary.results)
+        write_report(out_dir, summary.failures)
+    summary.markdown = markdown(summary.results, summary.failures)
     return summary
+
+
+def _entry_dataset(task: str, options: dict[str, Any]) -> str:
+    """The dataset an entry's result would have been reported under, as far as its options tell: its ``name``,
+    else the layout of the first ``NAME:DIR[:SPLIT]`` spec it evaluates on ("" when none)."""
+    from openalign.eval.released import parse_spec
+
+    if options.get("name"):
+        return str(options["name"])
+    if task == "vtab":
+        return "vtab-1k"  # the name every VTAB-1k result has
+    for key in ("val", "dataset", "train"):
+        value = options.get(key)
+        try:
+            spec = parse_spec(value) if isinstance(value, str) else None
+        except ValueError:
+            spec = None
+        if spec is not None:
+            return spec.name
+    return ""
 
 
 def _finished(out_dir: Path, task: str, options: dict[str, Any]) -> dict[str, Any] | None:
