@@ -393,6 +393,28 @@ def test_binary_parquet_captions_are_decoded_and_invalid_utf8_counted(tmp_path):
     assert out.column("caption").to_pylist() == ["a red car"] and out.column_names == ["id", "url", "caption"]
 
 
+@pytest.mark.parametrize("engine", ["duckdb", pytest.param("spark", marks=pytest.mark.slow)])
+def test_invalid_utf8_in_parquet_string_columns_is_counted_not_fatal(tmp_path, request, engine):
+    """A string column whose writer did not check UTF-8: the row with such an alt-text is removed and counted
+    as non_utf8_text (as for JSONL, CSV and binary columns); such bytes in another column become U+FFFD."""
+
+    def unchecked(values: list[bytes]) -> pa.Array:
+        return pa.array(values, pa.binary()).view(pa.string())
+
+    captions = unchecked([b"a red car", b"caf\xe9 au lait", b"a blue bike", b"a green tree"])
+    urls = unchecked([b"http://x/0", b"http://x/1", b"http://x/\xff2", b"http://x/3"])
+    table = pa.table({"id": [0, 1, 2, 3], "url": urls, "caption": captions})
+    pq.write_table(table, tmp_path / "s.parquet")
+    pq.write_table(pa.table({"id": [4], "url": ["http://x/4"], "caption": ["a big boat"]}), tmp_path / "t.parquet")
+    spark = request.getfixturevalue("spark") if engine == "spark" else None
+    out = tmp_path / "out.parquet"
+    report = filter_corpus(tmp_path / "*.parquet", out, load_rules("align", **OFF), engine=engine, spark=spark)
+    assert nonzero(report) == {"non_utf8_text": 1} and report.rows_in == 5 and report.rows_out == 4
+    got = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
+    assert [r["caption"] for r in got] == ["a red car", "a blue bike", "a green tree", "a big boat"]
+    assert got[1]["url"] == "http://x/\ufffd2" and got[0]["url"] == "http://x/0"
+
+
 def _s(v: object) -> str | None:
     return None if v is None else str(v)
 
