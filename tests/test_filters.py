@@ -28,6 +28,7 @@ from openalign.data.filters import (
     tokenize,
 )
 from openalign.data.filters.duckdb_engine import norm_sql
+from openalign.data.filters.rules import paired_words
 
 WS = " \t\n\x0b\f\r"
 
@@ -89,6 +90,7 @@ def reference_filter(rows: list[dict], rules) -> list[str | None]:
     threshold = ranked[k - 1] if k is not None and len(ranked) > k else 0
     for i in ident:
         row, ws = rows[i], (norm[i].split(" ") if norm[i] else [])
+        ps = paired_words(ws)
         grams = ws + ([f"{a} {b}" for a, b in itertools.pairwise(ws)] if rules.rare_ngram_order == 2 else [])
         w, h, u = _number(row.get(c.width)), _number(row.get(c.height)), _number(row.get(c.unsafe))
         checks = [
@@ -114,12 +116,12 @@ def reference_filter(rows: list[dict], rules) -> list[str | None]:
             ("rare_ngram", k is not None and any(counts[g] < threshold for g in grams)),
             ("rare_word", rules.min_word_count is not None and any(words[x] < rules.min_word_count for x in ws)),
             ("too_few_words", rules.min_words is not None and len(ws) < rules.min_words),
-            ("too_many_words", rules.max_words is not None and len(ws) > rules.max_words),
+            ("too_many_words", rules.max_words is not None and len(ps) > rules.max_words),
             (
                 "repeated_words",
                 rules.max_repeated_fraction is not None
-                and bool(ws)
-                and (len(ws) - len(set(ws))) / len(ws) > rules.max_repeated_fraction,
+                and bool(ps)
+                and (len(ps) - len(set(ps))) / len(ps) > rules.max_repeated_fraction,
             ),
         ]
         reasons[i] = next((name for name, hit in checks if hit), None)
