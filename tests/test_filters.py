@@ -28,6 +28,7 @@ from openalign.data.filters import (
     tokenize,
 )
 from openalign.data.filters.duckdb_engine import norm_sql
+from openalign.data.filters.rules import paired_words
 
 WS = " \t\n\x0b\f\r"
 
@@ -89,6 +90,7 @@ def reference_filter(rows: list[dict], rules) -> list[str | None]:
     threshold = ranked[k - 1] if k is not None and len(ranked) > k else 0
     for i in ident:
         row, ws = rows[i], (norm[i].split(" ") if norm[i] else [])
+        ps = paired_words(ws)
         grams = ws + ([f"{a} {b}" for a, b in itertools.pairwise(ws)] if rules.rare_ngram_order == 2 else [])
         w, h, u = _number(row.get(c.width)), _number(row.get(c.height)), _number(row.get(c.unsafe))
         checks = [
@@ -114,12 +116,12 @@ def reference_filter(rows: list[dict], rules) -> list[str | None]:
             ("rare_ngram", k is not None and any(counts[g] < threshold for g in grams)),
             ("rare_word", rules.min_word_count is not None and any(words[x] < rules.min_word_count for x in ws)),
             ("too_few_words", rules.min_words is not None and len(ws) < rules.min_words),
-            ("too_many_words", rules.max_words is not None and len(ws) > rules.max_words),
+            ("too_many_words", rules.max_words is not None and len(ps) > rules.max_words),
             (
                 "repeated_words",
                 rules.max_repeated_fraction is not None
-                and bool(ws)
-                and (len(ws) - len(set(ws))) / len(ws) > rules.max_repeated_fraction,
+                and bool(ps)
+                and (len(ps) - len(set(ps))) / len(ps) > rules.max_repeated_fraction,
             ),
         ]
         reasons[i] = next((name for name, hit in checks if hit), None)
@@ -391,6 +393,28 @@ def test_binary_parquet_captions_are_decoded_and_invalid_utf8_counted(tmp_path):
     assert nonzero(report) == {"non_utf8_text": 1, "missing_text": 1}
     out = pq.read_table(tmp_path / "b_out.parquet")
     assert out.column("caption").to_pylist() == ["a red car"] and out.column_names == ["id", "url", "caption"]
+
+
+@pytest.mark.parametrize("engine", ["duckdb", pytest.param("spark", marks=pytest.mark.slow)])
+def test_invalid_utf8_in_parquet_string_columns_is_counted_not_fatal(tmp_path, request, engine):
+    """A string column whose writer did not check UTF-8: the row with such an alt-text is removed and counted
+    as non_utf8_text (as for JSONL, CSV and binary columns); such bytes in another column become U+FFFD."""
+
+    def unchecked(values: list[bytes]) -> pa.Array:
+        return pa.array(values, pa.binary()).view(pa.string())
+
+    captions = unchecked([b"a red car", b"caf\xe9 au lait", b"a blue bike", b"a green tree"])
+    urls = unchecked([b"http://x/0", b"http://x/1", b"http://x/\xff2", b"http://x/3"])
+    table = pa.table({"id": [0, 1, 2, 3], "url": urls, "caption": captions})
+    pq.write_table(table, tmp_path / "s.parquet")
+    pq.write_table(pa.table({"id": [4], "url": ["http://x/4"], "caption": ["a big boat"]}), tmp_path / "t.parquet")
+    spark = request.getfixturevalue("spark") if engine == "spark" else None
+    out = tmp_path / "out.parquet"
+    report = filter_corpus(tmp_path / "*.parquet", out, load_rules("align", **OFF), engine=engine, spark=spark)
+    assert nonzero(report) == {"non_utf8_text": 1} and report.rows_in == 5 and report.rows_out == 4
+    got = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
+    assert [r["caption"] for r in got] == ["a red car", "a blue bike", "a green tree", "a big boat"]
+    assert got[1]["url"] == "http://x/\ufffd2" and got[0]["url"] == "http://x/0"
 
 
 def _s(v: object) -> str | None:

@@ -316,6 +316,38 @@ def test_cli_nlp_flag_and_its_one_line_error(tmp_path, capsys, pipeline):
     assert err.count("\n") == 1 and "python -m spacy download en_core_web_sm" in err
 
 
+def test_a_pipeline_without_the_tagger_or_ner_a_rule_needs_is_refused_up_front(tmp_path, capsys, pipeline):
+    """A blank or NER-only pipeline tags no part of speech, so missing_pos would remove every row; a
+    tagger-only one finds no person. Each is one line naming the pipeline and the rule, nothing written."""
+    blank, ner_only, tags_only = tmp_path / "blank", tmp_path / "ner_only", tmp_path / "tags_only"
+    spacy.blank("en").to_disk(blank)
+    nlp = spacy.blank("en")
+    nlp.add_pipe("entity_ruler").add_patterns([{"label": "PERSON", "pattern": name} for name in PEOPLE])
+    nlp.to_disk(ner_only)
+    nlp = spacy.blank("en")
+    ruler = nlp.add_pipe("attribute_ruler")
+    for word, tag in POS.items():
+        ruler.add([[{"LOWER": word}]], {"POS": tag})
+    nlp.to_disk(tags_only)
+    src = write_rows(tmp_path / "in.parquet", [row(0, "Barack Obama walks a dog"), row(1, "a red car")])
+    out = tmp_path / "out.parquet"
+    base = ["filter", str(src), str(out), "--rules", "cc12m", "--quiet", "--set", "min_word_count=null"]
+    for spec, rule in [(blank, "the missing_pos"), (ner_only, "the missing_pos"), (tags_only, "person_names nlp")]:
+        assert main([*base, "--rules.min_shorter_side", "10", "--nlp", str(spec), "--person-names", "nlp"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"'{spec}'" in err and f"so {rule}" in err, err
+        assert not out.exists()
+    # Each runs where it is asked only for what it has.
+    sized = [*base, "--rules.min_shorter_side", "10", "--overwrite"]
+    assert main([*sized, "--set", "required_pos=null", "--nlp", str(ner_only), "--person-names", "nlp"]) == 0
+    assert pq.read_table(out).column("caption").to_pylist() == ["<PERSON> walks a dog", "a red car"]
+    assert main([*sized, "--set", "person_substitution=null", "--nlp", str(tags_only)]) == 0
+    assert pq.read_table(out).column("caption").to_pylist() == ["Barack Obama walks a dog", "a red car"]
+    capsys.readouterr()
+    with pytest.raises(NLPError, match="tags no parts of speech"):
+        filter_corpus(src, tmp_path / "api.parquet", cc12m(required_pos=["NOUN|PROPN", "DET"]), nlp=str(blank))
+
+
 @pytest.mark.slow
 def test_spark_and_duckdb_agree_on_every_cc12m_rule(tmp_path, pipeline):
     pytest.importorskip("pyspark")

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from openalign.data.filters import filter_corpus, load_rules, tokenize
-from openalign.data.filters.rules import segment
+from openalign.data.filters.rules import paired_words, segment
 from test_filters import OFF, assert_duckdb_normalises_as_tokenize, row, run, write_rows
 
 # Pieces of every kind the segmentation treats differently: ideographs, kana (with a voicing mark written
@@ -50,9 +50,50 @@ def test_chinese_japanese_and_thai_pass_the_word_count_while_too_short_ones_are_
     report, kept = run(tmp_path, rows, rules)
     # Before the segmentation each of these was one "word" and all eight were too_few_words.
     assert kept == [0, 1, 2, 5, 7] and report.removed["too_few_words"] == 3
-    # the repetition rule counts characters too: 猫猫猫猫 repeats 3 of 4 words
+    # the repetition rule counts paired words: 猫猫猫猫 is 猫猫 猫猫, one of two repeated
     rep = load_rules("cc12m", **{**OFF, "min_word_count": None, "max_repeated_fraction": 0.2})
     assert run(tmp_path, [row(0, "猫猫猫猫"), row(1, "黑猫白狗")], rep, "rep")[1] == [1]
+
+
+ZH21 = "我和我的朋友们在公园里的湖边看见了一只白色"  # 21 characters, about 11 words
+FRIEND_DOG = "我的朋友和我的狗"  # "my friend and my dog": 我 and 的 twice, no word repeated
+TH32 = "แมวสีขาวนอนหลับอยู่บนโซฟาในห้องนั่งเล่น"  # "a white cat sleeps on the sofa in the living room"
+
+
+def test_long_and_repeated_word_rules_count_paired_characters():
+    assert len(ZH21) == len(tokenize(ZH21)) == 21 and len(paired_words(tokenize(ZH21))) == 11
+    assert paired_words(tokenize(FRIEND_DOG)) == ["我的", "朋友", "和我", "的狗"]
+    assert paired_words(tokenize("猫猫猫猫猫")) == ["猫猫", "猫猫", "猫"]
+    assert paired_words(tokenize("a 猫, b 白猫。黑 สีขาว")) == ["a", "猫", "b", "白猫", "黑สี", "ขา", "ว"]
+    assert paired_words(tokenize("a red car")) == ["a", "red", "car"] and paired_words([]) == []
+
+
+@pytest.mark.parametrize("engine", ["duckdb", pytest.param("spark", marks=pytest.mark.slow)])
+def test_scripts_without_spaces_are_not_too_many_or_repeated_words_per_character(tmp_path, engine):
+    """ALIGN's 20-word cap keeps a 21-character Chinese caption; CC12M's repetition rule keeps
+    我的朋友和我的狗 and a Thai caption, and still drops genuinely repeated captions in any script."""
+    spark = None
+    if engine == "spark":
+        pytest.importorskip("pyspark")
+        from openalign.data.filters.spark_engine import SparkSettings, spark_session
+
+        spark = spark_session(SparkSettings("local[2]", {"spark.sql.shuffle.partitions": "2"}))
+    kw = {"engine": engine, "spark": spark}
+    long = ZH21 + "的狗坐在沙发上的角落里休息了一个下午里面"  # 40 characters: 20 paired words, 41: 21
+    rows = [row(0, ZH21), row(1, long[:40]), row(2, long[:41]), row(3, " ".join(["car"] * 21)), row(4, "白猫。黑")]
+    report, kept = run(tmp_path, rows, load_rules("align", **{**OFF, "min_words": 3, "max_words": 20}), "align", **kw)
+    assert kept == [0, 1, 4] and report.removed["too_many_words"] == 2
+    rep = load_rules("cc12m", **{**OFF, "min_word_count": None})
+    rows = [
+        row(0, FRIEND_DOG),
+        row(1, TH32),
+        row(2, "猫猫猫猫猫猫"),
+        row(3, "便宜便宜便宜便宜"),
+        row(4, "dog dog dog cat"),
+    ]
+    rows += [row(5, "ดีดีดีดีดีดี"), row(6, "a big dog")]
+    report, kept = run(tmp_path, rows, rep, "cc12m", **kw)
+    assert kept == [0, 1, 6] and report.removed["repeated_words"] == 4
 
 
 def test_rare_ngrams_are_counted_over_characters(tmp_path):

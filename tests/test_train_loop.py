@@ -486,3 +486,43 @@ def test_a_batch_larger_than_the_data_warns_once(
     assert len(warnings) == 1
     assert f"the global batch of 8 is larger than the {pairs} pairs of an epoch" in warnings[0]
     assert warning in warnings[0] and "in-batch negatives include copies of the positive" in warnings[0]
+
+
+@pytest.mark.parametrize(("record", "resampled"), [("stats", True), ("stats", False), ("parquet", True)])
+def test_shards_recording_fewer_samples_than_the_batch_warn_before_step_one(
+    tmp_path: Path, record: str, resampled: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Shards written by ``openalign shard`` record their sample counts: a batch larger than their sum is
+    named before the first step, even when no epoch is ever measured (resampled draws), and only once."""
+    from openalign.data.shards import write_shards
+    from openalign.text import train_wordpiece
+    from test_train_data import caption, encoded, picture
+
+    tokenizer = train_wordpiece([caption(i) for i in range(50)] * 2, vocab_size=120, min_frequency=1)
+    samples = [{"key": f"{i:06d}", "jpg": encoded(picture(i)), "txt": caption(i)} for i in range(5)]
+    shards = write_shards(samples, tmp_path / "shards", samples_per_shard=3)
+    if record == "parquet":
+        for stats in (tmp_path / "shards").glob("*_stats.json"):
+            stats.unlink()
+    cfg = tiny_config(
+        tmp_path / "run",
+        model={"text": {"vocab_size": 128}},
+        data={
+            "source": "shards",
+            "shards": [str(p) for p in shards],
+            "workers": 0,
+            "max_text_length": 12,
+            "batch_size": 16,
+            "resampled": resampled,
+        },
+        train={"steps": 1},
+        log={"progress": False, "every": 1},
+    )
+    train(cfg, stream_factory=None, tokenizer=tokenizer)
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert warnings == [
+        "warning: the global batch of 16 is larger than the 5 samples the shards record: each pair appears "
+        "~3.2 times per batch, so in-batch negatives include copies of the positive; lower train.batch_size "
+        "or train on more pairs"
+    ]

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from openalign.data.filters.rules import FilterRules, frequent_threshold, load_rules, tokenize
+from openalign.data.filters.rules import FilterRules, frequent_threshold, load_rules, paired_words, tokenize
 
 FOLLOW_PROBABILITY = 0.97
 JUNK_RATE = 0.05
@@ -181,6 +181,7 @@ def pandas_align_filter(path: str | Path, rules: FilterRules) -> Any:
         lambda t: any(x not in frequent for x in t) or any(f"{a} {b}" not in frequent for a, b in itertools.pairwise(t))
     )
     n_words = good["toks"].str.len()
+    n_paired = good["toks"].map(lambda t: len(paired_words(t)))  # what too_many_words counts
     keep = (
         ~(u[valid.values] > rules.max_unsafe)
         & (np.minimum(good["width"], good["height"]) > rules.min_shorter_side)
@@ -192,7 +193,7 @@ def pandas_align_filter(path: str | Path, rules: FilterRules) -> Any:
         & (n_images <= rules.max_images_per_text)
         & ~rare
         & (n_words >= rules.min_words)
-        & (n_words <= rules.max_words)
+        & (n_paired <= rules.max_words)
     )
     return good.index[keep].to_numpy()
 

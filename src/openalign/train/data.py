@@ -350,6 +350,31 @@ class _ShardSource:
         urls = self.urls
         return f"{len(urls)} shard(s) ({urls[0]}{', …' if len(urls) > 1 else ''})"
 
+    def recorded_samples(self, enough: int) -> int | None:
+        """The samples the shards' own records say they hold, summed until the sum reaches ``enough``: each
+        local tar's ``{name}_stats.json`` (``successes``, as ``openalign shard`` and img2dataset write it), else
+        its ``{name}.parquet`` (one row a sample). None when some shard has neither, or is remote."""
+        total = 0
+        for url in self.urls:
+            if total >= enough:
+                break
+            if is_remote(url) or not url.endswith(".tar"):
+                return None
+            path = url.removeprefix("file://")[: -len(".tar")]
+            try:
+                with open(f"{path}_stats.json", encoding="utf-8") as f:
+                    total += int(json.load(f)["successes"])
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            try:
+                import pyarrow.parquet as pq
+
+                total += pq.ParquetFile(f"{path}.parquet").metadata.num_rows
+            except (OSError, ValueError):
+                return None
+        return total
+
     def read(self, url: str) -> Iterator[Event]:
         indexed = index_samples(url, file_limit(self.cfg.max_file_mb))
         if indexed is not None:
@@ -859,6 +884,12 @@ class TrainStream:
         from openalign.data.transforms import normalize_pixels
 
         return functools.partial(normalize_pixels, mean=self._plan.image["mean"], std=self._plan.image["std"])
+
+    def recorded_length(self, enough: int) -> int | None:
+        """The samples the source's own records say it holds (counted up to ``enough``), known before any is
+        read; None when it keeps no such record."""
+        recorded = getattr(self._plan.source, "recorded_samples", None)
+        return recorded(enough) if recorded is not None else None
 
     @property
     def epoch_length(self) -> int | None:

@@ -379,7 +379,7 @@ class _Run:
         metrics: dict[str, float] = {}
         batches = iter(self.stream)
         tick, tick_step = time.perf_counter(), self.step
-        small_data_warned = False
+        small_data_warned = info.is_main and self._warn_small_shards()
         # The first step compiles the towers' graphs (forward and backward; with gradient caching, the no-grad
         # pass's too): its time is reported once.
         compiling = self.compiled
@@ -432,6 +432,24 @@ class _Run:
             ):
                 self.save()
         return self._finish(metrics)
+
+    def _warn_small_shards(self) -> bool:
+        """Before step 1: warn when the samples the shards record (their ``_stats.json`` or Parquet tables) sum
+        to fewer than the global batch; True once warned. Shards without such records say nothing here."""
+        recorded = getattr(self.stream, "recorded_length", None)
+        count = recorded(self.global_batch) if recorded is not None else None
+        if count is None or self.global_batch <= count:
+            return False
+        _warn(
+            f"the global batch of {self.global_batch} is larger than the {count} samples the shards record: "
+            + (
+                f"each pair appears ~{self.global_batch / count:.1f} times per batch, so in-batch negatives "
+                "include copies of the positive; lower train.batch_size or train on more pairs"
+                if count
+                else "there is nothing to train on"
+            )
+        )
+        return True
 
     def _warn_small_epoch(self) -> bool:
         """Warn when the global batch holds more pairs than an epoch; True once warned. A source whose epoch

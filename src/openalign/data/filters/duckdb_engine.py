@@ -27,7 +27,7 @@ from typing import Any
 
 from openalign.data.filters.inputs import ROW_ID_COLUMN, TEXT_ERROR_COLUMN, StagedInput
 from openalign.data.filters.plan import EngineResult, FilterPlan
-from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, segment_patterns
+from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, pair_pattern, segment_patterns
 
 # RE2 syntax. The words of rules.tokenize are separated by maximal runs of punctuation and whitespace that
 # contain whitespace, and the text's ends by the runs touching them. One pass turns every such run into a
@@ -62,6 +62,13 @@ def segment_sql(text_sql: str) -> str:
     touched, unit, seps = (literal(p) for p in segment_patterns("re2"))
     spaced = f"regexp_replace(regexp_replace({text_sql}, {seps}, ' ', 'g'), {unit}, ' \\0 ', 'g')"
     return f"CASE WHEN regexp_matches({text_sql}, {touched}) THEN {spaced} ELSE {text_sql} END"
+
+
+def paired_sql(norm: str) -> str:
+    """rules.paired_words over a normalised alt-text, as a DuckDB expression giving their join by spaces."""
+    touched = literal(segment_patterns("re2")[0])
+    paired = f"regexp_replace({norm}, {literal(pair_pattern('re2'))}, '\\1\\2', 'g')"
+    return f"CASE WHEN regexp_matches({norm}, {touched}) THEN {paired} ELSE {norm} END"
 
 
 def norm_sql(text_sql: str) -> str:
@@ -117,7 +124,7 @@ def _row_reason_sql(plan: FilterPlan) -> str | None:
 
 
 def _text_reason_sql(plan: FilterPlan) -> str | None:
-    """The first rule decided by the alt-text alone (``t``: texts with n_words and repeated; ``s``: shared
+    """The first rule decided by the alt-text alone (``t``: texts with n_words, n_paired and repeated; ``s``: shared
     texts; ``rn``, ``rw``: texts with a rare n-gram, a rare word)."""
     r = plan.rules
     cases = []
@@ -130,7 +137,7 @@ def _text_reason_sql(plan: FilterPlan) -> str | None:
     if r.min_words is not None:
         cases.append(f"WHEN t.n_words < {int(r.min_words)} THEN 'too_few_words'")
     if r.max_words is not None:
-        cases.append(f"WHEN t.n_words > {int(r.max_words)} THEN 'too_many_words'")
+        cases.append(f"WHEN t.n_paired > {int(r.max_words)} THEN 'too_many_words'")
     if r.max_repeated_fraction is not None:
         cases.append(f"WHEN t.repeated > {float(r.max_repeated_fraction)!r} THEN 'repeated_words'")
     return "CASE " + " ".join(cases) + " END" if cases else None
@@ -347,11 +354,18 @@ def _run(
         _find_rare_texts(ex, "rare_word_tid", texts, ["a"], grams)
         flag_joins.append("LEFT JOIN rare_word_tid rw ON rw.tid = t.tid")
 
-    n_words = "CASE WHEN norm = '' THEN 0 ELSE strlen(norm) - strlen(replace(norm, ' ', '')) + 1 END"
-    text_cols = ["tid", "norm", f"{n_words} AS n_words"]
+    def count(words: str) -> str:
+        return f"CASE WHEN {words} = '' THEN 0 ELSE strlen({words}) - strlen(replace({words}, ' ', '')) + 1 END"
+
+    # too_many_words and repeated_words count paired words (rules.paired_words), too_few_words every word.
+    text_cols = ["tid", "norm", f"{count('norm')} AS n_words"]
+    if r.max_words is not None or r.max_repeated_fraction is not None:
+        texts = f"(SELECT tid, norm, n_rows, {paired_sql('norm')} AS paired FROM {texts})"
+        text_cols.append(f"{count('paired')} AS n_paired")
     if r.max_repeated_fraction is not None:
-        distinct = "len(list_distinct(string_split(norm, ' ')))"
-        text_cols.append(f"CASE WHEN norm = '' THEN 0.0 ELSE ({n_words} - {distinct}) / ({n_words}) END AS repeated")
+        distinct = "len(list_distinct(string_split(paired, ' ')))"
+        n = count("paired")
+        text_cols.append(f"CASE WHEN paired = '' THEN 0.0 ELSE ({n} - {distinct}) / ({n}) END AS repeated")
     text_reason = _text_reason_sql(plan)
     row_reason = _row_reason_sql(plan)
     # The per-row joins build only on the images and texts that some rule rejects.

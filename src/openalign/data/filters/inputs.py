@@ -2,8 +2,9 @@
 
 Parquet is read by the engines directly (the path that scales to corpora bigger than memory, and the
 one to use on a cluster). CSV/TSV, JSON Lines, WebDataset shards and Parquet files whose alt-text column
-is binary are first *staged* into Parquet here, streaming, so that both engines see exactly the same
-table and so that undecodable input becomes a counted funnel line instead of a crash:
+is binary, or whose string columns hold a value that is not UTF-8, are first *staged* into Parquet here,
+streaming, so that both engines see exactly the same table and so that undecodable input becomes a counted
+funnel line instead of a crash:
 
 * CSV/TSV is read strictly (:mod:`openalign.data.tables`): a record that does not parse (a stray quote,
   the wrong number of fields) stops the run with an error naming its line, unless ``max_malformed_rows``
@@ -211,9 +212,13 @@ def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> St
         for name in numeric:
             if name is not None and name in schema.names and not _scalar(schema.field(name).type):
                 raise ValueError(f"{f}: column '{name}' holds {schema.field(name).type}, not a number")
-    if not binary_text:
+    # The engines refuse a whole file for one string value that is not UTF-8 (Parquet writers seldom check):
+    # one pass over the string columns finds those that need the staging binary alt-texts get.
+    dirty = _invalid_utf8_columns(files, schemas)
+    if not binary_text and not dirty:
         return StagedInput([Path(f) for f in files], names, text, "parquet")
-    # Binary alt-texts are decoded here, so that invalid UTF-8 is a counted reason and not an engine error.
+    # Binary alt-texts are decoded here, and any invalid UTF-8 cleaned, so that it is a counted reason (the
+    # alt-text) or a replaced byte (any other column) and not an engine error.
     out = work_dir / "staged.parquet"
     writer: pq.ParquetWriter | None = None
     try:
@@ -224,6 +229,9 @@ def _stage_parquet(files: list[str], columns: ColumnNames, work_dir: Path) -> St
                     if name not in table.column_names:
                         table = table.append_column(name, pa.nulls(len(table)))
                 table = table.select(names)
+                for name in dirty - {text}:
+                    i = table.column_names.index(name)
+                    table = table.set_column(i, name, _replace_invalid(table.column(i)))
                 table = _decode_text_column(table, text)
                 if writer is None:
                     writer = pq.ParquetWriter(out, table.schema)
@@ -242,12 +250,59 @@ def _scalar(kind: pa.DataType) -> bool:
     return any(test(kind) for test in (*tests, pa.types.is_large_string))
 
 
-def _decode_binary(arr: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, list[bool] | None]:
-    """Binary to UTF-8 strings; invalid values become null, flagged in the list returned with them."""
+def _is_text(kind: pa.DataType) -> bool:
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
+
+
+def _valid_utf8(arr: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether every value of a string array is valid UTF-8 (Arrow's full validation checks it)."""
+    try:
+        arr.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _invalid_utf8_columns(files: list[str], schemas: list[pa.Schema]) -> set[str]:
+    """The string columns of any of the files that hold a value that is not valid UTF-8."""
+    dirty: set[str] = set()
+    for f, schema in zip(files, schemas, strict=True):
+        names = [n for n in schema.names if _is_text(schema.field(n).type) and n not in dirty]
+        if not names:
+            continue
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=_BATCH_ROWS, columns=names):
+            dirty.update(n for n in names if not _valid_utf8(batch.column(n)))
+    return dirty
+
+
+def _as_binary(arr: pa.Array) -> pa.Array:
+    """A string array's bytes, unchecked (a string array may hold invalid UTF-8 that a reader did not check)."""
+    if pa.types.is_string(arr.type):
+        return arr.view(pa.binary())
+    if pa.types.is_large_string(arr.type):
+        return arr.view(pa.large_binary())
+    return arr
+
+
+def _replace_invalid(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A string column with every byte that is not UTF-8 replaced by U+FFFD."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
-    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-        return arr, None
+    if _valid_utf8(arr):
+        return arr
+    values = [None if v is None else v.decode("utf-8", "replace") for v in _as_binary(arr).to_pylist()]
+    return pa.array(values, arr.type)
+
+
+def _decode_binary(arr: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, list[bool] | None]:
+    """Binary (or string that may hold invalid UTF-8) to UTF-8 strings; invalid values become null, flagged
+    in the list returned with them."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if _is_text(arr.type):
+        if _valid_utf8(arr):
+            return arr, None
+        arr = _as_binary(arr)
     try:
         return pc.cast(arr, pa.string()), None
     except pa.ArrowInvalid:

@@ -59,6 +59,14 @@ class SpacyBackend:
         self.spec = spec
         self.batch_size = batch_size
 
+    def components(self) -> str:
+        """The pipeline's components, for messages: ``tok2vec, ner`` or ``none (a blank pipeline)``."""
+        return ", ".join(self.nlp.pipe_names) or "none (a blank pipeline)"
+
+    def finds_entities(self) -> bool:
+        """Whether some component sets ``doc.ents`` (``ner``, ``entity_ruler`` or one declaring as much)."""
+        return any("doc.ents" in self.nlp.get_pipe_meta(name).assigns for name in self.nlp.pipe_names)
+
     def analyze(self, texts: Sequence[str]) -> list[Analysis]:
         out = []
         for doc in self.nlp.pipe(texts, batch_size=self.batch_size):
@@ -128,7 +136,25 @@ class TextAnnotator:
         return ok, changed
 
 
-def check_backend(spec: str) -> None:
-    """Load ``spec`` now, so that a missing pipeline is an error before the run, not in a Spark task."""
+# Words any part-of-speech tagger tags: a pipeline that leaves all of them untagged has no tagger.
+POS_PROBE = "A dog runs on the beach with a red ball."
+
+
+def check_backend(spec: str, *, pos: bool = False, persons: bool = False) -> None:
+    """Load ``spec`` now, so that a missing pipeline is an error before the run, not in a Spark task; and
+    refuse one that cannot do what the run asks of it (``pos``: tag parts of speech for the missing_pos rule;
+    ``persons``: find people for the ``<PERSON>`` substitution), which would otherwise remove every row or
+    change none."""
     backend: Any = load_backend(spec)
-    backend.analyze(["a check"])
+    probe = backend.analyze([POS_PROBE])[0]
+    components = backend.components() if hasattr(backend, "components") else "?"
+    if pos and not any(probe.pos):
+        raise NLPError(
+            f"spaCy pipeline '{spec}' tags no parts of speech (no tagger or morphologizer; components: "
+            f"{components}), so the missing_pos rule (required_pos) cannot run; {INSTALL_HINT}"
+        )
+    if persons and not probe.persons and hasattr(backend, "finds_entities") and not backend.finds_entities():
+        raise NLPError(
+            f"spaCy pipeline '{spec}' finds no named entities (no ner or entity_ruler; components: "
+            f"{components}), so person_names nlp (<PERSON> substitution) cannot run; {INSTALL_HINT}"
+        )

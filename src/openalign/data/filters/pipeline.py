@@ -164,7 +164,9 @@ def filter_corpus(
     if nlp is not None and (rules.required_pos is not None or hook == "nlp"):
         from openalign.data.filters.nlp import check_backend
 
-        check_backend(nlp)  # a missing pipeline is an error now, not deep in an engine
+        # A missing pipeline, or one without the tagger or entity recognizer asked for, is an error now, not
+        # deep in an engine (nor a funnel that silently removes every row).
+        check_backend(nlp, pos=rules.required_pos is not None, persons=hook == "nlp")
     out = Path(output)
     out_fmt = output_format(out)
     refuse_input_as_output(out, [input, *glob.glob(str(input))])

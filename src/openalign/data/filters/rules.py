@@ -20,6 +20,14 @@ Semantics shared by every engine (DuckDB, Spark, and the plain-Python reference 
   "猫"]``. That is how BERT's tokenizer, which the text tower reads, treats CJK ideographs, so n-grams and
   counts are over the units the model sees; a per-language dictionary segmenter would make the rules depend
   on what is installed. Other scripts (Latin, Cyrillic, Korean, ...) are untouched.
+* **Counting words of such scripts.** A character is the n-gram rules' unit, but not a word of the
+  language: Chinese words are one to several characters (about two on average), Thai words several letters.
+  Without a dictionary the word count of a run of n such characters lies between n/2 and n, and each count
+  rule takes the bound that keeps the row: ``too_few_words`` counts every character as a word, while
+  ``too_many_words`` and ``repeated_words`` count *paired words* (:func:`paired_words`): adjacent
+  single-character words of those scripts joined two by two, left to right. So a 21-character Chinese
+  caption is 11 words, not too many; 我的朋友和我的狗 ("my friend and my dog") is 我的 朋友 和我 的狗,
+  none repeated, while 猫猫猫猫 is 猫猫 猫猫, one of two repeated.
 * **Alt-text identity** is its normalised form, the words joined by single spaces, so case, punctuation at
   word edges and spacing do not make two boilerplate captions distinct.
 * **Image identity** is the ``sha256`` column when present and non-empty, else the ``url``, else the
@@ -60,8 +68,9 @@ Rules, in funnel order (each one is off when its field is ``null``):
 ``rare_word``       some word of the alt-text occurs fewer than ``min_word_count`` times in the raw corpus
                     (CC12M: 20).
 ``too_few_words``   fewer than ``min_words`` words (ALIGN and CC12M: 3).
-``too_many_words``  more than ``max_words`` words (ALIGN: 20, CC12M: 256).
-``repeated_words``  (words − distinct words) / words is > ``max_repeated_fraction`` (CC12M: 0.2).
+``too_many_words``  more than ``max_words`` paired words (ALIGN: 20, CC12M: 256).
+``repeated_words``  (paired words − distinct paired words) / paired words is > ``max_repeated_fraction``
+                    (CC12M: 0.2).
 ``tag_overlap``     fewer than ``min_tag_overlap`` distinct words of the image's tags are words of the alt-text
                     (both tokenised as above, so lowercased). CC3M, whose image-text filter CC12M keeps,
                     counted the Cloud Vision tags of the image that the text mentions; here the tags are a
@@ -416,6 +425,28 @@ def segment_patterns(flavour: str) -> tuple[str, str, str]:
 
 
 _SEGMENT_ANY_PY, _SEGMENT_UNIT_PY, _CJK_SEPARATOR_PY = (re.compile(p) for p in segment_patterns("python"))
+
+
+def pair_pattern(flavour: str) -> str:
+    """Two adjacent single-character words of a script without spaces in a normalised alt-text (its words
+    joined by single spaces), as groups 1 and 2: replacing every match, left to right, by the two joined
+    gives :func:`paired_words`. In the normal form every such character (with its marks) is a word of its
+    own, so a match never starts or ends inside a longer word."""
+    _, unit, _ = segment_patterns(flavour)
+    return f"({unit}) ({unit})"
+
+
+_PAIR_PY = re.compile(pair_pattern("python"))
+
+
+def paired_words(words: list[str]) -> list[str]:
+    """The words ``too_many_words`` and ``repeated_words`` count: ``words`` (from :func:`tokenize`) with
+    adjacent single characters of scripts without spaces joined two by two, left to right (adjacent as
+    words: punctuation or spaces that stood between them in the alt-text do not keep them apart)."""
+    joined = " ".join(words)
+    if not words or not _SEGMENT_ANY_PY.search(joined):
+        return list(words)
+    return _PAIR_PY.sub(r"\1\2", joined).split(" ")
 
 
 def tokenize(text: str) -> list[str]:

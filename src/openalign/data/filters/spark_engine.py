@@ -19,7 +19,7 @@ from typing import Any
 
 from openalign.data.filters.inputs import ROW_ID_COLUMN, TEXT_ERROR_COLUMN, StagedInput
 from openalign.data.filters.plan import EngineResult, FilterPlan
-from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, segment_patterns
+from openalign.data.filters.rules import PUNCTUATION, frequent_threshold, pair_pattern, segment_patterns
 
 # Java regex, same construction as the DuckDB engine's (see there): whitespace runs with the punctuation
 # touching them become one space, then punctuation at the ends goes. \A and \z (not ^ and $) so that a
@@ -177,8 +177,16 @@ def run_spark(
         hit_w = txt_df.select("norm", F.explode("toks").alias("g")).join(rare_w, "g", "left_semi")
         flags = flags.join(hit_w.select("norm").distinct().withColumn("rare_word", F.lit(True)), "norm", "left")
     n_words = F.col("n_words")
-    repeated = F.when(n_words == 0, F.lit(0.0)).otherwise((n_words - F.size(F.array_distinct("toks"))) / n_words)
-    flags = flags.withColumn("repeated", repeated).drop("toks")
+    # too_many_words and repeated_words count paired words (rules.paired_words), too_few_words every word.
+    norm_col = F.col("norm")
+    paired = F.when(
+        norm_col.rlike(segment_patterns("java")[0]), F.regexp_replace(norm_col, pair_pattern("java"), "$1$2")
+    ).otherwise(norm_col)
+    paired_toks = F.when(norm_col == "", F.array().cast("array<string>")).otherwise(F.split(paired, " "))
+    flags = flags.withColumn("ptoks", paired_toks).withColumn("n_paired", F.size("ptoks"))
+    n_paired = F.col("n_paired")
+    repeated = F.when(n_paired == 0, F.lit(0.0)).otherwise((n_paired - F.size(F.array_distinct("ptoks"))) / n_paired)
+    flags = flags.withColumn("repeated", repeated).drop("toks", "ptoks")
 
     reason = None
 
@@ -207,7 +215,7 @@ def run_spark(
     if r.min_words is not None:
         add(n_words < r.min_words, "too_few_words")
     if r.max_words is not None:
-        add(n_words > r.max_words, "too_many_words")
+        add(n_paired > r.max_words, "too_many_words")
     if r.max_repeated_fraction is not None:
         add(F.col("repeated") > r.max_repeated_fraction, "repeated_words")
     if plan.tag_words is not None:
