@@ -522,6 +522,36 @@ def _(t: Path, w: World) -> list[str]:
     return ["eval", "suite", str(t / "suite.yaml"), "--model", str(w.model), "--out", str(a_file(t))]
 
 
+def mismatched_model(t: Path, w: World) -> Path:
+    """``w.model``'s weights under a config one text layer wider than they are."""
+    import shutil
+
+    model = t / "mismatched"
+    shutil.copytree(w.model, model)
+    meta = json.loads((model / "config.json").read_text())
+    meta["model"]["text"]["hidden_size"] = 48
+    (model / "config.json").write_text(json.dumps(meta))
+    return model
+
+
+@case("eval-simlex-model-shapes-mismatch", "the model expects [")
+def _(t: Path, w: World) -> list[str]:
+    (t / "simlex.txt").write_text("word1\tword2\tSimLex999\ncat\tdog\t5.0\nred\tblue\t3.0\n")
+    return ["eval", "simlex", "--model", str(mismatched_model(t, w)), "--file", str(t / "simlex.txt")]
+
+
+@case("eval-simlex-model-weights-truncated", "model.safetensors: truncated or corrupt")
+def _(t: Path, w: World) -> list[str]:
+    import shutil
+
+    model = t / "cut"
+    shutil.copytree(w.model, model)
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (t / "simlex.txt").write_text("word1\tword2\tSimLex999\ncat\tdog\t5.0\n")
+    return ["eval", "simlex", "--model", str(model), "--file", str(t / "simlex.txt")]
+
+
 @case("eval-retrieval-karpathy-over-max-annotation-mb", "max_annotation_mb")
 def _(t: Path, w: World) -> list[str]:
     images = [{"split": "test", "filename": "p0.jpg", "sentences": [{"raw": "a red cat"}]}]
