@@ -632,6 +632,41 @@ def _(t: Path, w: World) -> list[str]:
     return ["search", str(t / "empty"), "--text", "a red cat"]
 
 
+def index_copy(t: Path, w: World) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(w.index, t / "idx"))
+
+
+@case("search-index-json-damaged", "index.json: damaged, not valid JSON")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    (index / "index.json").write_text("{'format': 'openalign-index'}")
+    return ["search", str(index), "--text", "a red cat"]
+
+
+@case("search-index-vectors-truncated", "image/vectors.npy: truncated or damaged .npy file")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    data = (index / "image" / "vectors.npy").read_bytes()
+    (index / "image" / "vectors.npy").write_bytes(data[: len(data) - 40])
+    return ["search", str(index), "--text", "a red cat"]
+
+
+@case("search-index-metadata-missing", "image/metadata.parquet: missing")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    (index / "image" / "metadata.parquet").unlink()
+    return ["search", str(index), "--text", "a red cat"]
+
+
+@case("serve-index-json-damaged", "index.json: damaged, not valid JSON")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    (index / "index.json").write_text('{"format": "openalign-index", ')
+    return ["serve", "--index", str(index), "--port", "0"]
+
+
 @case("search-query-image-missing", "nope.jpg")
 def _(t: Path, w: World) -> list[str]:
     return ["search", str(w.index), "--image", str(t / "nope.jpg")]
