@@ -397,15 +397,21 @@ def index_specs(specs: list[str]) -> dict[str, str]:
 
 
 def load_searchers(
-    indexes: Mapping[str, str | Path], model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
+    indexes: Mapping[str, str | Path],
+    model_path: str | Path | None = None,
+    tokenizer_path: str | Path | None = None,
+    *,
+    allow_other_model: bool = False,
 ) -> dict[str, Searcher]:
     """A searcher per named index (``load_searcher``), loading a model shared by several indexes once."""
     from openalign.model.io import load_model
     from openalign.search.catalog import SearchIndex
+    from openalign.search.fingerprint import check_same_model, tokenizer_sha256, weights_sha256
     from openalign.text import load_tokenizer
 
     models: dict[str, Any] = {}
     searchers: dict[str, Searcher] = {}
+    hashes: dict[str, str | None] = {}
     for name, path in indexes.items():
         index = SearchIndex.open(path)
         model = model_path or index.info.get("model")
@@ -423,13 +429,26 @@ def load_searchers(
         tok_key = str(Path(tok).resolve())
         if tok_key not in tokenizers:
             tokenizers[tok_key] = load_tokenizer(tok, max_length=loaded.config.text.max_length)
+        if index.info.get("imported") is None:  # imported embeddings were made elsewhere: no model to compare
+            if key not in hashes:
+                hashes[key] = weights_sha256(loaded)
+            if "tokenizer:" + tok_key not in hashes:
+                hashes["tokenizer:" + tok_key] = tokenizer_sha256(tokenizers[tok_key])
+            found = {"weights": hashes[key], "tokenizer": hashes["tokenizer:" + tok_key]}
+            check_same_model(index.info, path, str(model), found, allow_other_model=allow_other_model)
         searchers[name] = Searcher(index, loaded, tokenizers[tok_key], model_name=str(model))
     return searchers
 
 
 def load_searcher(
-    index_path: str | Path, model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
+    index_path: str | Path,
+    model_path: str | Path | None = None,
+    tokenizer_path: str | Path | None = None,
+    *,
+    allow_other_model: bool = False,
 ) -> Searcher:
     """Open an index with the model (and tokenizer) it was built with, or the ones given. An index built
-    from embeddings without a model opens without one: it answers embedding queries only."""
-    return load_searchers({"index": index_path}, model_path, tokenizer_path)["index"]
+    from embeddings without a model opens without one: it answers embedding queries only. A model other than
+    the one that built the index is a ConfigError unless ``allow_other_model``."""
+    searchers = load_searchers({"index": index_path}, model_path, tokenizer_path, allow_other_model=allow_other_model)
+    return searchers["index"]

@@ -407,6 +407,17 @@ def _build_into(
     if info and bool(info.get("captions")) != cfg.captions:
         want = "with" if info.get("captions") else "without"
         raise ValueError(f"{out} was built {want} captions; pass the same --captions setting to add to it")
+    from openalign.search.fingerprint import FINGERPRINT, fingerprint
+
+    built_by = fingerprint(model, tokenizer)
+    recorded = info.get(FINGERPRINT)
+    if isinstance(recorded, dict) and any(
+        recorded.get(part) and built_by[part] and recorded.get(part) != built_by[part] for part in built_by
+    ):
+        raise ValueError(
+            f"{out / INFO}: the index was built by another model ({info.get('model')}); its vectors and the new "
+            "ones would not be comparable: add to it with that model, or build a new index"
+        )
     pending = out / PENDING
     manifest = {
         "source": os.fspath(source),
@@ -486,6 +497,10 @@ def _build_into(
         "embed_dim": dim,
         "model": model_path if model_path is not None else info.get("model"),
         "tokenizer": tokenizer_path if tokenizer_path is not None else info.get("tokenizer"),
+        # An index from before fingerprints keeps none: which model made its old vectors is not known.
+        FINGERPRINT: None
+        if info and not isinstance(recorded, dict)
+        else {part: (recorded or {}).get(part) or value for part, value in built_by.items()},
         "captions": cfg.captions,
         "counts": counts,
         "ann": to_dict(cfg.ann),
