@@ -693,6 +693,11 @@ def _(t: Path, w: World) -> list[str]:
     return ["serve", "--index", str(a_file(t)), "--port", "0"]
 
 
+@case("serve-reload-check-negative", "--reload-check-s must be -1 (never) or seconds")
+def _(t: Path, w: World) -> list[str]:
+    return ["serve", "--index", str(w.index), "--port", "0", "--reload-check-s", "-0.5"]
+
+
 @case("serve-port-out-of-range", "port")
 def _(t: Path, w: World) -> list[str]:
     return ["serve", "--index", str(w.index), "--port", "70000"]

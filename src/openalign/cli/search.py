@@ -349,6 +349,7 @@ def _run_serve(args: argparse.Namespace, cfg: ServeConfig, sock: socket.socket) 
         decode_budget_bytes=int(cfg.decode_budget_mb * 2**20),
         request_memory_bytes=int(cfg.request_memory_mb * 2**20),
         api_key=cfg.api_key,
+        reload_check_s=cfg.reload_check_s,
     )
     port = sock.getsockname()[1]  # the one bound, when --port 0 asked for any free one
     print(f"openalign search on http://{cfg.host}:{port}/  (API docs at /docs)", file=sys.stderr)
