@@ -522,6 +522,36 @@ def _(t: Path, w: World) -> list[str]:
     return ["eval", "suite", str(t / "suite.yaml"), "--model", str(w.model), "--out", str(a_file(t))]
 
 
+def mismatched_model(t: Path, w: World) -> Path:
+    """``w.model``'s weights under a config one text layer wider than they are."""
+    import shutil
+
+    model = t / "mismatched"
+    shutil.copytree(w.model, model)
+    meta = json.loads((model / "config.json").read_text())
+    meta["model"]["text"]["hidden_size"] = 48
+    (model / "config.json").write_text(json.dumps(meta))
+    return model
+
+
+@case("eval-simlex-model-shapes-mismatch", "the model expects [")
+def _(t: Path, w: World) -> list[str]:
+    (t / "simlex.txt").write_text("word1\tword2\tSimLex999\ncat\tdog\t5.0\nred\tblue\t3.0\n")
+    return ["eval", "simlex", "--model", str(mismatched_model(t, w)), "--file", str(t / "simlex.txt")]
+
+
+@case("eval-simlex-model-weights-truncated", "model.safetensors: truncated or corrupt")
+def _(t: Path, w: World) -> list[str]:
+    import shutil
+
+    model = t / "cut"
+    shutil.copytree(w.model, model)
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (t / "simlex.txt").write_text("word1\tword2\tSimLex999\ncat\tdog\t5.0\n")
+    return ["eval", "simlex", "--model", str(model), "--file", str(t / "simlex.txt")]
+
+
 @case("eval-retrieval-karpathy-over-max-annotation-mb", "max_annotation_mb")
 def _(t: Path, w: World) -> list[str]:
     images = [{"split": "test", "filename": "p0.jpg", "sentences": [{"raw": "a red cat"}]}]
@@ -602,6 +632,41 @@ def _(t: Path, w: World) -> list[str]:
     return ["search", str(t / "empty"), "--text", "a red cat"]
 
 
+def index_copy(t: Path, w: World) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(w.index, t / "idx"))
+
+
+@case("search-index-json-damaged", "index.json: damaged, not valid JSON")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    (index / "index.json").write_text("{'format': 'openalign-index'}")
+    return ["search", str(index), "--text", "a red cat"]
+
+
+@case("search-index-vectors-truncated", "image/vectors.npy: truncated or damaged .npy file")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    data = (index / "image" / "vectors.npy").read_bytes()
+    (index / "image" / "vectors.npy").write_bytes(data[: len(data) - 40])
+    return ["search", str(index), "--text", "a red cat"]
+
+
+@case("search-index-metadata-missing", "image/metadata.parquet: missing")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    (index / "image" / "metadata.parquet").unlink()
+    return ["search", str(index), "--text", "a red cat"]
+
+
+@case("serve-index-json-damaged", "index.json: damaged, not valid JSON")
+def _(t: Path, w: World) -> list[str]:
+    index = index_copy(t, w)
+    (index / "index.json").write_text('{"format": "openalign-index", ')
+    return ["serve", "--index", str(index), "--port", "0"]
+
+
 @case("search-query-image-missing", "nope.jpg")
 def _(t: Path, w: World) -> list[str]:
     return ["search", str(w.index), "--image", str(t / "nope.jpg")]
@@ -626,6 +691,11 @@ def _(t: Path, w: World) -> list[str]:
 @case("serve-index-is-a-file", "taken")
 def _(t: Path, w: World) -> list[str]:
     return ["serve", "--index", str(a_file(t)), "--port", "0"]
+
+
+@case("serve-reload-check-negative", "--reload-check-s must be -1 (never) or seconds")
+def _(t: Path, w: World) -> list[str]:
+    return ["serve", "--index", str(w.index), "--port", "0", "--reload-check-s", "-0.5"]
 
 
 @case("serve-port-out-of-range", "port")

@@ -138,6 +138,15 @@ def test_cache_without_the_snapshot_refs_point_to_is_not_cached(hf_home: Path) -
         openalign.create_model_and_transforms("hf-hub:tiny-org/align-tiny")
 
 
+def test_an_empty_refs_main_is_one_line_naming_it(hf_home: Path) -> None:
+    snapshot = hub_cache_with(hf_home, "tiny-org/align-tiny", _hf_model())
+    ref = snapshot.parent.parent / "refs" / "main"
+    ref.write_text("")
+    with pytest.raises(FileNotFoundError) as caught:
+        openalign.create_model_and_transforms("hf-hub:tiny-org/align-tiny")
+    assert str(caught.value).startswith(f"{ref}: empty, so it names no snapshot of tiny-org/align-tiny")
+
+
 def test_hub_cache_env_wins_over_hf_home(tmp_path: Path, hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     elsewhere = tmp_path / "elsewhere"
     hub_cache_with(elsewhere, "tiny-org/align-tiny", _hf_model())

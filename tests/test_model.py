@@ -390,6 +390,27 @@ def test_load_model_rejects_unknown_directories(tmp_path) -> None:
         openalign.load_model(tmp_path)
 
 
+def test_load_model_names_a_damaged_or_mismatched_weights_file(tmp_path, tiny_model: openalign.DualEncoder) -> None:
+    import json
+
+    ckpt = openalign.save_model(tiny_model, tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ConfigError, match=rf"^{weights}: truncated or corrupt safetensors file"):
+        openalign.load_model(ckpt)
+    weights.write_bytes(good)
+    meta = json.loads((ckpt / "config.json").read_text())
+    meta["model"]["text"]["hidden_size"] = 48
+    (ckpt / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as caught:
+        openalign.load_model(ckpt)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{weights} does not fit the model its config describes: ")
+    assert "text.embeddings.word.weight has shape [101, 32], the model expects [101, 48]" in message
+    assert message.endswith("tensors do not fit")
+
+
 @pytest.mark.parametrize(
     ("pixels", "message"),
     [

@@ -512,3 +512,32 @@ def test_non_finite_numbers_get_a_one_line_422_and_the_connection_stays_open(ser
 def test_validation_errors_do_not_echo_a_whole_upload(http):
     response = http.post("/search", json={"text": "red", "colour": "x" * 100_000})
     assert response.status_code == 422 and "colour" in response.text and len(response.content) < 2000
+
+
+def test_serve_answers_from_the_index_that_index_build_grew_without_a_restart(demo_index, tmp_path):
+    model = str(load_searcher(demo_index).index.info["model"])
+    photos, out = tmp_path / "photos", tmp_path / "idx"
+    photos.mkdir()
+
+    def add(numbers: range) -> None:
+        for i in numbers:
+            Image.new("RGB", (40, 30), (30 * i % 256, 90, 200 - 20 * i % 200)).save(photos / f"p{i}.png")
+            (photos / f"p{i}.txt").write_text(f"a coloured card number {i}")
+        build = ["index", "build", "--model", model, "--images", str(photos), "--out", str(out), "--captions"]
+        assert main([*build, "--quiet"]) == 0
+
+    add(range(5))
+    with background_server(create_app(load_searcher(out), reload_check_s=0)) as url, httpx.Client(base_url=url) as http:
+        assert http.get("/health").json()["images"] == 5
+        held = http.post("/search", json={"text": "a coloured card", "k": 50}).json()["results"]
+        assert len(held) == 5
+        add(range(5, 12))
+        deadline = time.monotonic() + 30
+        while http.get("/health").json()["images"] != 12:
+            assert time.monotonic() < deadline, "the server still answers from the old index"
+            time.sleep(0.05)
+        health = http.get("/health").json()
+        assert (health["images"], health["captions"]) == (12, 12)
+        results = http.post("/search", json={"text": "a coloured card", "k": 50}).json()["results"]
+        assert sorted(r["id"] for r in results) == list(range(12))
+        assert http.get("/image/11").status_code == 200

@@ -233,3 +233,46 @@ def test_cli_index_build_and_search(tmp_path, model_dir, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert main(["index", "info", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["images"] == 8
+
+
+def test_search_and_serve_refuse_a_model_other_than_the_one_that_built_the_index(tmp_path, model_dir, capsys):
+    import shutil
+
+    import torch
+
+    from conftest import tiny_overrides
+    from openalign.search.api import load_searchers
+
+    write_folder(tmp_path / "imgs", range(4))
+    out = tmp_path / "idx"
+    build = ["index", "build", "--model", str(model_dir), "--images", str(tmp_path / "imgs"), "--out", str(out)]
+    assert main([*build, "--quiet"]) == 0
+    # Another model of the same width (other weights), with the same tokenizer beside it.
+    other = shutil.copytree(model_dir, tmp_path / "other")
+    vocab = openalign.load_model(model_dir).config.text.vocab_size
+    torch.manual_seed(1)
+    openalign.save_model(openalign.create_model("nano", **tiny_overrides(text={"vocab_size": vocab})), other)
+    capsys.readouterr()
+    assert main(["search", str(out), "--model", str(other), "--text", "a red square"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"openalign search: error: {out / 'index.json'}: the index was built by ")
+    assert f"but {other} has weights sha256 " in err and err.endswith("or pass --allow-other-model")
+    assert main(["search", str(out), "--model", str(other), "--text", "a red square", "--allow-other-model"]) == 0
+    assert main(["search", str(out), "--text", "a red square"]) == 0  # its own model
+    assert "warning" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the index was built by"):  # serve's loader, the same check
+        load_searchers({"idx": out}, other)
+    # index.json naming another model is the same mismatch.
+    info = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**info, "model": str(other)}))
+    assert main(["search", str(out), "--text", "a red square"]) == 2
+    assert "the index was built by" in capsys.readouterr().err
+    # An index from before fingerprints: a warning, and the search goes on.
+    (out / "index.json").write_text(json.dumps({k: v for k, v in info.items() if k != "fingerprint"}))
+    assert main(["search", str(out), "--model", str(other), "--text", "a red square"]) == 0
+    assert capsys.readouterr().err.count("records no fingerprint of the model that built it") == 1
+    # Adding to an index with another model would mix incomparable vectors.
+    (out / "index.json").write_text(json.dumps(info))
+    write_folder(tmp_path / "imgs", range(4, 6))
+    assert main(["index", "build", "--model", str(other), "--images", str(tmp_path / "imgs"), "--out", str(out)]) == 2
+    assert "built by another model" in capsys.readouterr().err

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 BUILD = "openalign.search.build:BuildConfig"
 QUERY = "openalign.search.query:Query"
 SERVE = "openalign.search.api:ServeConfig"
+OTHER_MODEL_HELP = (
+    "query with --model even when it is not the model that built the index (its fingerprint in index.json "
+    "differs): rankings made with another model's embeddings are meaningless"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -195,6 +199,7 @@ def _search(parser: Parser) -> None:
     parser.add_argument("--embedding", help="query vector: a .npy of shape [D] or [1, D], or a JSON list of numbers")
     parser.add_argument("--model", help="model checkpoint (default: the one the index was built with)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
+    parser.add_argument("--allow-other-model", action="store_true", help=OTHER_MODEL_HELP)
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     add_config(parser, query_schema(), aliases=[Alias(("-k",), "k", "number of results, 1-1000 (default 10)")])
     parser.set_defaults(func=run_search)
@@ -224,7 +229,7 @@ def run_search(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.image}: not a usable image ({err.reason})") from None
     if args.embedding:
         query.embedding = _read_embedding(args.embedding)
-    searcher = load_searcher(args.index, args.model, args.tokenizer)
+    searcher = load_searcher(args.index, args.model, args.tokenizer, allow_other_model=args.allow_other_model)
     hits = searcher.search(query)
     if args.json:
         print(json.dumps([{"id": h.id, "score": h.score, **h.row} for h in hits], indent=2))
@@ -289,6 +294,7 @@ def _serve(parser: Parser) -> None:
     )
     parser.add_argument("--model", help="model checkpoint (default: the index's; for the demo, an untrained nano)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the index's)")
+    parser.add_argument("--allow-other-model", action="store_true", help=OTHER_MODEL_HELP)
     add_config(parser, schema.read(SERVE))
     parser.set_defaults(func=run_serve)
 
@@ -333,7 +339,9 @@ def _run_serve(args: argparse.Namespace, cfg: ServeConfig, sock: socket.socket) 
         index = build_demo_index(out, model_path=args.model, n_images=cfg.demo_images, seed=cfg.seed)
         searchers: Searcher | dict[str, Searcher] = load_searcher(index)
     else:
-        searchers = load_searchers(index_specs(index), args.model, args.tokenizer)
+        searchers = load_searchers(
+            index_specs(index), args.model, args.tokenizer, allow_other_model=args.allow_other_model
+        )
     app = create_app(
         searchers,
         max_upload_bytes=int(cfg.max_upload_mb * 2**20),
@@ -341,6 +349,7 @@ def _run_serve(args: argparse.Namespace, cfg: ServeConfig, sock: socket.socket) 
         decode_budget_bytes=int(cfg.decode_budget_mb * 2**20),
         request_memory_bytes=int(cfg.request_memory_mb * 2**20),
         api_key=cfg.api_key,
+        reload_check_s=cfg.reload_check_s,
     )
     port = sock.getsockname()[1]  # the one bound, when --port 0 asked for any free one
     print(f"openalign search on http://{cfg.host}:{port}/  (API docs at /docs)", file=sys.stderr)

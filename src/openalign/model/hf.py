@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from openalign.config import ConfigError, ModelConfig, model_config
 from openalign.data.sources import read_annotation_json
@@ -191,15 +191,17 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
 
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    from openalign.model.io import read_safetensors
+
     st = path / "model.safetensors"
     if st.is_file():
-        return load_file(str(st))
+        return read_safetensors(st)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(read_annotation_json(index)["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
-            state.update(load_file(str(path / shard)))
+            state.update(read_safetensors(path / shard))
         return state
     binary = path / "pytorch_model.bin"
     if binary.is_file():
@@ -225,6 +227,9 @@ def load_hf_align(path: str | Path, map_location: str | torch.device = "cpu") ->
     cfg = hf_model_config(p)
     model = DualEncoder(cfg)
     state = hf_state_to_ours(_read_hf_weights(p), cfg)
+    from openalign.model.io import check_fits
+
+    check_fits(p, model.state_dict(), state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Batch-norm step counters are not saved by every transformers version; they are unused in eval.
     missing = [k for k in missing if not k.endswith("num_batches_tracked")]

@@ -73,8 +73,16 @@ def cached_snapshot(repo: str, *, not_a_directory: bool = False) -> Path:
         f"{lead} is not in the local Hugging Face cache ({_where()}); fetch it with: {download_command(repo)}"
     )
     cache = hub_cache()
-    if not (cache / f"models--{repo.replace('/', '--')}").is_dir():
+    root = cache / f"models--{repo.replace('/', '--')}"
+    if not root.is_dir():
         raise missing
+    ref = root / "refs" / "main"
+    if ref.is_file() and not ref.read_text(errors="replace").strip():
+        # huggingface_hub would hand back the snapshots folder itself, and loading would miss its config.json.
+        raise FileNotFoundError(
+            f"{ref}: empty, so it names no snapshot of {repo} (an interrupted download?); fetch it again with: "
+            f"{download_command(repo)}"
+        )
     try:
         # local_files_only: never a network request, whatever HF_HUB_OFFLINE says.
         path = snapshot_download(repo, cache_dir=cache, local_files_only=True)

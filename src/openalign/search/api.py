@@ -120,16 +120,37 @@ def decode_upload(data: str, budget: DecodeBudget, *, side: int, max_bytes: int,
         raise HTTPException(503, f"{err}; retry later", headers={"Retry-After": "5"}) from err
 
 
-class Indexes:
-    """The named searchers one server answers for; the first is the default."""
+def index_version(root: Path) -> tuple[int, int, int] | None:
+    """What changes when ``index build`` commits to the index at ``root``: it moves a new ``index.json`` into
+    place after every other file, so its inode, modification time and size mark a complete new version."""
+    try:
+        st = (root / "index.json").stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def __init__(self, searchers: Searcher | Mapping[str, Searcher]):
+
+class Indexes:
+    """The named searchers one server answers for; the first is the default.
+
+    With ``reload_check_s`` ≥ 0, a request looks (at most once in that many seconds per index) whether
+    ``index build`` has committed a new version of its index; if so the new version is opened in a background
+    thread beside the old one and swapped in whole. A request keeps the searcher it started with, so none
+    sees half of one version and half of another; a version that does not open keeps the old one served.
+    """
+
+    def __init__(self, searchers: Searcher | Mapping[str, Searcher], *, reload_check_s: float = -1.0):
         if isinstance(searchers, Searcher):
             searchers = {searchers.index.root.name or "default": searchers}
         if not searchers:
             raise ValueError("a server needs at least one index")
         self.searchers = dict(searchers)
         self.default = next(iter(self.searchers))
+        self.reload_check_s = reload_check_s
+        self._versions = {name: index_version(s.index.root) for name, s in self.searchers.items()}
+        self._checked = dict.fromkeys(self.searchers, time.monotonic())
+        self._reloading: set[str] = set()
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         return list(self.searchers)
@@ -139,7 +160,39 @@ class Indexes:
         name = name or self.default
         if name not in self.searchers:
             raise HTTPException(404, f"no index named {name!r}; this server has {', '.join(self.searchers)}")
+        if self.reload_check_s >= 0:
+            self._check(name)
         return name, self.searchers[name]
+
+    def _check(self, name: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if name in self._reloading or now - self._checked[name] < self.reload_check_s:
+                return
+            self._checked[name] = now
+            version = index_version(self.searchers[name].index.root)
+            if version is None or version == self._versions[name]:
+                return
+            self._reloading.add(name)
+        threading.Thread(target=self._reload, args=(name, version), daemon=True).start()
+
+    def _reload(self, name: str, version: tuple[int, int, int]) -> None:
+        import sys
+
+        old = self.searchers[name]
+        try:
+            fresh = old.reopened()
+        except (OSError, ValueError) as err:
+            # A build committing again while this one opened, or a damaged file: keep serving the old version
+            # and look again at the next check.
+            print(f"warning: index {name!r} not reloaded: {err}", file=sys.stderr)
+            with self._lock:
+                self._reloading.discard(name)
+            return
+        with self._lock:
+            self.searchers[name] = fresh  # one reference swapped: requests under way keep the old searcher
+            self._versions[name] = version
+            self._reloading.discard(name)
 
     def image_path(self, name: str, image_id: int) -> str:
         """This server's path of image ``image_id`` of index ``name``."""
@@ -157,6 +210,7 @@ def create_app(
     decode_wait_s: float = 60.0,
     request_memory_bytes: int = DEFAULT_REQUEST_MEMORY,
     api_key: str | None = None,
+    reload_check_s: float = -1.0,
 ) -> FastAPI:
     """The search app over ``searcher``.
 
@@ -164,12 +218,13 @@ def create_app(
     than ``body_timeout_s`` to arrive (408). Decoded query images hold at most ``decode_budget_bytes`` at
     once (a decode waits up to ``decode_wait_s`` for its share) and request bodies about
     ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503. With ``api_key`` every
-    route but ``/health`` needs it. ``searcher`` may be a mapping of names to searchers, one per index.
+    route but ``/health`` needs it. ``searcher`` may be a mapping of names to searchers, one per index. With
+    ``reload_check_s`` ≥ 0 a version of an index that ``index build`` grew is swapped in (``Indexes``) at most
+    that many seconds after a request notices it; below 0, the indexes served stay those given.
     """
     from openalign.search.clip_retrieval import add_clip_retrieval_routes
 
-    indexes = Indexes(searcher)
-    first = indexes.searchers[indexes.default]
+    indexes = Indexes(searcher, reload_check_s=reload_check_s)
     app = FastAPI(
         title="openalign search",
         version="1",
@@ -194,6 +249,7 @@ def create_app(
 
     @app.get("/health", response_model=Health)
     def health() -> dict:
+        first = indexes.get(None)[1]
         return {"status": "ok", **first.index.summary(), "model": first.model_name}
 
     @app.post("/search", response_model=SearchResponse, responses=errors)
@@ -301,11 +357,14 @@ class ServeConfig:
     decode_budget_mb: float = 256.0  # decoded query-image pixels held at once; more uploads wait their turn
     request_memory_mb: float = 256.0  # request bodies (and parsed copies) held at once; more wait, then 503
     api_key: str | None = None  # key every route but /health requires (default: $OPENALIGN_API_KEY)
+    reload_check_s: float = 2.0  # seconds between looks for a new version from index build, swapped in live; -1: never
 
     def validate(self) -> None:
         for name in ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not (self.reload_check_s == -1 or 0 <= self.reload_check_s < float("inf")):
+            raise ValueError(f"--reload-check-s must be -1 (never) or seconds ≥ 0, got {self.reload_check_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty")
 
@@ -397,15 +456,21 @@ def index_specs(specs: list[str]) -> dict[str, str]:
 
 
 def load_searchers(
-    indexes: Mapping[str, str | Path], model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
+    indexes: Mapping[str, str | Path],
+    model_path: str | Path | None = None,
+    tokenizer_path: str | Path | None = None,
+    *,
+    allow_other_model: bool = False,
 ) -> dict[str, Searcher]:
     """A searcher per named index (``load_searcher``), loading a model shared by several indexes once."""
     from openalign.model.io import load_model
     from openalign.search.catalog import SearchIndex
+    from openalign.search.fingerprint import check_same_model, tokenizer_sha256, weights_sha256
     from openalign.text import load_tokenizer
 
     models: dict[str, Any] = {}
     searchers: dict[str, Searcher] = {}
+    hashes: dict[str, str | None] = {}
     for name, path in indexes.items():
         index = SearchIndex.open(path)
         model = model_path or index.info.get("model")
@@ -423,13 +488,26 @@ def load_searchers(
         tok_key = str(Path(tok).resolve())
         if tok_key not in tokenizers:
             tokenizers[tok_key] = load_tokenizer(tok, max_length=loaded.config.text.max_length)
+        if index.info.get("imported") is None:  # imported embeddings were made elsewhere: no model to compare
+            if key not in hashes:
+                hashes[key] = weights_sha256(loaded)
+            if "tokenizer:" + tok_key not in hashes:
+                hashes["tokenizer:" + tok_key] = tokenizer_sha256(tokenizers[tok_key])
+            found = {"weights": hashes[key], "tokenizer": hashes["tokenizer:" + tok_key]}
+            check_same_model(index.info, path, str(model), found, allow_other_model=allow_other_model)
         searchers[name] = Searcher(index, loaded, tokenizers[tok_key], model_name=str(model))
     return searchers
 
 
 def load_searcher(
-    index_path: str | Path, model_path: str | Path | None = None, tokenizer_path: str | Path | None = None
+    index_path: str | Path,
+    model_path: str | Path | None = None,
+    tokenizer_path: str | Path | None = None,
+    *,
+    allow_other_model: bool = False,
 ) -> Searcher:
     """Open an index with the model (and tokenizer) it was built with, or the ones given. An index built
-    from embeddings without a model opens without one: it answers embedding queries only."""
-    return load_searchers({"index": index_path}, model_path, tokenizer_path)["index"]
+    from embeddings without a model opens without one: it answers embedding queries only. A model other than
+    the one that built the index is a ConfigError unless ``allow_other_model``."""
+    searchers = load_searchers({"index": index_path}, model_path, tokenizer_path, allow_other_model=allow_other_model)
+    return searchers["index"]

@@ -42,8 +42,17 @@ from openalign.search.catalog import (
     THUMBS,
     THUMBS_INDEX,
     SearchIndex,
+    read_metadata,
 )
-from openalign.search.index import AnnConfig, VectorStore, ann_config, build_store, extend_store, save_vectors
+from openalign.search.index import (
+    AnnConfig,
+    VectorStore,
+    ann_config,
+    build_store,
+    extend_store,
+    read_json,
+    save_vectors,
+)
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
@@ -270,7 +279,7 @@ def _merge_modality(
     old_store = VectorStore.load(src) if (src / "vectors.npy").is_file() else None
     old_size = old_store.size if old_store else 0
     parts = [old_store.vectors] if old_store else []
-    tables = [pq.read_table(src / METADATA)] if old_store else []
+    tables = [read_metadata(src)] if old_store else []
     next_id, image_offset = old_size, base_ids["image"]
     for chunk in chunks:
         vec_file = chunk / f"{modality}.npy"
@@ -391,13 +400,24 @@ def _build_into(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     commit_stage(out)  # a previous run that died while moving files into place
-    info: dict[str, Any] = json.loads((out / INFO).read_text()) if (out / INFO).is_file() else {}
+    info: dict[str, Any] = read_json(out / INFO) if (out / INFO).is_file() else {}
     dim = model.embed_dim
     if info and info.get("embed_dim") != dim:
         raise ValueError(f"{out} holds {info.get('embed_dim')}-d embeddings but the model makes {dim}-d ones")
     if info and bool(info.get("captions")) != cfg.captions:
         want = "with" if info.get("captions") else "without"
         raise ValueError(f"{out} was built {want} captions; pass the same --captions setting to add to it")
+    from openalign.search.fingerprint import FINGERPRINT, fingerprint
+
+    built_by = fingerprint(model, tokenizer)
+    recorded = info.get(FINGERPRINT)
+    if isinstance(recorded, dict) and any(
+        recorded.get(part) and built_by[part] and recorded.get(part) != built_by[part] for part in built_by
+    ):
+        raise ValueError(
+            f"{out / INFO}: the index was built by another model ({info.get('model')}); its vectors and the new "
+            "ones would not be comparable: add to it with that model, or build a new index"
+        )
     pending = out / PENDING
     manifest = {
         "source": os.fspath(source),
@@ -477,6 +497,10 @@ def _build_into(
         "embed_dim": dim,
         "model": model_path if model_path is not None else info.get("model"),
         "tokenizer": tokenizer_path if tokenizer_path is not None else info.get("tokenizer"),
+        # An index from before fingerprints keeps none: which model made its old vectors is not known.
+        FINGERPRINT: None
+        if info and not isinstance(recorded, dict)
+        else {part: (recorded or {}).get(part) or value for part, value in built_by.items()},
         "captions": cfg.captions,
         "counts": counts,
         "ann": to_dict(cfg.ann),

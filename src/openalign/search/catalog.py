@@ -13,7 +13,6 @@ Layout::
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from openalign.search.index import VectorStore
+from openalign.search.index import VectorStore, read_json, read_matrix
 
 FORMAT = "openalign-index"
 FORMAT_VERSION = 1
@@ -58,9 +57,11 @@ class Thumbnails:
     def open(cls, directory: Path) -> Thumbnails:
         if not (directory / THUMBS_INDEX).is_file():
             return cls(None, None)
-        offsets = np.load(directory / THUMBS_INDEX, mmap_mode="r")
+        offsets = read_matrix(directory / THUMBS_INDEX)
         size = int(offsets[-1]) if len(offsets) else 0
         blob = np.memmap(directory / THUMBS, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
+        if len(blob) < size:
+            raise ValueError(f"{directory / THUMBS}: truncated, {len(blob)} bytes where {THUMBS_INDEX} needs {size}")
         return cls(blob, offsets)
 
     def __len__(self) -> int:
@@ -71,6 +72,18 @@ class Thumbnails:
             return None
         start, end = int(self.offsets[image_id]), int(self.offsets[image_id + 1])
         return bytes(self.blob[start:end]) if end > start else None
+
+
+def read_metadata(directory: Path) -> pa.Table:
+    """A store's ``metadata.parquet``; a missing or unreadable one is one line naming it."""
+    path = directory / METADATA
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; {directory}/vectors.npy has no metadata (the index is incomplete)")
+    try:
+        return pq.read_table(path, memory_map=True)
+    except (pa.ArrowException, OSError) as err:
+        text = " ".join(str(err).split())[:160]
+        raise ValueError(f"{path}: not a readable Parquet table ({text})") from None
 
 
 class SearchIndex:
@@ -90,7 +103,7 @@ class SearchIndex:
         info_path = root / INFO
         if not info_path.is_file():
             raise FileNotFoundError(f"{root}: not an openalign index (no {INFO})")
-        info = json.loads(info_path.read_text())
+        info = read_json(info_path)
         if info.get("format") != FORMAT:
             raise ValueError(f"{info_path}: format is {info.get('format')!r}, expected {FORMAT!r}")
         stores: dict[str, VectorStore] = {}
@@ -100,7 +113,7 @@ class SearchIndex:
             if not (directory / "vectors.npy").is_file():
                 continue
             store = VectorStore.load(directory, mmap=mmap)
-            table = pq.read_table(directory / METADATA, memory_map=True)
+            table = read_metadata(directory)
             if table.num_rows != store.size:
                 raise ValueError(f"{directory}: {table.num_rows} metadata rows for {store.size} vectors")
             if store.size and store.dim != info["embed_dim"]:

@@ -243,18 +243,52 @@ class VectorStore:
         d = Path(directory)
         if not (d / VECTORS).is_file():
             raise FileNotFoundError(f"{d}: no {VECTORS}")
-        vectors = np.load(d / VECTORS, mmap_mode="r" if mmap else None)
-        meta: dict[str, Any] = json.loads((d / ANN_FILE).read_text()) if (d / ANN_FILE).is_file() else {"kind": "exact"}
+        vectors = read_matrix(d / VECTORS, mmap)
+        meta: dict[str, Any] = read_json(d / ANN_FILE) if (d / ANN_FILE).is_file() else {"kind": "exact"}
+        if not isinstance(meta.get("kind"), str):
+            raise ValueError(f"{d / ANN_FILE}: damaged, it names no index kind")
         ann = None
         if meta["kind"] != "exact":
             if not (d / FAISS_FILE).is_file():
                 raise FileNotFoundError(f"{d}: ann.json names a {meta['kind']} index but {FAISS_FILE} is missing")
             import faiss
 
-            ann = faiss.read_index(str(d / FAISS_FILE))
+            try:
+                ann = faiss.read_index(str(d / FAISS_FILE))
+            except RuntimeError as err:
+                raise ValueError(f"{d / FAISS_FILE}: truncated or damaged ({_first_line(err)})") from None
             if ann.ntotal != vectors.shape[0]:
                 raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
         return cls(vectors, ann, meta["kind"], meta.get("params", {}))
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = (lines[-1] if lines else "") or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of an index; a damaged one is a ValueError naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: damaged, not valid JSON ({_first_line(err)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: damaged, expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def read_matrix(path: Path, mmap: bool = True) -> np.ndarray:
+    """A saved .npy array of an index (memory-mapped unless ``mmap`` is False); a truncated or damaged one is a
+    ValueError naming it."""
+    try:
+        array: np.ndarray = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        if isinstance(err, OSError) and err.errno is not None:
+            raise
+        raise ValueError(f"{path}: truncated or damaged .npy file ({_first_line(err)})") from None
+    return array
 
 
 def _drop_missing(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -150,6 +150,23 @@ class Searcher:
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
+    def reopened(self) -> Searcher:
+        """A searcher over the index as it now is on disk (grown by ``index build``), sharing this one's model,
+        tokenizer and text cache; ValueError when the index no longer fits them (another width or model)."""
+        import copy
+
+        index = SearchIndex.open(self.index.root)
+        if index.embed_dim != self.index.embed_dim or index.info.get("fingerprint") != self.index.info.get(
+            "fingerprint"
+        ):
+            raise ValueError(
+                f"{self.index.root / 'index.json'} now describes an index built by another model; restart the "
+                "server to serve it"
+            )
+        fresh = copy.copy(self)
+        fresh.index = index
+        return fresh
+
     def _no_model(self, what: str) -> str:
         return (
             f"{what} queries need a model, and this index has none attached (it was built from embeddings); "
