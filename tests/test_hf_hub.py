@@ -180,8 +180,9 @@ def test_preset_transforms_are_the_papers_crops_at_the_models_size() -> None:
             for top in range(14)
             for left in range(14)
             for flip in (False, True)
+            # Training crops are resized by torch's kernels: PIL's filter, within 2 levels of 255.
             if torch.allclose(
-                out, (lambda c: c.flip(-1) if flip else c)(full[:, top : top + 64, left : left + 64]), atol=1e-6
+                out, (lambda c: c.flip(-1) if flip else c)(full[:, top : top + 64, left : left + 64]), atol=2.01 / 127.5
             )
         ]
         assert len(matches) == 1, matches
