@@ -270,8 +270,11 @@ def _invalid_utf8_columns(files: list[str], schemas: list[pa.Schema]) -> set[str
         names = [n for n in schema.names if _is_text(schema.field(n).type) and n not in dirty]
         if not names:
             continue
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=_BATCH_ROWS, columns=names):
-            dirty.update(n for n in names if not _valid_utf8(batch.column(n)))
+        try:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=_BATCH_ROWS, columns=names):
+                dirty.update(n for n in names if not _valid_utf8(batch.column(n)))
+        except (OSError, pa.ArrowException):
+            continue  # a damaged file: the engine that reads it next names it in its one-line error
     return dirty
 
 
