@@ -399,6 +399,32 @@ def test_large_jpegs_decoded_in_draft_mode_match_full_decoding(tmp_path: Path, t
     assert diff.mean() <= 2.0 and torch.quantile(diff.flatten(), 0.99) <= 16, (diff.mean(), diff.max())
 
 
+def test_batches_do_not_depend_on_which_library_decodes_the_jpegs(
+    tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # simplejpeg is a speed-up only: with or without it, the same bytes in every batch (half the images draft
+    # to 1/2 scale, half decode at full size).
+    pytest.importorskip("simplejpeg")
+    from openalign.data import transforms
+    from openalign.data.synthetic import SyntheticWorld
+
+    world = SyntheticWorld(0, 320)
+    samples = [
+        {"__key__": f"{i:06d}", "jpg": encoded(world.render(row.scene).resize((320 - 9 * i, 240 - 90 * (i % 2))), "JPEG"),
+         "txt": caption(i).encode()}
+        for i, row in enumerate(world.iter_rows(8, 0.0))
+    ]  # fmt: skip
+    write_tar(tmp_path / "a.tar", samples)
+    shards, kw = str(tmp_path / "a.tar"), {"batch_size": 8, "workers": 0, "image_size": 84, "resize": 100}
+    for crop in ("random", "center"):
+        fast = take(stream(shards, tokenizer, crop=crop, **kw), 2)
+        with monkeypatch.context() as patch:
+            patch.setattr(transforms, "_simplejpeg", lambda: None)
+            pil = take(stream(shards, tokenizer, crop=crop, **kw), 2)
+        for a, b in zip(fast, pil, strict=True):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+
+
 def test_works_with_spawned_workers(tmp_path: Path, tokenizer) -> None:
     # Spawned (or forkserver) DataLoader workers receive the stream's plan pickled.
     shards = write_dataset(tmp_path, 8, 4)

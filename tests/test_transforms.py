@@ -11,6 +11,7 @@ import openalign
 from openalign.data.transforms import (
     BadImage,
     decode_image,
+    decode_jpeg_pixels,
     eval_transform,
     jpeg_size,
     model_resize,
@@ -201,6 +202,53 @@ def test_jpeg_size_reads_what_pil_reads_or_leaves_it_to_pil() -> None:
     sos = whole.index(b"\xff\xda")
     assert jpeg_size(whole[:sos]) is None, "a head cut before the scan is PIL's to judge"
     assert jpeg_size(whole[: sos + 4]) == (40, 30)
+
+
+def _photo(w: int, h: int, seed: int = 0) -> Image.Image:
+    """Smooth colour waves plus sensor-like noise: every DCT frequency carries energy, as in a photo."""
+    yy, xx = np.mgrid[0:h, 0:w]
+    waves = [np.sin(xx / (11 + 7 * c) + c) * 60 + np.cos(yy / (5 + 9 * c)) * 60 + 128 for c in range(3)]
+    noise = np.random.default_rng(seed).normal(0, 14, (h, w, 3))
+    return Image.fromarray(np.clip(np.stack(waves, -1) + noise, 0, 255).astype(np.uint8), "RGB")
+
+
+def test_decode_jpeg_pixels_are_pils_pixels_or_left_to_pil() -> None:
+    pytest.importorskip("simplejpeg")
+    photos = [
+        ("444", encode(_photo(700, 530), "JPEG", quality=92, subsampling=0)),
+        ("422", encode(_photo(768, 576, 1), "JPEG", quality=75, subsampling=1)),
+        ("420_portrait", encode(_photo(577, 1031, 2), "JPEG", quality=60, subsampling=2)),
+        ("progressive", encode(_photo(900, 700, 3), "JPEG", progressive=True)),
+        ("grey", encode(_photo(820, 410, 4).convert("L"), "JPEG")),
+        ("restarts", encode(_photo(733, 351, 5), "JPEG", restart_marker_blocks=3)),
+        ("odd_sides", encode(_photo(1399, 747, 6), "JPEG", subsampling=2)),
+    ]
+    fast = 0
+    for name, data in photos + _jpegs():
+        for draft in (None, (346, 346), (100, 100), (40, 40), (5, 5)):
+            pixels = decode_jpeg_pixels(data, draft=draft)
+            if pixels is None:
+                continue
+            fast += 1
+            # Equal, not close: the stream's batches must not depend on whether simplejpeg is installed.
+            reference = np.asarray(decode_image(data, draft=draft))
+            assert pixels.dtype == np.uint8 and pixels.shape == reference.shape, (name, draft)
+            assert np.array_equal(pixels, reference), (name, draft, np.abs(pixels - reference.astype(int)).max())
+    assert fast >= 5 * (len(photos) + 6), "every plain layout, at every draft scale, takes the fast path"
+    cmyk = dict(_jpegs())["cmyk"]
+    assert decode_jpeg_pixels(cmyk) is None, "Adobe CMYK is PIL's (its inverted ink)"
+    whole = photos[0][1]
+    assert decode_jpeg_pixels(whole[: len(whole) // 2]) is None, "a cut-off file is PIL's to name"
+    assert decode_jpeg_pixels(encode(gradient(), "PNG")) is None
+    assert decode_jpeg_pixels(whole, max_pixels=700 * 529) is None, "decode_image names a refused size"
+    assert decode_jpeg_pixels(whole, min_side=531) is None
+
+
+def test_without_simplejpeg_everything_is_left_to_pil(monkeypatch: pytest.MonkeyPatch) -> None:
+    from openalign.data import transforms
+
+    monkeypatch.setattr(transforms, "_simplejpeg", lambda: None)
+    assert decode_jpeg_pixels(encode(_photo(64, 48), "JPEG")) is None
 
 
 @pytest.mark.parametrize("size", [(256, 192), (200, 300), (768, 576), (1500, 1000), (30, 20), (346, 346)])

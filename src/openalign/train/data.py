@@ -635,7 +635,7 @@ class _Reader:
         self.epoch_length = plan.epoch_length
         random_crop = self.random_crop = plan.cfg.crop == "random"
         image = {**plan.image, "normalize": False}  # uint8 until the device
-        self.transform: Callable[[Image.Image], torch.Tensor] = (
+        self.transform: Callable[[Image.Image | np.ndarray], torch.Tensor] = (
             train_transform(**image, flip=plan.cfg.flip) if random_crop else eval_transform(**image)
         )
 
@@ -746,16 +746,20 @@ class _Reader:
         return self._pixels(record, sample_seed)
 
     def _pixels(self, record: Record, sample_seed: int) -> torch.Tensor:
-        from openalign.data.transforms import decode_image
+        from openalign.data.transforms import decode_image, decode_jpeg_pixels
 
-        image, cfg = record[1], self.p.cfg
+        image: Image.Image | np.ndarray | bytes | bytearray = record[1]
+        cfg = self.p.cfg
         if isinstance(image, bytes | bytearray):
             # A JPEG at least twice the resize in both sides is decoded scaled down in the DCT (PIL's draft mode):
             # a fraction of the work, and the resize that follows starts nearer its target.
             side = self.p.image["resize"] if cfg.draft else None
             draft = (side, side) if side else None
-            image = decode_image(bytes(image), max_pixels=cfg.max_pixels, min_side=cfg.min_side, draft=draft)
-        elif image.mode != "RGB":
+            data, limits = bytes(image), {"max_pixels": cfg.max_pixels, "min_side": cfg.min_side}
+            # Most web images are plain JPEGs: libjpeg-turbo's pixels straight into an array, PIL's very pixels.
+            pixels = decode_jpeg_pixels(data, **limits, draft=draft)
+            image = pixels if pixels is not None else decode_image(data, **limits, draft=draft)
+        elif isinstance(image, Image.Image) and image.mode != "RGB":
             image = image.convert("RGB")
         torch.default_generator.manual_seed(sample_seed)  # torch.manual_seed would also seed (slowly) every accelerator
         return self.transform(image)
