@@ -372,6 +372,23 @@ class ShardResult:
         return dataclasses.asdict(self)
 
 
+def shard_samples(tar: str | os.PathLike) -> int | None:
+    """The samples a shard records it holds: ``successes`` of its ``{name}_stats.json`` (as ``openalign shard``
+    and img2dataset write it beside ``{name}.tar``), else the rows of its ``{name}.parquet``; None without
+    either (or when they cannot be read)."""
+    base = os.fspath(tar).removesuffix(".tar")
+    try:
+        return int(json.loads(Path(f"{base}_stats.json").read_text(encoding="utf-8"))["successes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(f"{base}.parquet").metadata.num_rows)
+    except (OSError, ValueError):
+        return None
+
+
 def read_stats(out_dir: str | os.PathLike, prefix: str = "") -> ShardResult:
     """Totals over every ``{prefix}NNNNN_stats.json`` in ``out_dir``: shards, count, successes, failed, bytes,
     failures."""

@@ -354,25 +354,18 @@ class _ShardSource:
         """The samples the shards' own records say they hold, summed until the sum reaches ``enough``: each
         local tar's ``{name}_stats.json`` (``successes``, as ``openalign shard`` and img2dataset write it), else
         its ``{name}.parquet`` (one row a sample). None when some shard has neither, or is remote."""
+        from openalign.data.shards import shard_samples
+
         total = 0
         for url in self.urls:
             if total >= enough:
                 break
             if is_remote(url) or not url.endswith(".tar"):
                 return None
-            path = url.removeprefix("file://")[: -len(".tar")]
-            try:
-                with open(f"{path}_stats.json", encoding="utf-8") as f:
-                    total += int(json.load(f)["successes"])
-                continue
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-            try:
-                import pyarrow.parquet as pq
-
-                total += pq.ParquetFile(f"{path}.parquet").metadata.num_rows
-            except (OSError, ValueError):
+            count = shard_samples(url.removeprefix("file://"))
+            if count is None:
                 return None
+            total += count
         return total
 
     def read(self, url: str) -> Iterator[Event]:
