@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,8 @@ class DualEncoder(nn.Module):
         # Captions keep the width they arrive with (no trimming, no buckets): set by ``compile_towers``, since a
         # compiled text tower fed a new width would compile again.
         self.fixed_text_width = False
+        # ``compile_towers``' functions, by grad mode: (image, text).
+        self.compiled_towers: dict[bool, tuple[Callable[..., torch.Tensor], ...]] | None = None
         self.image = EfficientNet(config.image)
         self.text = Bert(config.text)
         d = config.embed_dim
@@ -113,13 +116,27 @@ class DualEncoder(nn.Module):
         self.text.gradient_checkpointing = enable
 
     def compile_towers(self, **options: Any) -> None:
-        """``torch.compile`` both towers in place, each as one graph (``fullgraph=True``: a graph break is an
-        error). Captions then keep the width they are padded to (``data.max_text_length`` in training): trimming
-        them to each batch's longest would hand the text tower a new shape, and so a new compilation, at every
-        width. ``options`` go to ``torch.compile`` (``backend``, ``mode``)."""
-        self.image.compile(fullgraph=True, **options)
-        self.text.compile(fullgraph=True, **options)
+        """``torch.compile`` both towers, each as one graph (``fullgraph=True``: a graph break is an error) per
+        grad mode, so that gradient caching's no-graph pass and its graph pass each compile once and nothing
+        compiles again. Captions then keep the width they are padded to (``data.max_text_length`` in training):
+        trimming them to each batch's longest would hand the text tower a new shape, and so a new compilation,
+        at every width. ``options`` go to ``torch.compile`` (``backend``, ``mode``)."""
+
+        def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            return torch.compile(fn, fullgraph=True, **options)
+
+        self.compiled_towers = {
+            True: (compiled(_image_with_graph), compiled(_text_with_graph)),
+            False: (compiled(_image_without_graph), compiled(_text_without_graph)),
+        }
         self.fixed_text_width = True
+
+    def _tower(self, which: int) -> Callable[..., torch.Tensor]:
+        """The image (0) or text (1) tower as called now: its compiled function for this grad mode, if any."""
+        tower: nn.Module = (self.image, self.text)[which]
+        if self.compiled_towers is None:
+            return tower
+        return functools.partial(self.compiled_towers[torch.is_grad_enabled()][which], tower)
 
     @contextmanager
     def eager_towers(self) -> Iterator[None]:
@@ -213,7 +230,7 @@ class DualEncoder(nn.Module):
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Unnormalised image embeddings [B, embed_dim]."""
-        x: torch.Tensor = self.image(pixel_values)
+        x = self._tower(0)(pixel_values)
         return self.image_proj(x) if self.image_proj is not None else x
 
     def text_features(
@@ -233,7 +250,7 @@ class DualEncoder(nn.Module):
         return out
 
     def _text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        out: torch.Tensor = self.text_proj(self.text(input_ids, attention_mask))
+        out: torch.Tensor = self.text_proj(self._tower(1)(input_ids, attention_mask))
         return out
 
     def encode_image(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
@@ -268,6 +285,25 @@ class DualEncoder(nn.Module):
             attention_mask = padding_mask(input_ids, self.config.text.pad_token_id)
         image = F.normalize(self.image_features(pixel_values), dim=-1)
         return image, F.normalize(self.text_features(input_ids, attention_mask, width), dim=-1)
+
+
+# The compiled towers' entry points, one per tower and grad mode. Dynamo keeps its graphs per code object, guarded
+# on grad mode among other things: one function called with and without a graph would compile twice, the second
+# time as a recompilation. The tower is an argument, so that a copy of the model calls its own weights.
+def _image_with_graph(tower: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    return tower(pixel_values)  # type: ignore[no-any-return]
+
+
+def _image_without_graph(tower: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    return tower(pixel_values)  # type: ignore[no-any-return]
+
+
+def _text_with_graph(tower: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return tower(input_ids, mask)  # type: ignore[no-any-return]
+
+
+def _text_without_graph(tower: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return tower(input_ids, mask)  # type: ignore[no-any-return]
 
 
 def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
