@@ -259,12 +259,11 @@ def _train_bench_without_webdataset(s: Any, report: Path) -> None:
         training = {
             w: bt._in_subprocess("measure_training", w, s, shards, str(tok)) for w in ("openalign", "transformers")
         }
-        ours = {
-            "in_process": bt._in_subprocess("measure_pipeline", "openalign", s, shards, str(tok), 0),
-            "workers": 0.0,
-        }
+        one = bt._in_subprocess("measure_pipeline", "openalign", s, shards, str(tok), 0)
+        ours = {"in_process": one["samples_per_s"], "workers": 0.0, "cpu_ms": one["cpu_ms"]}
         if s.workers:
-            ours["workers"] = bt._in_subprocess("measure_pipeline", "openalign", s, shards, str(tok), s.workers)
+            many = bt._in_subprocess("measure_pipeline", "openalign", s, shards, str(tok), s.workers)
+            ours["workers"] = many["samples_per_s"]
     peak = matmul_peak(s.device, s.bf16)
     nominal = training["transformers"]["flops_per_step"]
     for res in training.values():
