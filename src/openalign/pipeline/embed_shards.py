@@ -1,0 +1,439 @@
+"""Embedding a crawl at scale: images and captions of WebDataset shards (or a table / image folder cut into
+fixed-size row chunks) into clip-retrieval's inference layout, by any number of processes.
+
+Every input part (a shard, or a chunk of ``table_chunk_rows`` rows) becomes one file triple numbered by the
+part's position in the input, so the output does not depend on how many processes wrote it::
+
+    OUT/img_emb/img_emb_0003.npy      [rows, D] image embeddings (L2-normalised; float16 as clip-retrieval)
+    OUT/text_emb/text_emb_0003.npy    [rows, D] caption embeddings of the same rows
+    OUT/metadata/metadata_0003.parquet  image_path, caption, key, url: one row per embedding
+    OUT/stats/stats_0003.json         the part's source, rows and skipped items by reason
+    OUT/embed.json                    the model's fingerprint and the settings; totals once every part is done
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) rank r works the parts i with i mod world = r, on
+``cuda:LOCAL_RANK`` when CUDA is there; one plain process is rank 0 of 1. Each file is written under a
+temporary name and renamed, the metadata last, so a part whose metadata exists is finished and a restarted
+job skips it, while a part cut short is redone from its start. No process group is needed: whichever rank
+finishes last finds every part done and writes the totals. Unreadable images are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from openalign.config import ConfigError, to_dict
+from openalign.data.sources import BadInput, Record, Source, file_limit, open_source
+from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
+from openalign.pipeline.dedup import Embedder, load_embedder, parse_embedder
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from openalign.model.dual_encoder import DualEncoder
+    from openalign.text.tokenizer import TextTokenizer
+
+INFO = "embed.json"
+FORMAT = "openalign-embed"
+DTYPES = ("float16", "float32")
+METADATA_COLUMNS = ("image_path", "caption", "key", "url")
+
+
+@dataclass
+class EmbedShardsConfig:
+    """What ``openalign embed`` writes and how it reads its input."""
+
+    images: bool = True  # write image embeddings (img_emb/)
+    captions: bool = True  # write caption embeddings (text_emb/); needs a model with a text tower
+    batch_size: int = 64  # images per forward pass (captions go in the same groups)
+    # .npy element type: float16 is what clip-retrieval writes (half the disk); float32 keeps embed_images' bits
+    dtype: str = "float16"
+    table_chunk_rows: int = 10000  # a table or image folder is cut into parts of this many rows
+    image_root: str | None = None  # a table's image_path values start here (default the table's folder)
+    max_pixels: int = 64_000_000  # larger images are skipped as too_large
+    max_file_mb: float = 64.0  # larger image files (and shard members) are skipped unread as too_large_file
+    # table input: also read image paths that resolve outside the image root (else skipped as outside_root)
+    allow_outside_root: bool = False
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
+
+    def validate(self) -> None:
+        if not (self.images or self.captions):
+            raise ConfigError("nothing to embed: --no-images and --no-captions together")
+        if self.batch_size < 1 or self.table_chunk_rows < 1:
+            raise ConfigError("batch_size and table_chunk_rows must be at least 1")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        try:
+            file_limit(self.max_file_mb)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place in the job, from torchrun's environment (rank 0 of 1 without it)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> Rank:
+        try:
+            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            local = int(os.environ.get("LOCAL_RANK", 0))
+        except ValueError as err:
+            raise ConfigError(f"RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers ({err})") from None
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"RANK {rank} is not within WORLD_SIZE {world}")
+        return cls(rank, world, local)
+
+
+@dataclass
+class EmbedShardsResult:
+    """What this process did, and the job's totals when it found every part done."""
+
+    parts: int  # parts in the input
+    worked: list[int]  # parts this process embedded
+    already_done: list[int]  # parts of this process that an earlier run had finished
+    rows: int  # embeddings this process wrote
+    skipped: dict[str, int]  # items this process skipped, by reason
+    complete: bool  # every part of the job is done (totals are in embed.json)
+    totals: dict[str, Any] = field(default_factory=dict)  # the job's rows and skipped items, when complete
+
+
+@dataclass
+class Model:
+    """The embedder: images through ``image`` (ALIGN tower or copy detector), captions through ``text``."""
+
+    image: Embedder
+    text: DualEncoder | None
+    tokenizer: TextTokenizer | None
+    name: str
+
+    def fingerprint(self) -> dict[str, str | None]:
+        from openalign.search.fingerprint import tokenizer_sha256, weights_sha256
+
+        return {"weights": weights_sha256(self.image.model), "tokenizer": tokenizer_sha256(self.tokenizer)}
+
+
+def pick_device(setting: str, rank: Rank) -> str:
+    import torch
+
+    if setting != "auto":
+        return setting
+    return f"cuda:{rank.local}" if torch.cuda.is_available() else "cpu"
+
+
+def load_embed_model(model: str | None, embedder: str | None, *, device: str = "cpu", captions: bool = True) -> Model:
+    """``model``: what ``index build`` and ``search`` take (an openalign checkpoint, a transformers AlignModel
+    folder or a cached hub id), with its tokenizer; or ``embedder``: ``copy-detector:DIR`` / ``align:DIR`` as
+    dedup reads it. A missing folder is a one-line error."""
+    if (model is None) == (embedder is None):
+        raise ConfigError("give either --model (an ALIGN checkpoint) or --embedder copy-detector:DIR / align:DIR")
+    if embedder is not None:
+        spec = parse_embedder(embedder)
+        if spec.kind == "npy":
+            raise ConfigError("--embedder npy has no model to embed with; give copy-detector:DIR or align:DIR")
+        loaded = load_embedder(spec, device)
+        assert loaded is not None
+        name = str(spec)
+        path = spec.path
+    else:
+        from openalign.model.hub import resolve
+        from openalign.model.io import load_model
+
+        path = resolve(model or "")
+        name = str(model)
+        loaded = Embedder(parse_embedder(f"align:{path}"), load_model(path), device)
+    from openalign.model.dual_encoder import DualEncoder
+
+    loaded.model.to(device)
+    text = loaded.model if isinstance(loaded.model, DualEncoder) else None
+    tokenizer = None
+    if captions:
+        if text is None:
+            raise ConfigError(f"{name} is a copy detector: it embeds images only; pass --no-captions")
+        from openalign.text import load_tokenizer
+
+        assert path is not None  # a model spec always names its folder
+        tokenizer = load_tokenizer(path, max_length=text.config.text.max_length)
+    return Model(loaded, text, tokenizer, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parts
+
+
+def _chunked_events(source: Source, chunk_rows: int) -> Iterator[tuple[int, Record | BadInput]]:
+    """(part, event) of a table or folder: a record's part is its row // chunk_rows; a skipped row is counted
+    in the part of the row after the last record (rows skipped by the reader are rows too)."""
+    next_row = 0
+    for event in source.events():
+        if isinstance(event, Record):
+            next_row = event.index + 1
+            yield event.index // chunk_rows, event
+        else:
+            yield next_row // chunk_rows, event
+            next_row += 1
+
+
+def count_parts(source: Source, chunk_rows: int) -> int:
+    """Shards: one part each. A table or folder: its rows in chunks (one pass over the rows, no image read)."""
+    if source.kind == "shards":
+        return len(source.urls)
+    last = -1
+    for part, _ in _chunked_events(source, chunk_rows):
+        last = part
+    return last + 1
+
+
+def part_events(source: Source, chunk_rows: int, wanted: set[int]) -> Iterator[tuple[int, Record | BadInput]]:
+    """(part, event) for the ``wanted`` parts, in input order; shards outside them are not opened."""
+    if source.kind == "shards":
+        for i, url in enumerate(source.urls):
+            if i in wanted:
+                for event in dataclasses.replace(source, urls=(url,)).events():
+                    yield i, event
+        return
+    for part, event in _chunked_events(source, chunk_rows):
+        if part in wanted:
+            yield part, event
+
+
+def part_name(source: Source, part: int, chunk_rows: int) -> str:
+    if source.kind == "shards":
+        return source.urls[part]
+    return f"{source.spec} rows {part * chunk_rows}..{(part + 1) * chunk_rows - 1}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+
+
+class Layout:
+    """clip-retrieval's file names in ``out``, numbered with at least 4 digits (more for 10000+ parts, so that
+    names sort in part order, as clip-retrieval's readers sort them)."""
+
+    def __init__(self, out: Path, parts: int):
+        self.out = out
+        self.width = max(4, len(str(max(parts - 1, 0))))
+
+    def path(self, kind: str, part: int) -> Path:
+        suffix = {"img_emb": "npy", "text_emb": "npy", "metadata": "parquet", "stats": "json"}[kind]
+        return self.out / kind / f"{kind}_{part:0{self.width}d}.{suffix}"
+
+    def done(self, part: int) -> bool:
+        return self.path("metadata", part).is_file()
+
+
+def _atomic(path: Path, write: Any) -> None:
+    """``write(tmp)`` then rename onto ``path``: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_npy(path: Path, rows: list[np.ndarray], dim: int, dtype: str) -> None:
+    matrix = np.concatenate(rows) if rows else np.zeros((0, dim), np.float32)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, matrix.astype(dtype, copy=False))
+
+    _atomic(path, write)
+
+
+def _write_part(
+    layout: Layout,
+    part: int,
+    cfg: EmbedShardsConfig,
+    dim: int,
+    emb: dict[str, list[np.ndarray]],
+    meta: dict[str, list[str]],
+    stats: dict[str, Any],
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if cfg.images:
+        _save_npy(layout.path("img_emb", part), emb["image"], dim, cfg.dtype)
+    if cfg.captions:
+        _save_npy(layout.path("text_emb", part), emb["text"], dim, cfg.dtype)
+    text = json.dumps(stats, indent=1, sort_keys=True) + "\n"
+    _atomic(layout.path("stats", part), lambda tmp: tmp.write_text(text))
+    table = pa.table({name: pa.array(meta[name], pa.string()) for name in METADATA_COLUMNS})
+    _atomic(layout.path("metadata", part), lambda tmp: pq.write_table(table, tmp))  # last: the part is done
+
+
+def _meta(record: Record, source: Source) -> tuple[str, str, str]:
+    """(image_path, key, url): a shard sample's image_path is its key, as clip-retrieval writes it, and its
+    key ``SHARD.tar/KEY``, as ``index build`` keys it; a table row's image_path is its image file."""
+    try:
+        url = str(record.metadata().get("url") or "")
+    except BadInput:
+        url = ""
+    if source.kind == "shards":
+        return record.key, f"{Path(record.origin).name}/{record.key}", url
+    return (str(record.path) if record.path is not None else record.key), record.key, url
+
+
+def _embed_part(
+    model: Model, cfg: EmbedShardsConfig, source: Source, events: Iterator[Record | BadInput], skipped: Counter
+) -> tuple[dict[str, list[np.ndarray]], dict[str, list[str]]]:
+    from openalign.embed import embed_texts
+
+    emb: dict[str, list[np.ndarray]] = {"image": [], "text": []}
+    meta: dict[str, list[str]] = {name: [] for name in METADATA_COLUMNS}
+    images: list[Image.Image] = []
+    captions: list[str] = []
+
+    def flush() -> None:
+        if cfg.images and images:
+            emb["image"].append(model.image.embed(images, batch_size=cfg.batch_size))
+        if cfg.captions and captions:
+            assert model.text is not None and model.tokenizer is not None
+            vecs = embed_texts(
+                model.text, model.tokenizer, captions, batch_size=cfg.batch_size, device=model.image.device
+            )
+            emb["text"].append(vecs.numpy())
+        images.clear()
+        captions.clear()
+
+    for event in events:
+        if isinstance(event, BadInput):
+            skipped[event.reason] += 1
+            continue
+        if cfg.images:
+            try:
+                images.append(event.decode(max_pixels=cfg.max_pixels))
+            except BadInput as err:
+                skipped[err.reason] += 1
+                continue
+        captions.append(event.caption or "")
+        path, key, url = _meta(event, source)
+        for name, value in zip(METADATA_COLUMNS, (path, captions[-1], key, url), strict=True):
+            meta[name].append(value)
+        if len(captions) == cfg.batch_size:
+            flush()
+    flush()
+    return emb, meta
+
+
+def _settings(cfg: EmbedShardsConfig) -> dict[str, Any]:
+    """The settings that decide the files' content: a restart must use the same ones."""
+    keep = ("images", "captions", "dtype", "table_chunk_rows", "max_pixels", "max_file_mb", "image_root")
+    return {k: v for k, v in to_dict(cfg).items() if k in keep}
+
+
+def _check_or_write_info(out: Path, info: dict[str, Any], rank: Rank) -> None:
+    path = out / INFO
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = {}
+        for part in ("fingerprint", "settings", "parts", "source"):
+            if old.get(part) != info[part]:
+                raise ConfigError(
+                    f"{path}: this folder was written with another {part} ({old.get(part)} ≠ {info[part]}); "
+                    "resume with the same model and settings, or write to a new folder"
+                )
+        return
+    if rank.rank == 0:
+        atomic_write_text(path, json.dumps(info, indent=2) + "\n")
+
+
+def _totals(layout: Layout, parts: int) -> dict[str, Any]:
+    rows, skipped = 0, Counter[str]()
+    for part in range(parts):
+        stats = json.loads(layout.path("stats", part).read_text())
+        rows += int(stats["rows"])
+        skipped.update(stats["skipped"])
+    return {"rows": rows, "skipped": dict(sorted(skipped.items()))}
+
+
+def embed_shards(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    model: Model,
+    cfg: EmbedShardsConfig | None = None,
+    *,
+    rank: Rank | None = None,
+    progress: bool = False,
+) -> EmbedShardsResult:
+    """Embed this rank's unfinished parts of ``source`` into ``out`` (see the module docstring)."""
+    cfg = cfg or EmbedShardsConfig()
+    cfg.validate()
+    rank = rank or Rank.from_env()
+    out = Path(out)
+    check_writable(out, what="embedding folder", directory=True)
+    refuse_input_as_output(out, [source])
+    opened = open_source(
+        source,
+        image_root=cfg.image_root,
+        max_file_bytes=file_limit(cfg.max_file_mb),
+        allow_outside_root=cfg.allow_outside_root,
+    )
+    parts = count_parts(opened, cfg.table_chunk_rows)
+    if parts == 0:
+        raise ValueError(f"{source}: no rows to embed")
+    dim = model.image.model.embed_dim
+    info = {
+        "format": FORMAT,
+        "source": os.fspath(source),
+        "parts": parts,
+        "model": model.name,
+        "fingerprint": model.fingerprint(),
+        "embed_dim": dim,
+        "settings": _settings(cfg),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    _check_or_write_info(out, info, rank)
+    layout = Layout(out, parts)
+    mine = [i for i in range(parts) if i % rank.world == rank.rank]
+    done = [i for i in mine if layout.done(i)]
+    todo = [i for i in mine if not layout.done(i)]
+    skipped_here: Counter[str] = Counter()
+    rows = 0
+    from tqdm import tqdm
+
+    def finish(part: int, part_events: Iterator[Record | BadInput]) -> None:
+        nonlocal rows
+        skipped: Counter[str] = Counter()
+        emb, meta = _embed_part(model, cfg, opened, part_events, skipped)
+        n = len(meta["key"])
+        stats = {"source": part_name(opened, part, cfg.table_chunk_rows), "rows": n, "skipped": dict(skipped)}
+        _write_part(layout, part, cfg, dim, emb, meta, stats)
+        rows += n
+        skipped_here.update(skipped)
+        bar.update(1)
+
+    with tqdm(total=len(todo), unit="part", desc=f"embed rank {rank.rank}", disable=not progress) as bar:
+        seen = set()
+        for part, group in groupby(part_events(opened, cfg.table_chunk_rows, set(todo)), key=itemgetter(0)):
+            seen.add(part)
+            finish(part, (event for _, event in group))
+        for part in todo:
+            if part not in seen:  # a shard (or chunk) with nothing in it still gets its empty files
+                finish(part, iter(()))
+    complete = all(layout.done(i) for i in range(parts))
+    totals: dict[str, Any] = {}
+    if complete:  # the last rank to finish gets here with every part on disk; writing twice writes the same
+        totals = _totals(layout, parts)
+        atomic_write_text(out / INFO, json.dumps({**info, "complete": True, "totals": totals}, indent=2) + "\n")
+    return EmbedShardsResult(parts, todo, done, rows, dict(sorted(skipped_here.items())), complete, totals)
