@@ -26,6 +26,7 @@ from openalign.data.sources import BadInput
 from openalign.data.transforms import decode_image
 from openalign.embed import embed_images, embed_texts
 from openalign.pipeline.embed_shards import EmbedShardsConfig, Rank, embed_shards, load_embed_model
+from openalign.search.catalog import SearchIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTIONS = ["a red circle", "two blue squares", "a green triangle on grass", "a small yellow star", "big red box"]
@@ -213,7 +214,7 @@ def test_clip_retrieval_readers_and_index_import_read_the_output(
     # openalign's import of clip-retrieval folders: an index queried by one of the vectors finds its row.
     index = tmp_path / "idx"
     assert main(["index", "build", "--embeddings", str(out), "--out", str(index)]) == 0
-    stored = np.asarray(openalign.search.catalog.SearchIndex.open(index).stores["image"].vectors)
+    stored = np.asarray(SearchIndex.open(index).stores["image"].vectors)
     np.testing.assert_allclose(stored, vectors / np.linalg.norm(vectors, axis=1, keepdims=True), atol=1e-6)
 
 
@@ -257,3 +258,31 @@ def test_bad_model_and_settings_are_one_line_errors(
     assert "no such directory" in error("--embedder", "copy-detector:/no/such/dir")
     assert "nothing to embed" in error("--model", str(world["ckpt"]), "--no-images", "--no-captions")
     assert "dtype" in error("--model", str(world["ckpt"]), "--dtype", "int8")
+
+
+def test_copy_detector_embeds_as_dedup_does(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
+    from openalign.model.io import save_model
+    from openalign.pipeline.dedup import load_embedder
+    from openalign.search.fingerprint import weights_sha256
+
+    torch.manual_seed(0)
+    save_model(CopyDetector(CopyDetectorConfig(image_size=32)).eval(), tmp_path / "detector")
+    spec = f"copy-detector:{tmp_path / 'detector'}"
+    out = tmp_path / "out"
+    argv = ["embed", str(world["shards"] / "a00000.tar"), str(out), "--embedder", spec, "--dtype", "float32"]
+    assert main([*argv, "--no-captions", "--quiet"]) == 0
+    assert not (out / "text_emb").exists()
+    import webdataset as wds
+
+    images = [decode_image(s["jpg"]) for s in wds.WebDataset(str(world["shards"] / "a00000.tar"), shardshuffle=False)]
+    embedder = load_embedder(spec)
+    assert embedder is not None
+    np.testing.assert_allclose(np.load(out / "img_emb" / "img_emb_0000.npy"), embedder.embed(images), atol=1e-6)
+    info = json.loads((out / "embed.json").read_text())
+    assert info["fingerprint"]["weights"] == weights_sha256(embedder.model)
+    capsys.readouterr()
+    assert main([*argv, "--quiet"]) == 2  # captions need a text tower
+    assert "embeds images only; pass --no-captions" in capsys.readouterr().err
