@@ -64,7 +64,7 @@ class EmbedShardsConfig:
     max_file_mb: float = 64.0  # larger image files (and shard members) are skipped unread as too_large_file
     # table input: also read image paths that resolve outside the image root (else skipped as outside_root)
     allow_outside_root: bool = False
-    device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu; cuda: cuda:LOCAL_RANK
 
     def validate(self) -> None:
         if not (self.images or self.captions):
@@ -130,9 +130,9 @@ class Model:
 def pick_device(setting: str, rank: Rank) -> str:
     import torch
 
-    if setting != "auto":
-        return setting
-    return f"cuda:{rank.local}" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        return f"cuda:{rank.local}"  # each process of a node its own GPU
+    return "cpu" if setting == "auto" else setting
 
 
 def load_embed_model(model: str | None, embedder: str | None, *, device: str = "cpu", captions: bool = True) -> Model:
