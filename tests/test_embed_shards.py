@@ -286,3 +286,15 @@ def test_copy_detector_embeds_as_dedup_does(
     capsys.readouterr()
     assert main([*argv, "--quiet"]) == 2  # captions need a text tower
     assert "embeds images only; pass --no-captions" in capsys.readouterr().err
+
+
+def test_decoding_workers_write_the_in_process_files(
+    world: dict[str, Path], single: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """Two DataLoader workers decode alternate chunks (of 2 events: shard 1's broken image is in one of them);
+    the files are those of decoding in the embedding process, rows in the same order."""
+    for workers in ("0", "2"):
+        out = tmp_path / f"w{workers}"
+        assert main([*_embed_argv(world, out), "--workers", workers, "--quiet"]) == 0
+        assert _files(out) == _files(single), workers
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -25,21 +25,23 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from openalign.config import ConfigError, to_dict
 from openalign.data.sources import BadInput, Record, Source, file_limit, open_source
 from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
 from openalign.pipeline.dedup import Embedder, load_embedder, parse_embedder
+from openalign.pipeline.embed_stream import (
+    Item,
+    MetadataWriter,
+    NpyAppender,
+    Prepare,
+    decoded_items,
+    default_workers,
+)
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer
 
@@ -65,10 +67,15 @@ class EmbedShardsConfig:
     # table input: also read image paths that resolve outside the image root (else skipped as outside_root)
     allow_outside_root: bool = False
     device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu; cuda: cuda:LOCAL_RANK
+    # processes decoding images beside each rank; -1: this rank's share of the cores it may use (at most 16);
+    # 0: decode in the embedding process itself. The files are the same whatever the number.
+    workers: int = -1
 
     def validate(self) -> None:
         if not (self.images or self.captions):
             raise ConfigError("nothing to embed: --no-images and --no-captions together")
+        if self.workers < -1:
+            raise ConfigError(f"workers must be -1 (from the cores), 0 (in-process) or more, got {self.workers}")
         if self.batch_size < 1 or self.table_chunk_rows < 1:
             raise ConfigError("batch_size and table_chunk_rows must be at least 1")
         if self.dtype not in DTYPES:
@@ -86,17 +93,19 @@ class Rank:
     rank: int = 0
     world: int = 1
     local: int = 0
+    local_world: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @classmethod
     def from_env(cls) -> Rank:
         try:
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
             local = int(os.environ.get("LOCAL_RANK", 0))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         except ValueError as err:
             raise ConfigError(f"RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers ({err})") from None
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"RANK {rank} is not within WORLD_SIZE {world}")
-        return cls(rank, world, local)
+        return cls(rank, world, local, max(1, local_world))
 
 
 @dataclass
@@ -237,47 +246,19 @@ class Layout:
         return self.path("metadata", part).is_file()
 
 
+def _tmp(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def _atomic(path: Path, write: Any) -> None:
     """``write(tmp)`` then rename onto ``path``: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _tmp(path)
     try:
         write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _save_npy(path: Path, rows: list[np.ndarray], dim: int, dtype: str) -> None:
-    matrix = np.concatenate(rows) if rows else np.zeros((0, dim), np.float32)
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            np.save(f, matrix.astype(dtype, copy=False))
-
-    _atomic(path, write)
-
-
-def _write_part(
-    layout: Layout,
-    part: int,
-    cfg: EmbedShardsConfig,
-    dim: int,
-    emb: dict[str, list[np.ndarray]],
-    meta: dict[str, list[str]],
-    stats: dict[str, Any],
-) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if cfg.images:
-        _save_npy(layout.path("img_emb", part), emb["image"], dim, cfg.dtype)
-    if cfg.captions:
-        _save_npy(layout.path("text_emb", part), emb["text"], dim, cfg.dtype)
-    text = json.dumps(stats, indent=1, sort_keys=True) + "\n"
-    _atomic(layout.path("stats", part), lambda tmp: tmp.write_text(text))
-    table = pa.table({name: pa.array(meta[name], pa.string()) for name in METADATA_COLUMNS})
-    _atomic(layout.path("metadata", part), lambda tmp: pq.write_table(table, tmp))  # last: the part is done
 
 
 def _meta(record: Record, source: Source) -> tuple[str, str, str]:
@@ -292,46 +273,98 @@ def _meta(record: Record, source: Source) -> tuple[str, str, str]:
     return (str(record.path) if record.path is not None else record.key), record.key, url
 
 
-def _embed_part(
-    model: Model, cfg: EmbedShardsConfig, source: Source, events: Iterator[Record | BadInput], skipped: Counter
-) -> tuple[dict[str, list[np.ndarray]], dict[str, list[str]]]:
-    from openalign.embed import embed_texts
+def _preparer(model: Model, cfg: EmbedShardsConfig, source: Source) -> Prepare:
+    """What a decoding worker does to one event: decode the image and, for an ALIGN tower, run the model's
+    eval transform too (the same function ``embed_images`` would run, so the pixels are the same bits)."""
+    from openalign.data.transforms import model_transform
+    from openalign.model.dual_encoder import DualEncoder
 
-    emb: dict[str, list[np.ndarray]] = {"image": [], "text": []}
-    meta: dict[str, list[str]] = {name: [] for name in METADATA_COLUMNS}
-    images: list[Image.Image] = []
-    captions: list[str] = []
+    net = model.image.model
+    transform = model_transform(net.config, train=False) if isinstance(net, DualEncoder) else None
 
-    def flush() -> None:
-        if cfg.images and images:
-            emb["image"].append(model.image.embed(images, batch_size=cfg.batch_size))
-        if cfg.captions and captions:
-            assert model.text is not None and model.tokenizer is not None
-            vecs = embed_texts(
-                model.text, model.tokenizer, captions, batch_size=cfg.batch_size, device=model.image.device
-            )
-            emb["text"].append(vecs.numpy())
-        images.clear()
-        captions.clear()
-
-    for event in events:
+    def prepare(part: int, event: Record | BadInput) -> Item:
         if isinstance(event, BadInput):
-            skipped[event.reason] += 1
-            continue
+            return Item(part, skip=event.reason)
+        image: Any = None
         if cfg.images:
             try:
-                images.append(event.decode(max_pixels=cfg.max_pixels))
+                image = event.decode(max_pixels=cfg.max_pixels)
             except BadInput as err:
-                skipped[err.reason] += 1
-                continue
-        captions.append(event.caption or "")
-        path, key, url = _meta(event, source)
-        for name, value in zip(METADATA_COLUMNS, (path, captions[-1], key, url), strict=True):
-            meta[name].append(value)
-        if len(captions) == cfg.batch_size:
-            flush()
-    flush()
-    return emb, meta
+                return Item(part, skip=err.reason)
+            if transform is not None:
+                image = transform(image)
+        return Item(part, image=image, caption=event.caption or "", meta=_meta(event, source))
+
+    return prepare
+
+
+class PartOut:
+    """One part being written: rows gathered into batches of ``batch_size``, each embedded and appended to
+    the part's temporary files; ``finish`` renames them into place, the metadata last."""
+
+    def __init__(self, layout: Layout, part: int, model: Model, cfg: EmbedShardsConfig, dim: int):
+        self.layout, self.part, self.model, self.cfg = layout, part, model, cfg
+        self.skipped: Counter[str] = Counter()
+        self.images: list[Any] = []
+        self.captions: list[str] = []
+        for kind in ("img_emb", "text_emb", "metadata", "stats"):  # what a killed run left of this part
+            final = layout.path(kind, part)
+            for stale in final.parent.glob(f".{final.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
+        self.npy: dict[str, NpyAppender] = {}
+        for kind, wanted in (("img_emb", cfg.images), ("text_emb", cfg.captions)):
+            if wanted:
+                self.npy[kind] = NpyAppender(_tmp(layout.path(kind, part)), dim, cfg.dtype)
+        self.meta = MetadataWriter(_tmp(layout.path("metadata", part)), METADATA_COLUMNS)
+
+    def add(self, item: Item) -> None:
+        if item.skip is not None:
+            self.skipped[item.skip] += 1
+            return
+        if self.cfg.images:
+            self.images.append(item.image)
+        self.captions.append(item.caption)
+        path, key, url = item.meta
+        self.meta.append((path, item.caption, key, url))
+        if len(self.captions) == self.cfg.batch_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        from openalign.embed import embed_texts
+
+        model, cfg = self.model, self.cfg
+        if cfg.images and self.images:
+            self.npy["img_emb"].append(model.image.embed(self.images, batch_size=cfg.batch_size))
+        if cfg.captions and self.captions:
+            assert model.text is not None and model.tokenizer is not None
+            vecs = embed_texts(
+                model.text, model.tokenizer, self.captions, batch_size=cfg.batch_size, device=model.image.device
+            )
+            self.npy["text_emb"].append(vecs.numpy())
+        self.images.clear()
+        self.captions.clear()
+
+    def finish(self, source_name: str) -> dict[str, Any]:
+        self._flush()
+        for writer in self.npy.values():
+            writer.close()
+        self.meta.close()
+        stats = {"source": source_name, "rows": self.meta.rows, "skipped": dict(self.skipped)}
+        text = json.dumps(stats, indent=1, sort_keys=True) + "\n"
+        _atomic(self.layout.path("stats", self.part), lambda tmp: tmp.write_text(text))
+        for kind in self.npy:
+            os.replace(_tmp(self.layout.path(kind, self.part)), self.layout.path(kind, self.part))
+        metadata = self.layout.path("metadata", self.part)
+        os.replace(_tmp(metadata), metadata)  # last: the part is done
+        return stats
+
+    def abandon(self) -> None:
+        """Close and remove the temporary files of a part cut short by an error."""
+        for writer in self.npy.values():
+            writer.file.close()
+        self.meta.writer.close()
+        for kind in (*self.npy, "metadata"):
+            _tmp(self.layout.path(kind, self.part)).unlink(missing_ok=True)
 
 
 def _settings(cfg: EmbedShardsConfig) -> dict[str, Any]:
@@ -412,25 +445,41 @@ def embed_shards(
     rows = 0
     from tqdm import tqdm
 
-    def finish(part: int, part_events: Iterator[Record | BadInput]) -> None:
+    workers = cfg.workers if cfg.workers >= 0 else default_workers(rank.local_world)
+    items = decoded_items(
+        lambda: part_events(opened, cfg.table_chunk_rows, set(todo)),
+        _preparer(model, cfg, opened),
+        chunk=cfg.batch_size,
+        workers=workers,
+    )
+    current: PartOut | None = None
+
+    def finish(writer: PartOut) -> None:
         nonlocal rows
-        skipped: Counter[str] = Counter()
-        emb, meta = _embed_part(model, cfg, opened, part_events, skipped)
-        n = len(meta["key"])
-        stats = {"source": part_name(opened, part, cfg.table_chunk_rows), "rows": n, "skipped": dict(skipped)}
-        _write_part(layout, part, cfg, dim, emb, meta, stats)
-        rows += n
-        skipped_here.update(skipped)
+        stats = writer.finish(part_name(opened, writer.part, cfg.table_chunk_rows))
+        rows += stats["rows"]
+        skipped_here.update(writer.skipped)
         bar.update(1)
 
     with tqdm(total=len(todo), unit="part", desc=f"embed rank {rank.rank}", disable=not progress) as bar:
         seen = set()
-        for part, group in groupby(part_events(opened, cfg.table_chunk_rows, set(todo)), key=itemgetter(0)):
-            seen.add(part)
-            finish(part, (event for _, event in group))
+        try:
+            for item in items:
+                if current is None or current.part != item.part:
+                    if current is not None:
+                        finish(current)
+                    seen.add(item.part)
+                    current = PartOut(layout, item.part, model, cfg, dim)
+                current.add(item)
+            if current is not None:
+                finish(current)
+                current = None
+        finally:
+            if current is not None:
+                current.abandon()
         for part in todo:
             if part not in seen:  # a shard (or chunk) with nothing in it still gets its empty files
-                finish(part, iter(()))
+                finish(PartOut(layout, part, model, cfg, dim))
     complete = all(layout.done(i) for i in range(parts))
     totals: dict[str, Any] = {}
     if complete:  # the last rank to finish gets here with every part on disk; writing twice writes the same
