@@ -298,3 +298,70 @@ def test_decoding_workers_write_the_in_process_files(
         assert main([*_embed_argv(world, out), "--workers", workers, "--quiet"]) == 0
         assert _files(out) == _files(single), workers
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+_PEAK = """
+import resource, sys
+from pathlib import Path
+from openalign.pipeline.embed_shards import EmbedShardsConfig, Rank, embed_shards, load_embed_model
+shards, detector, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+model = load_embed_model(None, "copy-detector:" + detector, captions=False)
+for n, (batch, workers) in enumerate([(2, 0), (2, 1), (int(sys.argv[4]), 0)]):
+    cfg = EmbedShardsConfig(batch_size=batch, workers=workers, captions=False)
+    embed_shards(shards + "/small.tar", out / f"warm{n}", model, cfg, rank=Rank())  # allocator warm
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = embed_shards(shards + "/big.tar", out / f"big{n}", model, cfg, rank=Rank())
+    print(result.rows, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_memory_is_bounded_by_the_batch_not_the_part(tmp_path: Path) -> None:
+    """One shard of 16 smooth 1600x1600 JPEGs (under 200 kB each, 7.7 MB each decoded: 123 MB for the part)
+    through the copy detector, which takes decoded images a batch at a time: embedded 2 at a time, the process
+    grows by far less than the decoded part, with or without a worker; 16 at a time, it holds the part."""
+    from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
+    from openalign.model.io import save_model
+
+    save_model(CopyDetector(CopyDetectorConfig(image_size=32)).eval(), tmp_path / "detector")
+    side, count = 1600, 16
+    ramp = np.linspace(0, 255, side, dtype=np.float32)
+    red, green = np.meshgrid(ramp, ramp)
+    pixels = np.stack([red, green, np.full_like(red, 128)], -1)
+    image = Image.fromarray(pixels.astype(np.uint8))
+    shards = tmp_path / "shards"
+    for name, n in (("small", 2), ("big", count)):
+        samples = [{"key": f"{i:04d}", "jpg": image, "txt": CAPTIONS[i % 5], "json": {}} for i in range(n)]
+        write_shards(samples, shards, samples_per_shard=n, prefix=name)
+        (shards / f"{name}00000.tar").rename(shards / f"{name}.tar")
+    decoded = count * side * side * 3
+    assert (shards / "big.tar").stat().st_size < decoded / 20
+    argv = [sys.executable, "-c", _PEAK, str(shards), str(tmp_path / "detector"), str(tmp_path / "out"), str(count)]
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Each line: rows, and the growth of the process's peak, a bound on what it held at once (the peak never
+    # falls, so a later run shows only where it goes past the earlier ones).
+    (rows0, grown0), (rows1, grown1), (rows_all, grown_all) = [
+        map(int, line.split()) for line in done.stdout.splitlines()
+    ]
+    assert rows0 == rows1 == rows_all == count
+    assert grown0 < decoded / 4 and grown1 < decoded / 4, (grown0 / 2**20, grown1 / 2**20)
+    assert grown_all > decoded / 2, grown_all / 2**20  # a whole part held shows: the bound above can fail
+
+
+def test_npy_written_block_by_block_is_what_numpy_saves(tmp_path: Path) -> None:
+    from openalign.pipeline.embed_stream import NpyAppender
+
+    rng = np.random.default_rng(1)
+    blocks = [rng.standard_normal((n, 7)).astype(np.float32) for n in (3, 0, 5, 1)]
+    for dtype in ("float16", "float32"):
+        for kept in (blocks, []):
+            writer = NpyAppender(tmp_path / f"{dtype}.npy", 7, dtype)
+            for block in kept:
+                writer.append(block)
+            writer.close()
+            got = np.load(tmp_path / f"{dtype}.npy")
+            want = np.concatenate(kept).astype(dtype) if kept else np.zeros((0, 7), dtype)
+            assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+            # rows at their place for a reader that maps the file (as embedding_reader does)
+            mapped = np.load(tmp_path / f"{dtype}.npy", mmap_mode="r")
+            assert np.array_equal(np.asarray(mapped), want)
