@@ -365,3 +365,44 @@ def test_npy_written_block_by_block_is_what_numpy_saves(tmp_path: Path) -> None:
             # rows at their place for a reader that maps the file (as embedding_reader does)
             mapped = np.load(tmp_path / f"{dtype}.npy", mmap_mode="r")
             assert np.array_equal(np.asarray(mapped), want)
+
+
+def test_a_parquet_rank_reads_only_the_row_groups_of_its_parts(
+    world: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """10 rows of image bytes in row groups of 2, parts of 4 rows: rank 1 of 2 (part 1, rows 4..7) reads row
+    groups 2 and 3 and nothing else; the two ranks together write what one process writes."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(5)
+    images = [Image.fromarray((rng.random((24, 20, 3)) * 255).astype(np.uint8)) for _ in range(10)]
+    encoded = []
+    for im in images:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        encoded.append(buf.getvalue())
+    encoded[6] = BROKEN
+    table = pa.table({"jpg": encoded, "caption": [CAPTIONS[i % 5] for i in range(10)]})
+    pq.write_table(table, tmp_path / "crawl.parquet", row_group_size=2)
+    read: list[list[int] | None] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def spy(self: pq.ParquetFile, *args: object, **kwargs: object) -> object:
+        groups = kwargs.get("row_groups")
+        read.append(None if groups is None else list(groups))  # type: ignore[call-overload]
+        return iter_batches(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    model = load_embed_model(str(world["ckpt"]), None)
+    cfg = EmbedShardsConfig(batch_size=2, dtype="float32", table_chunk_rows=4, workers=0)
+    one = embed_shards(tmp_path / "crawl.parquet", tmp_path / "one", model, cfg, rank=Rank())
+    assert one.complete and one.totals["rows"] == 9 and read == [[0, 1], [2, 3], [4]]
+    read.clear()
+    ranks = [embed_shards(tmp_path / "crawl.parquet", tmp_path / "two", model, cfg, rank=Rank(r, 2)) for r in (1, 0)]
+    assert read == [[2, 3], [0, 1], [4]] and [r.worked for r in ranks] == [[1], [0, 2]]
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    meta = [pq.read_table(tmp_path / "one" / "metadata" / f"metadata_{i:04d}.parquet").to_pydict() for i in range(3)]
+    assert [k for m in meta for k in m["key"]] == [f"{i:09d}" for i in range(10) if i != 6]
+    want = embed_images(openalign.load_model(world["ckpt"]), [im for i, im in enumerate(images) if i != 6])
+    got = np.concatenate([np.load(tmp_path / "one" / "img_emb" / f"img_emb_{i:04d}.npy") for i in range(3)])
+    np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-6)

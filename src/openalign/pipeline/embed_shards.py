@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openalign.config import ConfigError, to_dict
-from openalign.data.sources import BadInput, Record, Source, file_limit, open_source
+from openalign.data.sources import BadInput, Record, Source, file_limit, open_parquet, open_source, table_format
 from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
 from openalign.pipeline.dedup import Embedder, load_embedder, parse_embedder
 from openalign.pipeline.embed_stream import (
@@ -197,10 +197,17 @@ def _chunked_events(source: Source, chunk_rows: int) -> Iterator[tuple[int, Reco
             next_row += 1
 
 
+def _parquet(source: Source) -> bool:
+    return source.kind == "table" and source.table is not None and table_format(source.table) == "parquet"
+
+
 def count_parts(source: Source, chunk_rows: int) -> int:
     """Shards: one part each. A table or folder: its rows in chunks (one pass over the rows, no image read)."""
     if source.kind == "shards":
         return len(source.urls)
+    if _parquet(source):
+        assert source.table is not None
+        return -(-int(open_parquet(source.table).metadata.num_rows) // chunk_rows)  # the footer: no row read
     last = -1
     for part, _ in _chunked_events(source, chunk_rows):
         last = part
@@ -214,6 +221,12 @@ def part_events(source: Source, chunk_rows: int, wanted: set[int]) -> Iterator[t
             if i in wanted:
                 for event in dataclasses.replace(source, urls=(url,)).events():
                     yield i, event
+        return
+    if _parquet(source):  # each part's own rows only: a rank never reads the image bytes of another's
+        for part in sorted(wanted):
+            rows = (part * chunk_rows, (part + 1) * chunk_rows)
+            for event in dataclasses.replace(source, rows=rows).events():
+                yield part, event
         return
     for part, event in _chunked_events(source, chunk_rows):
         if part in wanted:
