@@ -301,29 +301,34 @@ def test_decoding_workers_write_the_in_process_files(
 
 
 _PEAK = """
-import resource, sys
+import re, sys
 from pathlib import Path
 from openalign.pipeline.embed_shards import EmbedShardsConfig, Rank, embed_shards, load_embed_model
+
+def status(field):  # kB
+    return int(re.search(field + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1))
+
 shards, detector, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 model = load_embed_model(None, "copy-detector:" + detector, captions=False)
 for n, (batch, workers) in enumerate([(2, 0), (2, 1), (int(sys.argv[4]), 0)]):
     cfg = EmbedShardsConfig(batch_size=batch, workers=workers, captions=False)
     embed_shards(shards + "/small.tar", out / f"warm{n}", model, cfg, rank=Rank())  # allocator warm
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the present size
+    before = status("VmRSS")
     result = embed_shards(shards + "/big.tar", out / f"big{n}", model, cfg, rank=Rank())
-    print(result.rows, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+    print(result.rows, (status("VmHWM") - before) * 1024)
 """
 
 
 def test_memory_is_bounded_by_the_batch_not_the_part(tmp_path: Path) -> None:
-    """One shard of 16 smooth 1600x1600 JPEGs (under 200 kB each, 7.7 MB each decoded: 123 MB for the part)
+    """One shard of 24 smooth 1600x1600 JPEGs (under 200 kB each, 7.7 MB each decoded: 184 MB for the part)
     through the copy detector, which takes decoded images a batch at a time: embedded 2 at a time, the process
-    grows by far less than the decoded part, with or without a worker; 16 at a time, it holds the part."""
+    grows by far less than the decoded part, with or without a worker; 24 at a time, it holds the part."""
     from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
     from openalign.model.io import save_model
 
     save_model(CopyDetector(CopyDetectorConfig(image_size=32)).eval(), tmp_path / "detector")
-    side, count = 1600, 16
+    side, count = 1600, 24
     ramp = np.linspace(0, 255, side, dtype=np.float32)
     red, green = np.meshgrid(ramp, ramp)
     pixels = np.stack([red, green, np.full_like(red, 128)], -1)
@@ -338,14 +343,13 @@ def test_memory_is_bounded_by_the_batch_not_the_part(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", _PEAK, str(shards), str(tmp_path / "detector"), str(tmp_path / "out"), str(count)]
     done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    # Each line: rows, and the growth of the process's peak, a bound on what it held at once (the peak never
-    # falls, so a later run shows only where it goes past the earlier ones).
+    # Each line: rows, and how far the process's peak resident size rose above its size before the run.
     (rows0, grown0), (rows1, grown1), (rows_all, grown_all) = [
         map(int, line.split()) for line in done.stdout.splitlines()
     ]
     assert rows0 == rows1 == rows_all == count
-    assert grown0 < decoded / 4 and grown1 < decoded / 4, (grown0 / 2**20, grown1 / 2**20)
-    assert grown_all > decoded / 2, grown_all / 2**20  # a whole part held shows: the bound above can fail
+    assert grown0 < decoded / 3 and grown1 < decoded / 3, (grown0 / 2**20, grown1 / 2**20, grown_all / 2**20)
+    assert grown_all > decoded * 3 / 4, (grown0 / 2**20, grown1 / 2**20, grown_all / 2**20)  # a whole part held shows
 
 
 def test_npy_written_block_by_block_is_what_numpy_saves(tmp_path: Path) -> None:
@@ -406,3 +410,39 @@ def test_a_parquet_rank_reads_only_the_row_groups_of_its_parts(
     want = embed_images(openalign.load_model(world["ckpt"]), [im for i, im in enumerate(images) if i != 6])
     got = np.concatenate([np.load(tmp_path / "one" / "img_emb" / f"img_emb_{i:04d}.npy") for i in range(3)])
     np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-6)
+
+
+def test_a_part_without_rows_has_stats_only_and_readers_read_the_rest(
+    world: dict[str, Path], tmp_path: Path, one_thread: None
+) -> None:
+    """Shard 1 of 3 holds only a broken image: its part is done with stats and no files, which
+    embedding_reader (npy + parquet, where an empty pair breaks it) and our import read past; a rerun skips it."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("a00000.tar", "c00000.tar"):
+        (shards / name).write_bytes((world["shards"] / name).read_bytes())
+    with tarfile.open(shards / "b00000.tar", "w") as tar:
+        for member, data in (("zz_bad.jpg", BROKEN), ("zz_bad.txt", b"broken")):
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "out"
+    model = load_embed_model(str(world["ckpt"]), None)
+    cfg = EmbedShardsConfig(batch_size=2, workers=0)
+    result = embed_shards(str(shards / "*.tar"), out, model, cfg, rank=Rank())
+    assert result.complete and result.totals["rows"] == 8 and result.rows == 8
+    assert json.loads((out / "stats" / "stats_0001.json").read_text())["rows"] == 0
+    assert sorted(p.name for p in (out / "img_emb").iterdir()) == ["img_emb_0000.npy", "img_emb_0002.npy"]
+    assert not (out / "metadata" / "metadata_0001.parquet").exists() and not list(out.rglob("*.tmp"))
+    again = embed_shards(str(shards / "*.tar"), out, model, cfg, rank=Rank())
+    assert again.worked == [] and again.already_done == [0, 1, 2]
+    reader = pytest.importorskip("embedding_reader")
+    read = reader.EmbeddingReader(
+        str(out / "img_emb"), file_format="parquet_npy", meta_columns=["key"], metadata_folder=str(out / "metadata")
+    )
+    got, meta = next(iter(read(batch_size=100, start=0, end=read.count, show_progress=False)))
+    assert read.count == 8 and meta["key"].tolist()[:1] == ["a00000.tar/0000"]
+    parts = [np.load(out / "img_emb" / f"img_emb_{i:04d}.npy") for i in (0, 2)]
+    np.testing.assert_array_equal(got, np.concatenate(parts))
+    assert main(["index", "build", "--embeddings", str(out), "--out", str(tmp_path / "idx")]) == 0
+    assert len(SearchIndex.open(tmp_path / "idx").stores["image"].vectors) == 8

@@ -8,6 +8,7 @@ part's position in the input, so the output does not depend on how many processe
     OUT/text_emb/text_emb_0003.npy    [rows, D] caption embeddings of the same rows
     OUT/metadata/metadata_0003.parquet  image_path, caption, key, url: one row per embedding
     OUT/stats/stats_0003.json         the part's source, rows and skipped items by reason
+    (a part without a usable row has its stats only: clip-retrieval's readers fail on an empty .npy pair)
     OUT/embed.json                    the model's fingerprint and the settings; totals once every part is done
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) rank r works the parts i with i mod world = r, on
@@ -256,7 +257,14 @@ class Layout:
         return self.out / kind / f"{kind}_{part:0{self.width}d}.{suffix}"
 
     def done(self, part: int) -> bool:
-        return self.path("metadata", part).is_file()
+        """Its metadata is in place, or it had no usable row: then its stats alone say so (stats are written
+        before the metadata, so a part with rows whose metadata is missing is redone)."""
+        if self.path("metadata", part).is_file():
+            return True
+        try:
+            return bool(json.loads(self.path("stats", part).read_text())["rows"] == 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
 
 def _tmp(path: Path) -> Path:
@@ -364,6 +372,12 @@ class PartOut:
         self.meta.close()
         stats = {"source": source_name, "rows": self.meta.rows, "skipped": dict(self.skipped)}
         text = json.dumps(stats, indent=1, sort_keys=True) + "\n"
+        if not self.meta.rows:
+            # No files for a part without rows: embedding_reader's npy+parquet reader fails on an empty pair
+            # (it slices 0 metadata rows into its batch); the stats record the part as done.
+            self._remove_temporary()
+            _atomic(self.layout.path("stats", self.part), lambda tmp: tmp.write_text(text))
+            return stats
         _atomic(self.layout.path("stats", self.part), lambda tmp: tmp.write_text(text))
         for kind in self.npy:
             os.replace(_tmp(self.layout.path(kind, self.part)), self.layout.path(kind, self.part))
@@ -376,6 +390,9 @@ class PartOut:
         for writer in self.npy.values():
             writer.file.close()
         self.meta.writer.close()
+        self._remove_temporary()
+
+    def _remove_temporary(self) -> None:
         for kind in (*self.npy, "metadata"):
             _tmp(self.layout.path(kind, self.part)).unlink(missing_ok=True)
 
@@ -491,7 +508,7 @@ def embed_shards(
             if current is not None:
                 current.abandon()
         for part in todo:
-            if part not in seen:  # a shard (or chunk) with nothing in it still gets its empty files
+            if part not in seen:  # a shard (or chunk) with nothing in it still gets its stats
                 finish(PartOut(layout, part, model, cfg, dim))
     complete = all(layout.done(i) for i in range(parts))
     totals: dict[str, Any] = {}
