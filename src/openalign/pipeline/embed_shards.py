@@ -20,17 +20,15 @@ finishes last finds every part done and writes the totals. Unreadable images are
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openalign.config import ConfigError, to_dict
-from openalign.data.sources import BadInput, Record, Source, file_limit, open_parquet, open_source, table_format
+from openalign.data.sources import BadInput, Record, Source, file_limit, open_source
 from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
 from openalign.pipeline.dedup import Embedder, load_embedder, parse_embedder
 from openalign.pipeline.embed_stream import (
@@ -38,8 +36,11 @@ from openalign.pipeline.embed_stream import (
     MetadataWriter,
     NpyAppender,
     Prepare,
+    count_parts,
     decoded_items,
     default_workers,
+    part_events,
+    part_name,
 )
 
 if TYPE_CHECKING:
@@ -179,65 +180,6 @@ def load_embed_model(model: str | None, embedder: str | None, *, device: str = "
         assert path is not None  # a model spec always names its folder
         tokenizer = load_tokenizer(path, max_length=text.config.text.max_length)
     return Model(loaded, text, tokenizer, name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Parts
-
-
-def _chunked_events(source: Source, chunk_rows: int) -> Iterator[tuple[int, Record | BadInput]]:
-    """(part, event) of a table or folder: a record's part is its row // chunk_rows; a skipped row is counted
-    in the part of the row after the last record (rows skipped by the reader are rows too)."""
-    next_row = 0
-    for event in source.events():
-        if isinstance(event, Record):
-            next_row = event.index + 1
-            yield event.index // chunk_rows, event
-        else:
-            yield next_row // chunk_rows, event
-            next_row += 1
-
-
-def _parquet(source: Source) -> bool:
-    return source.kind == "table" and source.table is not None and table_format(source.table) == "parquet"
-
-
-def count_parts(source: Source, chunk_rows: int) -> int:
-    """Shards: one part each. A table or folder: its rows in chunks (one pass over the rows, no image read)."""
-    if source.kind == "shards":
-        return len(source.urls)
-    if _parquet(source):
-        assert source.table is not None
-        return -(-int(open_parquet(source.table).metadata.num_rows) // chunk_rows)  # the footer: no row read
-    last = -1
-    for part, _ in _chunked_events(source, chunk_rows):
-        last = part
-    return last + 1
-
-
-def part_events(source: Source, chunk_rows: int, wanted: set[int]) -> Iterator[tuple[int, Record | BadInput]]:
-    """(part, event) for the ``wanted`` parts, in input order; shards outside them are not opened."""
-    if source.kind == "shards":
-        for i, url in enumerate(source.urls):
-            if i in wanted:
-                for event in dataclasses.replace(source, urls=(url,)).events():
-                    yield i, event
-        return
-    if _parquet(source):  # each part's own rows only: a rank never reads the image bytes of another's
-        for part in sorted(wanted):
-            rows = (part * chunk_rows, (part + 1) * chunk_rows)
-            for event in dataclasses.replace(source, rows=rows).events():
-                yield part, event
-        return
-    for part, event in _chunked_events(source, chunk_rows):
-        if part in wanted:
-            yield part, event
-
-
-def part_name(source: Source, part: int, chunk_rows: int) -> str:
-    if source.kind == "shards":
-        return source.urls[part]
-    return f"{source.spec} rows {part * chunk_rows}..{(part + 1) * chunk_rows - 1}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The streaming half of ``openalign embed``: decoding in DataLoader worker processes, in input order, and
-writing a part's files a batch at a time, so that memory depends on the batch size, never on a part's size.
+"""The streaming half of ``openalign embed``: the input's parts, decoding in DataLoader worker processes in
+input order, and writing a part's files a batch at a time, so that memory depends on the batch size, never on
+a part's size.
 
 Decoding. The events of a rank's parts are cut into chunks (up to ``chunk`` consecutive events of one part);
 with ``k`` workers, worker ``w`` decodes chunks ``w, w + k, …`` and the DataLoader hands them back round robin,
@@ -13,6 +14,7 @@ at most ``META_ROWS`` rows. Both are written under temporary names and renamed i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from openalign.data.sources import BadInput, Record
+from openalign.data.sources import BadInput, Record, Source, open_parquet, table_format
 
 META_ROWS = 8192  # metadata rows held before they are written as one Parquet row group
 NPY_HEADER = 128  # bytes of a .npy header (magic, version, length, the padded dict): room for any shape
@@ -99,6 +101,65 @@ def decoded_items(
     loader = DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_identity, prefetch_factor=2)
     for items in loader:
         yield from items
+
+
+# --------------------------------------------------------------------------------------------------
+# Parts
+
+
+def _chunked_events(source: Source, chunk_rows: int) -> Iterator[tuple[int, Record | BadInput]]:
+    """(part, event) of a table or folder: a record's part is its row // chunk_rows; a skipped row is counted
+    in the part of the row after the last record (rows skipped by the reader are rows too)."""
+    next_row = 0
+    for event in source.events():
+        if isinstance(event, Record):
+            next_row = event.index + 1
+            yield event.index // chunk_rows, event
+        else:
+            yield next_row // chunk_rows, event
+            next_row += 1
+
+
+def _parquet(source: Source) -> bool:
+    return source.kind == "table" and source.table is not None and table_format(source.table) == "parquet"
+
+
+def count_parts(source: Source, chunk_rows: int) -> int:
+    """Shards: one part each. A table or folder: its rows in chunks (one pass over the rows, no image read)."""
+    if source.kind == "shards":
+        return len(source.urls)
+    if _parquet(source):
+        assert source.table is not None
+        return -(-int(open_parquet(source.table).metadata.num_rows) // chunk_rows)  # the footer: no row read
+    last = -1
+    for part, _ in _chunked_events(source, chunk_rows):
+        last = part
+    return last + 1
+
+
+def part_events(source: Source, chunk_rows: int, wanted: set[int]) -> Iterator[tuple[int, Record | BadInput]]:
+    """(part, event) for the ``wanted`` parts, in input order; shards outside them are not opened."""
+    if source.kind == "shards":
+        for i, url in enumerate(source.urls):
+            if i in wanted:
+                for event in dataclasses.replace(source, urls=(url,)).events():
+                    yield i, event
+        return
+    if _parquet(source):  # each part's own rows only: a rank never reads the image bytes of another's
+        for part in sorted(wanted):
+            rows = (part * chunk_rows, (part + 1) * chunk_rows)
+            for event in dataclasses.replace(source, rows=rows).events():
+                yield part, event
+        return
+    for part, event in _chunked_events(source, chunk_rows):
+        if part in wanted:
+            yield part, event
+
+
+def part_name(source: Source, part: int, chunk_rows: int) -> str:
+    if source.kind == "shards":
+        return source.urls[part]
+    return f"{source.spec} rows {part * chunk_rows}..{(part + 1) * chunk_rows - 1}"
 
 
 # --------------------------------------------------------------------------------------------------
