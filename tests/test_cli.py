@@ -151,6 +151,8 @@ CONFIGS = [
     "openalign.bench.filter:FilterBenchSettings",
     "openalign.bench.dedup:DedupBenchSettings",
     "openalign.bench.retrieval:RetrievalBenchSettings",
+    "openalign.pipeline.embed_shards:EmbedShardsConfig",
+    "openalign.bench.embed:EmbedBenchSettings",
 ]
 
 

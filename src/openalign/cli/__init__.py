@@ -1,8 +1,8 @@
 """``openalign <command>``: parse the command line into the command's settings, call the library, print.
 
 One module per command group (``data``: filter, dedup, vocab, shard; ``copy_detector``: copy-detector train;
-``train``: train, plot; ``plan``; ``eval``; ``search``: index, search, serve; ``bench``; ``convert``; ``demo``: demo,
-experiments), each registering
+``train``: train, plot; ``plan``; ``eval``; ``search``: index, search, serve; ``embed``; ``bench``; ``convert``;
+``demo``: demo, experiments), each registering
 its commands with :func:`register`. Settings flags come from the config dataclasses through
 :mod:`openalign.cli.options`; a command's parser is only built when that command runs (or asks for
 ``--help``), and heavy modules are imported inside the command, so ``openalign --help`` loads no torch.
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import sys
 
-from openalign.cli import bench, convert, copy_detector, data, demo, eval, plan, search, train
+from openalign.cli import bench, convert, copy_detector, data, demo, embed, eval, plan, search, train
 from openalign.cli.options import Parser
 from openalign.config import ConfigError
 
-GROUPS = (data, copy_detector, train, plan, eval, search, convert, bench, demo)
+GROUPS = (data, copy_detector, train, plan, eval, search, embed, convert, bench, demo)
 
 
 def build_parser() -> Parser:

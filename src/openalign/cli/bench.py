@@ -105,6 +105,16 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         ("openalign bench retrieval", "openalign bench retrieval --images 1000 --independent"),
         (JSON, Alias(("--independent",), "noise", "captions independent of the images (noise: null)", value=None)),
     ),
+    "embed": (
+        "openalign.bench.embed:EmbedBenchSettings",
+        "openalign embed by N torchrun processes beside one process (samples/s, ratio)",
+        "Writes synthetic shards and an untrained preset, then embeds them with `openalign embed` as one plain "
+        "process and under torchrun with N processes (CPU cores shared out among them; cuda:LOCAL_RANK on GPUs), "
+        "in one run; prints samples/s of each, end to end, the ratio, and how far the two outputs differ.",
+        ("openalign bench embed", "openalign bench embed --processes 4 --shards 16 --per-shard 256",
+         "openalign bench embed --preset b0-tiny --processes 8 --batch-size 256   # 8 GPUs"),
+        (JSON,),
+    ),
     "gpu": (
         "openalign.bench.gpu:GpuCheckSettings",
         "the GPU path in one command: CUDA tests, ours against transformers, the paper's batch, plan vs measured",
@@ -206,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
         from openalign.bench.retrieval import run_retrieval_bench
 
         run_retrieval_bench(s)
+    elif args.bench == "embed":
+        from openalign.bench.embed import run_embed_bench
+
+        run_embed_bench(s)
     elif args.bench == "gpu":
         from openalign.bench.gpu import run_gpu_check
 

@@ -954,6 +954,36 @@ def _read_table(
     raise ValueError(f"{path}: unsupported table format {suffix.lower()!r} (use .parquet, .csv, .tsv or .jsonl)")
 
 
+def _parquet_rows(path: Path, rows: tuple[int, int], max_cell_bytes: int) -> Iterator[list[dict]]:
+    """Rows ``start..stop-1`` of a Parquet file in batches: only the row groups holding them are read."""
+    import pyarrow as pa
+
+    if table_format(path) != "parquet":
+        raise ValueError(f"{path}: reading a range of rows needs a Parquet table")
+    start, stop = rows
+    reader = open_parquet(path)
+    meta = reader.metadata
+    groups, first, at = [], None, 0
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        if at < stop and at + n > start:
+            groups.append(g)
+            first = at if first is None else first
+        at += n
+    if not groups or first is None:
+        return
+    size = _parquet_batch_rows(reader, 4096, max_cell_bytes)
+    at = first
+    try:
+        for batch in reader.iter_batches(batch_size=size, row_groups=groups):
+            lo, hi = max(start, at), min(stop, at + batch.num_rows)
+            if lo < hi:
+                yield batch.slice(lo - at, hi - lo).to_pylist()
+            at += batch.num_rows
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
+
+
 # Rows of a Parquet batch are held as Python objects at once: a batch of large rows (images) is cut shorter.
 _PARQUET_BATCH_BYTES = 256 * 2**20
 
@@ -1150,11 +1180,14 @@ def _table_events(
     require_caption: bool,
     max_bytes: int,
     allow_outside_root: bool,
+    rows: tuple[int, int] | None = None,
 ) -> Iterator[Event]:
     skipped: list[BadInput] = []
     names, types, batches = _read_table(
         path, on_skip=lambda reason, detail: skipped.append(BadInput(reason, detail)), max_cell_bytes=max_bytes
     )
+    if rows is not None:
+        batches = _parquet_rows(path, rows, max_bytes)
     caption = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
     if (caption_column and caption_column not in names) or (require_caption and caption is None):
         raise ValueError(f"{path}: no caption column ({caption_column or ' / '.join(CAPTION_COLUMNS)}); has {names}")
@@ -1167,7 +1200,7 @@ def _table_events(
         raise ValueError(
             f"{path}: no image bytes column ({' / '.join(IMAGE_BYTES_COLUMNS)}) or {IMAGE_PATH_COLUMN} column"
         )
-    index = 0
+    index = 0 if rows is None else rows[0]
     images = ImageRoot(image_root, allow_outside_root=allow_outside_root)
     for batch in batches:
         yield from skipped  # lines of a JSON table that are not rows, in order with the rows around them
@@ -1271,6 +1304,7 @@ class Source:
     require_caption: bool = False  # table: a missing caption column is an error
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files and shard members are skipped, never read
     allow_outside_root: bool = False  # table: read image paths that resolve outside the image root
+    rows: tuple[int, int] | None = None  # Parquet table: only rows start..stop-1 (their row groups) are read
 
     def events(self) -> Iterator[Record | BadInput]:
         """Every item in order: a ``Record``, or a ``BadInput`` for an item (or a whole shard) that was skipped.
@@ -1290,6 +1324,7 @@ class Source:
                 self.require_caption,
                 self.max_file_bytes,
                 self.allow_outside_root,
+                self.rows,
             )
             first = next(events, None)  # column checks happen here, not at the first next() of the caller
             return iter(()) if first is None else _chain(first, events)
