@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -86,7 +88,7 @@ def _brute(crawl: np.ndarray, test: np.ndarray) -> dict[tuple[int, int], float]:
 def _sharing_a_bucket(work: Path, crawl: np.ndarray, test: np.ndarray) -> set[tuple[int, int]]:
     """Pairs whose nearest-centroid lists (computed plainly from the saved centroids) share ``combo`` ids."""
     routing = np.load(work / "routing.npz")
-    clusters, nearest, combo = routing["shape"]
+    nearest, combo = routing["shape"][1:]
 
     def near(x: np.ndarray) -> list[set[int]]:
         p = _unit(x) @ routing["basis"] - routing["offset"]
@@ -123,3 +125,68 @@ def test_spark_local_mode_gives_the_duckdb_pairs(planted: dict, tmp_path: Path) 
     found = _run(planted, tmp_path / "spark", engine="spark", spark_master="local[2]")
     assert found == _run(planted, tmp_path / "duckdb", engine="duckdb")
     assert planted["dup"] <= set(found)
+
+
+def test_dedup_command_on_embedding_folders_drops_the_planted_duplicates(planted: dict, tmp_path: Path) -> None:
+    from openalign.cli import main
+
+    keys = [f"c{n:05d}" for n in range(len(planted["crawl_emb"]))]
+    pq.write_table(pa.table({"key": keys, "caption": [f"caption {k}" for k in keys]}), tmp_path / "filtered.parquet")
+    out = tmp_path / "out"
+    argv = ["dedup", str(planted["root"] / "crawl"), str(planted["root"] / "test"), str(out), "--quiet"]
+    flags = ["--clusters", "16", "--nearest", "5", "--project-dim", "16", "--memory-limit", "256MB"]
+    assert main([*argv, *flags, "--metadata", str(tmp_path / "filtered.parquet")]) == 0
+    expected = sorted({f"c{i:05d}" for i, _ in _brute(planted["crawl_emb"], planted["test_emb"])})
+    assert json.loads((out / "drop.json").read_text()) == expected
+    kept = pq.read_table(out / "filtered_dedup.parquet").column("key").to_pylist()
+    assert kept == [k for k in keys if k not in set(expected)]
+    pairs = pq.read_table(out / "duplicates.parquet").to_pylist()
+    assert {(p["train_key"], p["test_key"]) for p in pairs} >= {(f"c{i:05d}", f"t{j:05d}") for i, j in planted["dup"]}
+
+
+SPILL_CHILD = """
+import json, resource, sys
+from pathlib import Path
+import numpy as np
+limit = int(sys.argv[2]) << 20
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from openalign.data.dedup import DedupConfig
+from openalign.data.dedup_buckets import EmbeddingFiles, find_pairs_in_files
+root = Path(sys.argv[1])
+out = {}
+for name, spill in (("no_spill", "1MB"), ("spill", None)):
+    cfg = DedupConfig(clusters=4, nearest=2, combo=1, project_dim=0, memory_limit="64MB", max_spill=spill, threads=1)
+    cfg.prune_keys = False  # every bucket row goes into the join
+    try:
+        sides = EmbeddingFiles((root / "c.npy",)), EmbeddingFiles((root / "t.npy",))
+        r, _, _ = find_pairs_in_files(*sides, cfg, root / name)
+        out[name] = [r.stats["candidate_pairs"], r.train_idx.tolist(), r.test_idx.tolist()]
+    except Exception as err:
+        out[name] = type(err).__name__
+peak = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmPeak")]
+print(json.dumps({**out, "vm_peak_kb": int(peak[0])}))
+"""
+
+
+def test_duckdb_join_stays_within_its_memory_limit_by_spilling(tmp_path: Path) -> None:
+    """The distinct candidates (millions of pairs) do not fit DuckDB's 64MB: the join must spill to finish,
+    and fails when spilling is capped; the whole process runs under an address-space limit."""
+    rng = np.random.default_rng(3)
+    crawl = rng.standard_normal((16_000, 16)).astype(np.float32)
+    test = rng.standard_normal((300, 16)).astype(np.float32)
+    test[:20] = crawl[:20] + 0.01 * rng.standard_normal((20, 16)).astype(np.float32)
+    np.save(tmp_path / "c.npy", crawl)
+    np.save(tmp_path / "t.npy", test)
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SPILL_CHILD), str(tmp_path), "6144"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report["no_spill"] == "OutOfMemoryException"
+    n_candidates, found_i, found_j = report["spill"]
+    assert n_candidates > 1_000_000  # 16 bytes a pair before any hash-table overhead: over 64MB to deduplicate
+    assert set(zip(found_i, found_j, strict=True)) == set(_brute(crawl, test)) >= {(n, n) for n in range(20)}

@@ -78,6 +78,7 @@ class DedupConfig:
     prune_keys: bool = True  # out of core: write only crawl buckets some test image has (test keys in memory)
     memory_limit: str | None = "4GB"  # out of core: DuckDB's memory before it spills to temp_directory
     temp_directory: str | None = None  # out of core: bucket Parquet files and DuckDB spill (default: system temp)
+    max_spill: str | None = None  # out of core: most disk DuckDB may spill, e.g. "200GB" (default: 90% of free)
     threads: int | None = None  # out of core: DuckDB threads (default: all cores)
     spark_master: str = "local[*]"  # engine spark: any Spark master URL (local[N], spark://host:7077, yarn, ...)
     spark_conf: dict[str, str] = field(default_factory=dict)  # engine spark: extra spark.* settings

@@ -103,7 +103,9 @@ def find_pairs_in_files(
         from openalign.data.dedup_buckets.duckdb_join import duckdb_pairs
 
         scorer = PairScorer(crawl_open, test_open, config.threshold)
-        i, j, cos, n_candidates = duckdb_pairs(work, scorer, memory_limit=config.memory_limit, threads=config.threads)
+        i, j, cos, n_candidates = duckdb_pairs(
+            work, scorer, memory_limit=config.memory_limit, threads=config.threads, max_spill=config.max_spill
+        )
     elif config.engine == "spark":
         from openalign.data.dedup_buckets.spark_join import spark_pairs
 

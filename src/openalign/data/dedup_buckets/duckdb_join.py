@@ -25,6 +25,7 @@ def duckdb_pairs(
     *,
     memory_limit: str | None,
     threads: int | None = None,
+    max_spill: str | None = None,
     batch_rows: int = 65_536,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(crawl rows, test rows, cosines, candidate count) from the buckets under ``work/crawl`` and ``work/test``."""
@@ -37,6 +38,8 @@ def duckdb_pairs(
         con.execute(f"SET temp_directory = {_literal(spill)}")
         if memory_limit:
             con.execute(f"SET memory_limit = {_literal(memory_limit)}")
+        if max_spill:
+            con.execute(f"SET max_temp_directory_size = {_literal(max_spill)}")
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         con.execute("SET preserve_insertion_order = false")  # no row order to keep: lets the join stream

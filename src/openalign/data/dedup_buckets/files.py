@@ -56,6 +56,14 @@ class OpenFiles:
         self.rows = int(self.offsets[-1])
         if spec.keys is not None and len(spec.keys) != self.rows:
             raise ValueError(f"{len(spec.keys)} keys for {self.rows} embeddings")
+        if spec.metadata is not None:
+            for table, array, path in zip(spec.metadata, self.arrays, spec.files, strict=True):
+                _check_metadata(table, spec.key_column, len(array), path)
+
+    @property
+    def named(self) -> bool:
+        """Whether rows have keys (else they are reported by number)."""
+        return self.spec.keys is not None or self.spec.metadata is not None
 
     def chunks(self, size: int) -> Iterator[tuple[int, np.ndarray]]:
         """(first global row, rows) of at most ``size`` rows, never crossing a file: memory is one chunk."""
@@ -83,6 +91,22 @@ class OpenFiles:
 
     def key_list(self, cache_files: int = 4) -> ShardKeys:
         return ShardKeys(self, cache_files)
+
+
+def _check_metadata(table: Path, column: str, rows: int, matrix: Path) -> None:
+    """Before any work: the table reads, has the key column and one row per embedding (ValueError naming it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(table)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ValueError(f"{table}: not a readable Parquet table ({err})") from None
+    names = meta.schema_arrow.names
+    if column not in names:
+        raise ValueError(f"{table}: no {column!r} column to name the rows by (columns: {', '.join(names)})")
+    if meta.metadata.num_rows != rows:
+        raise ValueError(f"{table} has {meta.metadata.num_rows} rows but {matrix} has {rows}")
 
 
 class ShardKeys(Sequence[str]):
@@ -121,14 +145,8 @@ class ShardKeys(Sequence[str]):
         import pyarrow.parquet as pq
 
         assert self.files.spec.metadata is not None
-        path = self.files.spec.metadata[f]
-        column = self.files.spec.key_column
-        names = pq.ParquetFile(path).schema_arrow.names
-        if column not in names:
-            raise ValueError(f"{path}: no {column!r} column to name the rows by (columns: {', '.join(names)})")
+        path, column = self.files.spec.metadata[f], self.files.spec.key_column
         keys = [str(k) for k in pq.read_table(path, columns=[column]).column(column).to_pylist()]
-        if len(keys) != len(self.files.arrays[f]):
-            raise ValueError(f"{path}: {len(keys)} rows but {self.files.spec.files[f]} has {len(self.files.arrays[f])}")
         self.cache[f] = keys
         if len(self.cache) > self.cache_files:
             self.cache.popitem(last=False)
