@@ -66,10 +66,25 @@ class OpenFiles:
         return self.spec.keys is not None or self.spec.metadata is not None
 
     def chunks(self, size: int) -> Iterator[tuple[int, np.ndarray]]:
-        """(first global row, rows) of at most ``size`` rows, never crossing a file: memory is one chunk."""
+        """(first global row, rows) of at most ``size`` rows, never crossing a file: memory is one chunk.
+
+        Chunks are read with plain file reads rather than through the memory map, so a pass over the whole
+        crawl leaves no file pages mapped into the process (its resident size stays one chunk).
+        """
         for offset, array in zip(self.offsets[:-1], self.arrays, strict=True):
+            plain = isinstance(array, np.memmap) and array.flags.c_contiguous
+            row_bytes = array.shape[1] * array.dtype.itemsize
             for s in range(0, len(array), size):
-                yield int(offset) + s, np.asarray(array[s : s + size], dtype=np.float32)
+                n = min(size, len(array) - s)
+                if plain:
+                    assert isinstance(array, np.memmap)
+                    flat = np.fromfile(
+                        array.filename, array.dtype, n * array.shape[1], offset=array.offset + s * row_bytes
+                    )
+                    rows = flat.reshape(n, array.shape[1])
+                else:
+                    rows = np.asarray(array[s : s + n])
+                yield int(offset) + s, np.asarray(rows, dtype=np.float32)
 
     def take(self, rows: np.ndarray) -> np.ndarray:
         """Rows by global number (any order), as float32 [len(rows), D]."""
