@@ -122,7 +122,9 @@ def test_duckdb_and_numpy_equal_brute_force_on_pairs_sharing_a_bucket(planted: d
 
 def test_spark_local_mode_gives_the_duckdb_pairs(planted: dict, tmp_path: Path) -> None:
     pytest.importorskip("pyspark")
-    found = _run(planted, tmp_path / "spark", engine="spark", spark_master="local[2]")
+    # Few partitions: the fixture is tiny, and each shuffle partition is a task to schedule.
+    conf = {"spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2"}
+    found = _run(planted, tmp_path / "spark", engine="spark", spark_master="local[2]", spark_conf=conf)
     assert found == _run(planted, tmp_path / "duckdb", engine="duckdb")
     assert planted["dup"] <= set(found)
 

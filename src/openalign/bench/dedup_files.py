@@ -29,17 +29,18 @@ from openalign.data.dedup import DedupConfig
 from openalign.data.dedup_buckets import EmbeddingFiles, find_pairs_in_files
 
 
-def _write_folder(root: Path, parts: list[tuple[int, int]], dim: int, prefix: str) -> list[Path]:
+def _write_folder(root: Path, parts: list[tuple[int, int]], dim: int, prefix: str) -> tuple[list[Path], list[Path]]:
     (root / "img_emb").mkdir(parents=True, exist_ok=True)
     (root / "metadata").mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths, tables = [], []
     for n, (start, rows) in enumerate(parts):
         path = root / "img_emb" / f"img_emb_{n}.npy"
         np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, dim)).flush()
         keys = pa.array([f"{prefix}{i}" for i in range(start, start + rows)], pa.string())
-        pq.write_table(pa.table({"key": keys}), root / "metadata" / f"metadata_{n}.parquet")
+        tables.append(root / "metadata" / f"metadata_{n}.parquet")
+        pq.write_table(pa.table({"key": keys}), tables[-1])
         paths.append(path)
-    return paths
+    return paths, tables
 
 
 def write_synthetic_folders(
@@ -58,27 +59,27 @@ def write_synthetic_folders(
         return _unit(x)
 
     parts = [(s, min(shard_rows, n - s)) for s in range(0, n, shard_rows)]
-    crawl_paths = _write_folder(root / "crawl", parts, dim, "c")
+    crawl_paths, crawl_tables = _write_folder(root / "crawl", parts, dim, "c")
     for (_, rows), path in zip(parts, crawl_paths, strict=True):
         out = np.load(path, mmap_mode="r+")
         for s in range(0, rows, block):
             out[s : s + block] = draw(min(block, rows - s))
         out.flush()
         del out
-    crawl = EmbeddingFiles(tuple(crawl_paths), tuple(sorted((root / "crawl" / "metadata").glob("*.parquet"))))
+    crawl = EmbeddingFiles(tuple(crawl_paths), tuple(crawl_tables))
     test = np.concatenate([draw(min(block, m - s)) for s in range(0, m, block)])
     n_dup, n_miss = round(m * settings.duplicate_fraction), round(m * settings.near_miss_fraction)
     sources = rng.choice(n, n_dup + n_miss, replace=False)
-    rows = rng.permutation(m)[: n_dup + n_miss]
+    picked = rng.permutation(m)[: n_dup + n_miss]
     cosine = np.concatenate([rng.uniform(0.98, 0.995, n_dup), rng.uniform(0.93, 0.97, n_miss)])
-    test[rows] = _noisy_copies(crawl.open().take(sources), cosine, rng)
+    test[picked] = _noisy_copies(crawl.open().take(sources), cosine, rng)
     duplicate_src = np.full(m, -1, dtype=np.int64)
     near_miss_src = np.full(m, -1, dtype=np.int64)
-    duplicate_src[rows[:n_dup]] = sources[:n_dup]
-    near_miss_src[rows[n_dup:]] = sources[n_dup:]
-    (test_path,) = _write_folder(root / "test", [(0, m)], dim, "t")
-    np.save(test_path, test)
-    test_files = EmbeddingFiles((test_path,), (root / "test" / "metadata" / "metadata_0.parquet",))
+    duplicate_src[picked[:n_dup]] = sources[:n_dup]
+    near_miss_src[picked[n_dup:]] = sources[n_dup:]
+    test_paths, test_tables = _write_folder(root / "test", [(0, m)], dim, "t")
+    np.save(test_paths[0], test)
+    test_files = EmbeddingFiles(tuple(test_paths), tuple(test_tables))
     return crawl, test_files, duplicate_src, near_miss_src
 
 

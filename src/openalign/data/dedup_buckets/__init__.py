@@ -88,13 +88,24 @@ def find_pairs_in_files(
 
     t = time.perf_counter()
     chunk = config.chunk_size
-    test_side = write_buckets(test_open, routing, work / "test", chunk_size=chunk, row_column="j")
+    projected = (work / "crawl_projected.npy", work / "test_projected.npy") if routing.projection.dim else None
+    test_side = write_buckets(
+        test_open, routing, work / "test", chunk_size=chunk, row_column="j", projected_path=projected and projected[1]
+    )
     if test_side["invalid"] == test_open.rows:
         return _empty(stats, notes, "nothing to compare: no valid test rows"), *keys
     keep = distinct_keys(work / "test") if config.prune_keys else None
     seconds["test_assign_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    crawl_side = write_buckets(crawl_open, routing, work / "crawl", chunk_size=chunk, row_column="i", keep=keep)
+    crawl_side = write_buckets(
+        crawl_open,
+        routing,
+        work / "crawl",
+        chunk_size=chunk,
+        row_column="i",
+        keep=keep,
+        projected_path=projected and projected[0],
+    )
     seconds["train_assign_s"] = time.perf_counter() - t
     del keep
 
@@ -102,7 +113,7 @@ def find_pairs_in_files(
     if config.engine == "duckdb":
         from openalign.data.dedup_buckets.duckdb_join import duckdb_pairs
 
-        scorer = PairScorer(crawl_open, test_open, config.threshold)
+        scorer = PairScorer(crawl_open, test_open, config.threshold, projected)
         i, j, cos, n_candidates = duckdb_pairs(
             work, scorer, memory_limit=config.memory_limit, threads=config.threads, max_spill=config.max_spill
         )
@@ -110,7 +121,7 @@ def find_pairs_in_files(
         from openalign.data.dedup_buckets.spark_join import spark_pairs
 
         i, j, cos, n_candidates = spark_pairs(
-            work, crawl, test, config.threshold, master=config.spark_master, conf=config.spark_conf
+            work, crawl, test, config.threshold, projected=projected, master=config.spark_master, conf=config.spark_conf
         )
     else:  # validate() admits no other engine here
         raise ConfigError(f"dedup.engine {config.engine!r} cannot join bucket files")

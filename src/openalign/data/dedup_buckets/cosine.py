@@ -4,12 +4,18 @@ Both join engines hand over (crawl row, test row) batches; this reads the two ro
 memory-mapped matrices, normalises them as the in-memory search does, and keeps pairs whose cosine exceeds
 the threshold. Reading by row id keeps the vectors out of the join (a 640-d float row is 2.5 KB; a bucket
 row is 16 bytes), so the join shuffles keys only and the cosine check touches only candidate rows.
+
+With the PCA projection, candidates are first screened on the projected rows the bucket stage wrote, as
+the in-memory search screens them: for unit rows cos > t means |x - y|² < 2(1 - t), and an orthonormal
+projection never lengthens a distance, so a pair failing the bound there cannot be a duplicate. The
+screen reads ``project_dim`` floats per row instead of D.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +25,13 @@ from openalign.data.dedup_buckets.files import EmbeddingFiles, OpenFiles
 PAIR_SCHEMA = pa.schema([("i", pa.int64()), ("j", pa.int64()), ("cosine", pa.float32())])
 
 
+def _gather(matrix: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    order = np.argsort(rows, kind="stable")  # ascending reads of the memory map
+    out = np.empty((len(rows), matrix.shape[1]), dtype=np.float32)
+    out[order] = matrix[rows[order]]
+    return out
+
+
 @dataclass
 class PairScorer:
     """Cosines of (crawl row, test row) pairs above ``threshold``; ``block`` pairs gathered at a time."""
@@ -26,18 +39,30 @@ class PairScorer:
     crawl: OpenFiles
     test: OpenFiles
     threshold: float
+    projected: tuple[Path, Path] | None = None  # crawl and test rows in the PCA projection, for the screen
     block: int = 16_384  # bounds the two gathered [block, D] matrices
+
+    def __post_init__(self) -> None:
+        self.screen: tuple[np.ndarray, np.ndarray] | None = None
+        if self.projected is not None:
+            self.screen = (np.load(self.projected[0], mmap_mode="r"), np.load(self.projected[1], mmap_mode="r"))
+        # The in-memory search's bound, with the same margin for float rounding.
+        self.max_sq = np.float32(2.0 * (1.0 - self.threshold) * (1 + 1e-4) + 1e-5)
 
     @classmethod
     def from_files(
-        cls, crawl: EmbeddingFiles, test: EmbeddingFiles, threshold: float, block: int = 16_384
+        cls, crawl: EmbeddingFiles, test: EmbeddingFiles, threshold: float, projected: tuple[Path, Path] | None
     ) -> PairScorer:
-        return cls(crawl.open(), test.open(), threshold, block)
+        return cls(crawl.open(), test.open(), threshold, projected)
 
     def __call__(self, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         keep_i, keep_j, keep_c = [], [], []
         for s in range(0, len(i), self.block):
             a, b = i[s : s + self.block], j[s : s + self.block]
+            if self.screen is not None:
+                diff = _gather(self.screen[0], a) - _gather(self.screen[1], b)
+                near = np.einsum("ij,ij->i", diff, diff) < self.max_sq
+                a, b = a[near], b[near]
             cos = np.einsum("ij,ij->i", self.crawl.unit_rows(a), self.test.unit_rows(b))
             hit = cos > self.threshold  # float32 against the threshold, as the in-memory search compares
             keep_i.append(a[hit])

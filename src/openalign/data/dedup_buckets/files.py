@@ -77,7 +77,7 @@ class OpenFiles:
             for s in range(0, len(array), size):
                 n = min(size, len(array) - s)
                 if plain:
-                    assert isinstance(array, np.memmap)
+                    assert isinstance(array, np.memmap) and array.filename is not None
                     flat = np.fromfile(
                         array.filename, array.dtype, n * array.shape[1], offset=array.offset + s * row_bytes
                     )

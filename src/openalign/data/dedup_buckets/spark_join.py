@@ -22,9 +22,11 @@ from openalign.data.dedup_buckets.files import EmbeddingFiles
 from openalign.data.filters.spark_engine import SparkSettings, spark_session
 
 
-def _scorer_fn(crawl: EmbeddingFiles, test: EmbeddingFiles, threshold: float) -> Any:
+def _scorer_fn(
+    crawl: EmbeddingFiles, test: EmbeddingFiles, threshold: float, projected: tuple[Path, Path] | None
+) -> Any:
     def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        yield from PairScorer.from_files(crawl, test, threshold).batches(batches)  # opened once per task
+        yield from PairScorer.from_files(crawl, test, threshold, projected).batches(batches)  # once per task
 
     return score
 
@@ -35,6 +37,7 @@ def spark_pairs(
     test: EmbeddingFiles,
     threshold: float,
     *,
+    projected: tuple[Path, Path] | None = None,
     master: str = "local[*]",
     conf: dict[str, str] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -50,7 +53,9 @@ def spark_pairs(
     try:
         n_candidates = candidates.count()
         out = work / "spark_pairs"
-        pairs = candidates.mapInArrow(_scorer_fn(bare[0], bare[1], threshold), "i long, j long, cosine float")
+        pairs = candidates.mapInArrow(
+            _scorer_fn(bare[0], bare[1], threshold, projected), "i long, j long, cosine float"
+        )
         pairs.write.mode("overwrite").parquet(str(out))
     finally:
         candidates.unpersist()

@@ -43,12 +43,13 @@ class Routing:
     combo: int
     sample_rows: int
 
-    def keys(self, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(bucket keys [n_valid, C(nearest, combo)], valid row positions) of one chunk of raw rows."""
+    def keys(self, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bucket keys [n_valid, C(nearest, combo)], valid row positions, projected rows [n, d]) of raw rows."""
         unit, ok = _normalised(chunk)
         rows = np.flatnonzero(ok)
-        labels = _nearest_clusters(self.index, self.projection(unit)[rows], self.nearest)
-        return bucket_keys(labels, self.combo, self.clusters), rows
+        projected = self.projection(unit)
+        labels = _nearest_clusters(self.index, projected[rows], self.nearest)
+        return bucket_keys(labels, self.combo, self.clusters), rows, projected
 
     def save(self, path: Path) -> None:
         """Centroids and projection, so that a run can be checked (or its routing re-used) later."""
@@ -91,18 +92,26 @@ def write_buckets(
     chunk_size: int,
     row_column: str,
     keep: np.ndarray | None = None,
+    projected_path: Path | None = None,
 ) -> dict[str, int]:
     """One Parquet part per chunk in ``out_dir``: (k bucket key, ``row_column`` global row) for every valid row.
 
-    With ``keep`` (sorted distinct keys), only buckets among them are written. Returns rows, rows skipped
-    as invalid (NaN, inf, zero) and bucket rows written.
+    With ``keep`` (sorted distinct keys), only buckets among them are written. With ``projected_path`` (and
+    a PCA projection) every row's projection is written there as one ``.npy``, for the cosine check's
+    exact screen. Returns rows, rows skipped as invalid (NaN, inf, zero) and bucket rows written.
     """
+    dim = routing.projection.dim
+    projected_out = None
+    if projected_path is not None and dim is not None:
+        projected_out = np.lib.format.open_memmap(projected_path, mode="w+", dtype=np.float32, shape=(side.rows, dim))
     out_dir.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([("k", pa.int64()), (row_column, pa.int64())])
     stats = {"rows": 0, "invalid": 0, "bucket_rows": 0}
     part = 0
     for start, chunk in side.chunks(chunk_size):
-        keys, rows = routing.keys(chunk)
+        keys, rows, projected = routing.keys(chunk)
+        if projected_out is not None:
+            projected_out[start : start + len(chunk)] = projected
         stats["rows"] += len(chunk)
         stats["invalid"] += len(chunk) - len(rows)
         flat = keys.reshape(-1)
@@ -115,6 +124,8 @@ def write_buckets(
             pq.write_table(pa.table([flat, owner], schema=schema), out_dir / f"part-{part:05d}.parquet")
             part += 1
         stats["bucket_rows"] += len(flat)
+    if projected_out is not None:
+        projected_out.flush()
     return stats
 
 
