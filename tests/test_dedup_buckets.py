@@ -120,6 +120,7 @@ def test_duckdb_and_numpy_equal_brute_force_on_pairs_sharing_a_bucket(planted: d
     assert _run(planted, tmp_path / "all_keys", engine="duckdb", prune_keys=False) == found
 
 
+@pytest.mark.slow
 def test_spark_local_mode_gives_the_duckdb_pairs(planted: dict, tmp_path: Path) -> None:
     pytest.importorskip("pyspark")
     # Few partitions: the fixture is tiny, and each shuffle partition is a task to schedule.

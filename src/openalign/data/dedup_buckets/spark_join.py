@@ -23,10 +23,13 @@ from openalign.data.filters.spark_engine import SparkSettings, spark_session
 
 
 def _scorer_fn(
-    crawl: EmbeddingFiles, test: EmbeddingFiles, threshold: float, projected: tuple[Path, Path] | None
+    crawl: EmbeddingFiles, test: EmbeddingFiles, threshold: float, projected: tuple[Path, Path] | None, seen: Any
 ) -> Any:
     def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        yield from PairScorer.from_files(crawl, test, threshold, projected).batches(batches)  # once per task
+        scorer = PairScorer.from_files(crawl, test, threshold, projected)  # files opened once per task
+        for batch in batches:
+            seen.add(batch.num_rows)  # candidates, counted in the same pass (no second join to count them)
+            yield from scorer.batches(iter([batch]))
 
     return score
 
@@ -42,23 +45,19 @@ def spark_pairs(
     conf: dict[str, str] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(crawl rows, test rows, cosines, candidate count) from the buckets under ``work/crawl`` and ``work/test``."""
-    from pyspark import StorageLevel
-
     spark = spark_session(SparkSettings(master, dict(conf or {})))
     # Executors need only the matrices' paths: keys stay on the driver.
     bare = [dataclasses.replace(side, keys=None, metadata=None) for side in (crawl, test)]
     buckets = spark.read.parquet(str(work / "crawl"))
     test_buckets = spark.read.parquet(str(work / "test"))
-    candidates = buckets.join(test_buckets, "k").select("i", "j").distinct().persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        n_candidates = candidates.count()
-        out = work / "spark_pairs"
-        pairs = candidates.mapInArrow(
-            _scorer_fn(bare[0], bare[1], threshold, projected), "i long, j long, cosine float"
-        )
-        pairs.write.mode("overwrite").parquet(str(out))
-    finally:
-        candidates.unpersist()
+    candidates = buckets.join(test_buckets, "k").select("i", "j").distinct()
+    # Candidates are counted in the scoring pass itself (a retried task would count its batches twice; the
+    # count is a statistic, the pairs are unaffected).
+    seen = spark.sparkContext.accumulator(0)
+    out = work / "spark_pairs"
+    score = _scorer_fn(bare[0], bare[1], threshold, projected, seen)
+    candidates.mapInArrow(score, "i long, j long, cosine float").write.mode("overwrite").parquet(str(out))
+    n_candidates = seen.value
     table = pq.read_table(out, schema=pa.schema([("i", pa.int64()), ("j", pa.int64()), ("cosine", pa.float32())]))
     return (
         table.column("i").to_numpy(),
