@@ -193,3 +193,16 @@ def test_duckdb_join_stays_within_its_memory_limit_by_spilling(tmp_path: Path) -
     n_candidates, found_i, found_j = report["spill"]
     assert n_candidates > 1_000_000  # 16 bytes a pair before any hash-table overhead: over 64MB to deduplicate
     assert set(zip(found_i, found_j, strict=True)) == set(_brute(crawl, test)) >= {(n, n) for n in range(20)}
+
+
+def test_bench_on_files_finds_the_planted_duplicates(tmp_path: Path) -> None:
+    from openalign.bench.dedup import DedupBenchSettings, run_dedup_bench
+
+    settings = DedupBenchSettings(
+        train=3000, test=400, dim=64, brute_train=600, files=True, shard_rows=1000, work_dir=str(tmp_path)
+    )
+    settings.dedup = DedupConfig(clusters=64, memory_limit="256MB")
+    report = run_dedup_bench(settings)
+    assert report["recall_vs_brute_force"] == 1.0 and report["planted_found"] == report["planted"] == 20
+    assert report["near_misses_matched"] == 0 and report["peak_rss_mb"] > 0
+    assert list(tmp_path.iterdir()) == []  # the folders and work files are removed
