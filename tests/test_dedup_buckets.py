@@ -206,3 +206,14 @@ def test_bench_on_files_finds_the_planted_duplicates(tmp_path: Path) -> None:
     assert report["recall_vs_brute_force"] == 1.0 and report["planted_found"] == report["planted"] == 20
     assert report["near_misses_matched"] == 0 and report["peak_rss_mb"] > 0
     assert list(tmp_path.iterdir()) == []  # the folders and work files are removed
+
+
+def test_embedding_folder_without_the_key_column_is_a_one_line_error(
+    planted: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from openalign.cli import main
+
+    argv = ["dedup", str(planted["root"] / "crawl"), str(planted["root"] / "test"), str(tmp_path / "out")]
+    assert main([*argv, "--key-column", "url", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "metadata_0.parquet: no 'url' column" in err and len(err.splitlines()) == 1
