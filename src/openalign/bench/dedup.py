@@ -36,6 +36,11 @@ class DedupBenchSettings:
     brute_train: int = 32_768  # train rows brute force runs on (then scaled)
     seed: int = 0  # data seed, and the k-means seed unless dedup.seed is given
     json_path: str | None = None  # also write the results to this JSON file
+    # write the vectors as clip-retrieval embedding folders and run the out-of-core engine (dedup.engine duckdb
+    # or spark) on them in a fresh process, reporting its peak resident size
+    files: bool = False
+    shard_rows: int = 1_000_000  # files: rows per img_emb_N.npy shard
+    work_dir: str | None = None  # files: where the folders and work files go (default: the system temp dir)
     dedup: DedupConfig | None = None  # the search's settings (default: DedupConfig's)
 
 
@@ -129,6 +134,21 @@ def run_dedup_bench(settings: DedupBenchSettings) -> dict[str, Any]:
     shared machine, OpenMP threads that spin while waiting steal the cores they wait for (FAISS, its
     OpenBLAS and PyTorch each run an OpenMP pool). It applies to both contenders alike.
     """
+    if settings.files:  # generates here; the search runs in its own process (see bench/dedup_files.py)
+        cfg = settings.dedup or DedupConfig()
+        from openalign.bench.dedup_files import run_files_bench
+
+        print(
+            f"dedup bench (files): {settings.train:,} train × {settings.test:,} test, {settings.dim}-d, "
+            f"K={cfg.clusters}, nearest {cfg.nearest}, combo {cfg.combo}, cosine > {cfg.threshold}",
+            flush=True,
+        )
+        report = run_files_bench(settings, cfg)
+        report["settings"] = {k: v for k, v in asdict(settings).items() if k != "dedup"}
+        if settings.json_path:
+            with open(settings.json_path, "w") as f:
+                json.dump(report, f, indent=2, default=float)
+        return report
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         try:

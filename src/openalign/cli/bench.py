@@ -90,10 +90,12 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "force (blocked exact matrix products) on a train subsample, scaled to the full size. Prints both times, "
         "the ratio, and the recall against brute force.",
         ("openalign bench dedup                                  # 1M × 50k, 640-d",
-         "openalign bench dedup --train 200000 --test 10000 --engine sparse"),
+         "openalign bench dedup --train 200000 --test 10000 --engine sparse",
+         "openalign bench dedup --files --train 10000000 --memory-limit 4GB   # out of core, on DuckDB"),
         (JSON, *(Alias((f"--{n.replace('_', '-')}",), f"dedup.{n}", f"same as --dedup.{n}",
                        type=str_value if n == "engine" else None)
-                 for n in ("clusters", "nearest", "combo", "threshold", "engine", "project_dim", "chunk_size"))),
+                 for n in ("clusters", "nearest", "combo", "threshold", "engine", "project_dim", "chunk_size",
+                           "memory_limit", "spark_master"))),
     ),
     "retrieval": (
         "openalign.bench.retrieval:RetrievalBenchSettings",
@@ -164,8 +166,8 @@ def settings(spec: str, values: dict[str, Any]) -> Any:
         out.validate()
     if cls == "DedupBenchSettings":
         out.dedup.validate()
-        if min(out.train, out.test, out.dim, out.brute_train) < 1:
-            raise ValueError("--train, --test, --dim and --brute-train must be positive")
+        if min(out.train, out.test, out.dim, out.brute_train, out.shard_rows) < 1:
+            raise ValueError("--train, --test, --dim, --brute-train and --shard-rows must be positive")
     return out
 
 

@@ -153,14 +153,19 @@ def _dedup(parser: Parser) -> None:
         "(train images to remove), stats.json and, with --metadata, the table without those images. With "
         "--embedder npy (the default) TRAIN/TEST are .npy embeddings; with --embedder copy-detector:DIR (a "
         "detector from `openalign copy-detector train`) or align:DIR (an ALIGN checkpoint's image tower) they "
-        "are image folders, tables or shards, embedded first (embeddings and keys are kept in OUT_DIR)."
+        "are image folders, tables or shards, embedded first (embeddings and keys are kept in OUT_DIR). TRAIN/TEST "
+        "may also be folders in clip-retrieval's inference layout (img_emb/, metadata/ with a --key-column): then, "
+        "as with --engine spark or --out-of-core, bucket keys go to Parquet and DuckDB (within --memory-limit, "
+        "spilling to --temp-directory) or Spark (--spark-master) joins them."
     )
     parser.epilog = (
         "examples:\n"
         "  openalign dedup train.npy test.npy dedup/ --train-keys train_keys.txt --metadata filtered.parquet\n"
         "  openalign dedup crawl/ eval_images/ dedup/ --embedder copy-detector:copy_detector/\n"
         "  openalign dedup 'shards/{00000..00099}.tar' eval_images/ dedup/ --embedder align:runs/b3/final\n"
-        "  openalign dedup train.npy test.npy dedup/ --clusters 1024 --engine sparse"
+        "  openalign dedup train.npy test.npy dedup/ --clusters 1024 --engine sparse\n"
+        "  openalign dedup crawl_emb/ test_emb/ dedup/ --memory-limit 8GB --metadata filtered.parquet\n"
+        "  openalign dedup crawl_emb/ test_emb/ dedup/ --engine spark --spark-master spark://host:7077"
     )
     parser.add_argument("train", metavar="TRAIN", help="train embeddings .npy, or an image folder / table / shards")
     parser.add_argument("test", metavar="TEST", help="test embeddings .npy, or an image folder / table / shards")

@@ -51,7 +51,9 @@ from tqdm import tqdm
 from openalign.config import ConfigError
 from openalign.data.sources import Source, decode_records, open_source, table_format
 
-ENGINES = ("duckdb", "sparse", "numpy")
+ENGINES = ("duckdb", "sparse", "numpy")  # who joins bucket keys in memory (see _TestBuckets)
+# Engines of the files path (openalign.data.dedup_buckets): bucket keys in Parquet, joined out of core.
+FILE_ENGINES = ("duckdb", "spark")
 TABLE_READERS = {"parquet": "read_parquet", "csv": "read_csv_auto", "jsonl": "read_json_auto"}  # by table_format
 
 
@@ -64,12 +66,22 @@ class DedupConfig:
     combo: int = 3  # clusters per bucket key (paper: 3, so C(10, 3) = 120 buckets per image)
     threshold: float = 0.975  # a candidate pair is a near-duplicate when cosine > threshold (paper)
     seed: int = 0  # k-means initialisation and the k-means training sample
-    engine: Literal["duckdb", "sparse", "numpy"] = "duckdb"  # who joins bucket keys (see _TestBuckets)
+    # who joins bucket keys: duckdb, sparse or numpy in memory (see _TestBuckets); with out_of_core (or
+    # clip-retrieval embedding folders, or spark) duckdb or spark join bucket-key Parquet files
+    engine: Literal["duckdb", "sparse", "numpy", "spark"] = "duckdb"
     project_dim: int = 64  # PCA width for learning/assigning clusters; 0 clusters the full embeddings
     points_per_cluster: int = 32  # k-means trains on at most K × this many train rows (FAISS: 39–256)
     min_points_per_cluster: int = 39  # K is capped at n_train // this (FAISS warns below 39)
     kmeans_iters: int = 8  # the clusters only route pairs to comparisons: rough centroids do
     chunk_size: int = 131_072  # train rows per join chunk: bounds memory at any train size
+    out_of_core: bool = False  # write bucket keys to Parquet and join them with duckdb or spark (any crawl size)
+    prune_keys: bool = True  # out of core: write only crawl buckets some test image has (test keys in memory)
+    memory_limit: str | None = "4GB"  # out of core: DuckDB's memory before it spills to temp_directory
+    temp_directory: str | None = None  # out of core: bucket Parquet files and DuckDB spill (default: system temp)
+    max_spill: str | None = None  # out of core: most disk DuckDB may spill, e.g. "200GB" (default: 90% of free)
+    threads: int | None = None  # out of core: DuckDB threads (default: all cores)
+    spark_master: str = "local[*]"  # engine spark: any Spark master URL (local[N], spark://host:7077, yarn, ...)
+    spark_conf: dict[str, str] = field(default_factory=dict)  # engine spark: extra spark.* settings
 
     def validate(self) -> None:
         """Cross-field checks; raises ConfigError naming the bad field."""
@@ -84,8 +96,9 @@ class DedupConfig:
             raise ConfigError(f"dedup.project_dim must be 0 (off) or positive, got {self.project_dim}")
         if self.kmeans_iters < 1 or self.chunk_size < 1:
             raise ConfigError("dedup.kmeans_iters and dedup.chunk_size must be at least 1")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"dedup.engine: {self.engine!r} is not one of {', '.join(map(repr, ENGINES))}")
+        engines = (*ENGINES, *FILE_ENGINES[1:])
+        if self.engine not in engines:
+            raise ConfigError(f"dedup.engine: {self.engine!r} is not one of {', '.join(map(repr, engines))}")
         _key_bits(self.clusters, self.combo)
 
 
@@ -387,6 +400,8 @@ def find_near_duplicates(
         except TypeError as err:
             raise ConfigError(f"find_near_duplicates: {err}") from err
     config.validate()
+    if config.engine not in ENGINES:
+        raise ConfigError(f"dedup.engine {config.engine!r} joins bucket files: use openalign.data.dedup_buckets")
     if train_emb.ndim != 2 or test_emb.ndim != 2:
         raise ValueError(f"embeddings must be 2-d [n, dim]; got train {train_emb.shape}, test {test_emb.shape}")
     if train_emb.shape[1] != test_emb.shape[1]:

@@ -5,7 +5,9 @@
 1. embeddings of both sides, from the embedder the settings name (``parse_embedder``, the one place that reads
    an embedder spec):
 
-   - ``npy``: TRAIN and TEST are precomputed ``.npy`` matrices (keys from optional keys files);
+   - ``npy``: TRAIN and TEST are precomputed ``.npy`` matrices (keys from optional keys files) or folders in
+     clip-retrieval's inference layout (``img_emb/img_emb_N.npy`` + ``metadata/metadata_N.parquet``, keys
+     from its ``key_column``);
    - ``copy-detector:DIR``: a copy detector (``openalign copy-detector train``), the supplement's "separate
      high-quality image embedding model";
    - ``align:DIR``: the image tower of an ALIGN checkpoint (openalign or transformers AlignModel);
@@ -14,7 +16,8 @@
    already opened ``Source``, or an explicit list of files (``ImageFiles``); unreadable ones are skipped and
    counted, and the computed embeddings and keys are saved in OUT for re-use;
 2. the pairs with cosine above the threshold, found by ``openalign.data.dedup.find_near_duplicates`` (k-means
-   buckets, as the supplement does);
+   buckets, as the supplement does) in memory, or, for embedding folders, ``--engine spark`` or
+   ``--out-of-core``, by ``openalign.data.dedup_buckets`` (bucket keys in Parquet, joined on DuckDB or Spark);
 3. the outputs: every pair (``duplicates.parquet`` and ``duplicates.csv``), the train images to drop
    (``drop.parquet``, ``drop.json``), ``stats.json`` and, given the train metadata table, that table without
    the dropped images.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +47,7 @@ from openalign.data.dedup import (
     remove_from_table,
     write_outputs,
 )
+from openalign.data.dedup_buckets import EmbeddingFiles, find_pairs_in_files
 from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, Source, file_limit, open_source, read_file
 from openalign.outputs import check_writable
 
@@ -257,6 +262,45 @@ def _npy_side(side: Side, keys_path: str | None) -> tuple[np.ndarray, list[str] 
     return emb, (load_keys(keys_path, len(emb)) if keys_path else None)
 
 
+def _is_folder(side: Side) -> bool:
+    """A folder in clip-retrieval's inference layout (its embeddings are in img_emb/)."""
+    return isinstance(side, str | os.PathLike) and (Path(side) / "img_emb").is_dir()
+
+
+def _embedding_files(side: Side, keys_path: str | None, key_column: str) -> EmbeddingFiles:
+    if _is_folder(side):
+        from openalign.search.imported import find_shards
+
+        assert isinstance(side, str | os.PathLike)
+        if keys_path:
+            raise ValueError(f"{_describe(side)}: an embedding folder names its rows in metadata/; drop the keys file")
+        shards = find_shards(Path(side))
+        return EmbeddingFiles(tuple(s.image for s in shards), tuple(s.metadata for s in shards), key_column=key_column)
+    if not _is_npy(side):
+        raise ValueError(
+            f"{_describe(side)}: neither a .npy embeddings file nor a folder with img_emb/ (clip-retrieval's "
+            "inference output); pass --embedder copy-detector:DIR or align:DIR to embed images"
+        )
+    assert isinstance(side, str | os.PathLike)
+    count = len(load_embeddings(Path(side)))
+    return EmbeddingFiles((Path(side),), keys=load_keys(keys_path, count) if keys_path else None)
+
+
+def _files_run(
+    train: Side, test: Side, cfg: DedupRunConfig
+) -> tuple[DedupResult, Sequence[str] | None, Sequence[str] | None]:
+    """The rule on embedding files (out of core on DuckDB or Spark); work files in a temporary folder."""
+    crawl = _embedding_files(train, cfg.train_keys, cfg.key_column)
+    queries = _embedding_files(test, cfg.test_keys, cfg.key_column)
+    with tempfile.TemporaryDirectory(prefix="openalign-dedup-", dir=cfg.temp_directory) as work:
+        result, train_names, test_names = find_pairs_in_files(crawl, queries, cfg, work)
+    return (
+        result,
+        train_names if train_names.files.named else None,
+        test_names if test_names.files.named else None,
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # The run
 
@@ -266,8 +310,8 @@ class DedupRun:
     """What one dedup run found and wrote."""
 
     result: DedupResult  # the pairs (train row, test row, cosine) and the search statistics
-    train_keys: list[str] | None  # key of each train row (None: .npy embeddings without a keys file)
-    test_keys: list[str] | None
+    train_keys: Sequence[str] | None  # key of each train row (None: .npy embeddings without a keys file)
+    test_keys: Sequence[str] | None
     paths: dict[str, Path]  # every file written, by role (pairs, pairs_csv, drop, drop_json, stats, metadata)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # unreadable images by side and reason
     table: dict[str, int] | None = None  # the metadata table's rows_in, rows_removed and rows_out
@@ -322,7 +366,15 @@ def run_dedup(
     check_writable(out, directory=True)
     spec = embedder.spec if embedder is not None else parse_embedder(cfg.embedder)
     skipped: dict[str, dict[str, int]] = {}
-    if spec.kind == "npy":
+    train_names: Sequence[str] | None
+    test_names: Sequence[str] | None
+    on_files = spec.kind == "npy" and (
+        cfg.out_of_core or cfg.engine == "spark" or _is_folder(train) or _is_folder(test)
+    )
+    if on_files:
+        result, train_names, test_names = _files_run(train, test, cfg)
+        n_train = int(result.stats["train_n"])
+    elif spec.kind == "npy":
         train_emb, train_names = _npy_side(train, cfg.train_keys)
         test_emb, test_names = _npy_side(test, cfg.test_keys)
     else:
@@ -355,7 +407,9 @@ def run_dedup(
         for name, emb, names in (("train", train_emb, train_list), ("test", test_emb, test_list)):
             np.save(out / f"{name}_emb.npy", emb)
             (out / f"{name}_keys.json").write_text(json.dumps(names) + "\n")
-    result = find_near_duplicates(train_emb, test_emb, config=cfg, progress=progress)
+    if not on_files:
+        result = find_near_duplicates(train_emb, test_emb, config=cfg, progress=progress)
+        n_train = len(train_emb)
     if any(skipped.values()):
         result.stats["images_skipped"] = skipped
     table = None
@@ -368,7 +422,7 @@ def run_dedup(
             drop_keys=[train_names[i] for i in result.drop_indices] if train_names is not None else None,
             drop_rows=None if train_names is not None else result.drop_indices,
             key_column=cfg.key_column,
-            expected_rows=len(train_emb),
+            expected_rows=n_train,
         )
         result.stats["metadata"] = {**table, "path": str(table_out)}
     paths = write_outputs(result, out, train_keys=train_names, test_keys=test_names)
