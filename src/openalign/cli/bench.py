@@ -63,6 +63,17 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
          "openalign bench search --n 200000 --kind hnsw --json search.json"),
         (JSON, K),
     ),
+    "index": (
+        "openalign.bench.ondisk:IndexBenchSettings",
+        "on-disk IVF-PQ from embedding shards: build and serving memory, recall and latency vs exact search",
+        "For each size, writes clustered vectors as clip-retrieval's inference folder, runs `openalign index build "
+        "--embeddings` in a child process (its peak RSS beside the vectors' size), then opens the index "
+        "memory-mapped in another child and prints its RSS beside the index file's size, recall@k and query latency "
+        "beside exact search, and the metadata lookup beside reading the Parquet row groups.",
+        ("openalign bench index                      # 1M, 2M and 4M × 64",
+         "openalign bench index --sizes 200000 --dim 128 --shard-size 50000 --json index.json"),
+        (JSON, K),
+    ),
     "serve": (
         "openalign.bench.search:ServeBenchSettings",
         "load test: concurrent clients against the real search server on loopback",
@@ -190,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         from openalign.bench.search import run_search_bench
 
         run_search_bench(s)
+    elif args.bench == "index":
+        from openalign.bench.ondisk import run_index_bench
+
+        run_index_bench(s)
     elif args.bench == "serve":
         from openalign.bench.search import run_serve_bench
 

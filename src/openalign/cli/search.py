@@ -68,8 +68,11 @@ def _build(parser: Parser) -> None:
     parser.add_argument("--images", help="image folder, or shards (dir of tars, brace range, glob)")
     parser.add_argument(
         "--embeddings",
+        "--from-embeddings",
+        dest="embeddings",
         help="instead of --images: embeddings made elsewhere, a .npy [N, D] (with --metadata) or a folder as "
-        "clip-retrieval's inference writes (img_emb/, metadata/, optional text_emb/)",
+        "clip-retrieval's inference writes (img_emb/, metadata/, optional text_emb/); above --exact-threshold "
+        "vectors, one on-disk IVF-PQ index built a shard at a time (--ann.on_disk false: in memory)",
     )
     parser.add_argument("--metadata", help="with an --embeddings .npy: Parquet table, one row per embedding "
                         "(image_path, caption, url, key, ... columns)")  # fmt: skip

@@ -8,11 +8,16 @@ Layout::
     INDEX/image/metadata.parquet   id, key, path, url, caption, width, height (row i = id i)
     INDEX/image/thumbs.bin         JPEG thumbnails back to back; thumbs.idx.npy holds N+1 offsets
     INDEX/image/ann.json, faiss.index   the approximate index, when the store is large enough
+    INDEX/image/lists.ivfdata      an on-disk IVF-PQ index's inverted lists (memory-mapped when served)
+    INDEX/image/rows.bin           imported indexes: each metadata row as JSON, back to back; rows.idx.npy
+                                   holds N+1 offsets, so serving reads only the rows of its results
     INDEX/text/...                 the caption store: id, image_id, key, caption
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +33,8 @@ INFO = "index.json"
 METADATA = "metadata.parquet"
 THUMBS = "thumbs.bin"
 THUMBS_INDEX = "thumbs.idx.npy"
+ROWS = "rows.bin"
+ROWS_INDEX = "rows.idx.npy"
 Modality = Literal["image", "text"]
 MODALITIES: tuple[str, ...] = ("image", "text")
 
@@ -74,7 +81,52 @@ class Thumbnails:
         return bytes(self.blob[start:end]) if end > start else None
 
 
-def read_metadata(directory: Path) -> pa.Table:
+class RowFile:
+    """Metadata rows addressed by id without loading the table: JSON rows back to back in ``rows.bin`` and
+    N+1 offsets in ``rows.idx.npy``, both memory-mapped, so a lookup reads only the bytes of its rows."""
+
+    def __init__(self, directory: Path):
+        self.offsets = read_matrix(directory / ROWS_INDEX)
+        size = int(self.offsets[-1]) if len(self.offsets) else 0
+        if not (directory / ROWS).is_file():
+            raise FileNotFoundError(f"{directory / ROWS}: missing; {ROWS_INDEX} points into it")
+        self.blob = np.memmap(directory / ROWS, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
+        if len(self.blob) < size:
+            raise ValueError(f"{directory / ROWS}: truncated, {len(self.blob)} bytes where {ROWS_INDEX} needs {size}")
+
+    @property
+    def num_rows(self) -> int:
+        return max(0, len(self.offsets) - 1)
+
+    def take(self, ids: list[int] | np.ndarray) -> list[dict[str, Any]]:
+        out = []
+        for i in np.asarray(ids, dtype=np.int64).tolist():
+            if not 0 <= i < self.num_rows:
+                raise IndexError(f"row {i} is out of range for {self.num_rows} rows")
+            out.append(json.loads(bytes(self.blob[int(self.offsets[i]) : int(self.offsets[i + 1])])))
+        return out
+
+
+def write_rows(directory: Path, tables: Iterable[pa.Table]) -> int:
+    """Write ``rows.bin`` and ``rows.idx.npy`` from ``tables`` (one after another, a table at a time);
+    returns the row count."""
+    offsets = [0]
+    with open(directory / ROWS, "wb") as blob:
+        for table in tables:
+            for row in table.to_pylist():
+                data = json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode()
+                blob.write(data)
+                offsets.append(offsets[-1] + len(data))
+    np.save(directory / ROWS_INDEX, np.asarray(offsets, dtype=np.int64))
+    return len(offsets) - 1
+
+
+def read_metadata(directory: Path) -> pa.Table | RowFile:
+    """A store's row file when it has one, else its ``metadata.parquet``; a missing or unreadable one is
+    one line naming it."""
+    if (directory / ROWS_INDEX).is_file():
+        return RowFile(directory)
+
     """A store's ``metadata.parquet``; a missing or unreadable one is one line naming it."""
     path = directory / METADATA
     if not path.is_file():
@@ -89,7 +141,9 @@ def read_metadata(directory: Path) -> pa.Table:
 class SearchIndex:
     """An opened index directory: vector stores, metadata and thumbnails of images (and captions)."""
 
-    def __init__(self, root: Path, info: dict[str, Any], stores: dict[str, VectorStore], meta: dict[str, pa.Table]):
+    def __init__(
+        self, root: Path, info: dict[str, Any], stores: dict[str, VectorStore], meta: dict[str, pa.Table | RowFile]
+    ):
         self.root = root
         self.info = info
         self.stores = stores
@@ -107,7 +161,7 @@ class SearchIndex:
         if info.get("format") != FORMAT:
             raise ValueError(f"{info_path}: format is {info.get('format')!r}, expected {FORMAT!r}")
         stores: dict[str, VectorStore] = {}
-        meta: dict[str, pa.Table] = {}
+        meta: dict[str, pa.Table | RowFile] = {}
         for modality in MODALITIES:
             directory = root / modality
             if not (directory / "vectors.npy").is_file():
@@ -142,6 +196,8 @@ class SearchIndex:
         table = self.meta[modality]
         if len(ids) == 0:
             return []
+        if isinstance(table, RowFile):
+            return table.take(ids)
         rows: list[dict[str, Any]] = table.take(pa.array(np.asarray(ids, dtype=np.int64))).to_pylist()
         return rows
 

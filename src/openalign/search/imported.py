@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ import pyarrow.parquet as pq
 
 from openalign.config import to_dict
 from openalign.search.build import PENDING, IndexBuildResult, commit_stage
-from openalign.search.catalog import FORMAT, FORMAT_VERSION, INFO, METADATA, SCHEMAS
-from openalign.search.index import AnnConfig, build_store, save_vectors
+from openalign.search.catalog import FORMAT, FORMAT_VERSION, INFO, METADATA, SCHEMAS, write_rows
+from openalign.search.index import VECTORS, AnnConfig, build_store, choose_kind
+from openalign.search.ondisk import DISK_KIND, NpyRows, build_disk_store, write_unit_vectors
 
 UNIT_TOLERANCE = 1e-3  # rows whose length is this far from 1 are normalised
 
@@ -75,6 +77,9 @@ def find_shards(embeddings: str | Path, metadata: str | Path | None = None) -> l
             if texts and n not in texts:
                 raise FileNotFoundError(f"{image}: text_emb/ has no text_emb_{image.stem[8:]}.npy for it")
             shards.append(Shard(image, tables[n], texts.get(n)))
+        orphans = sorted(set(tables) - {_number(image) for image in images})
+        if orphans:  # an embedding shard went missing: its rows would silently drop out of the index
+            raise FileNotFoundError(f"{tables[orphans[0]]}: no img_emb/img_emb_{orphans[0]}.npy for it")
         return shards
     if not root.is_file():
         raise FileNotFoundError(f"{root}: no such embeddings file or folder")
@@ -127,56 +132,49 @@ def check_shards(shards: list[Shard]) -> tuple[int, int, bool]:
     return total, dim, with_text
 
 
-def _write_unit_rows(path: Path, parts: list[Path], total: int, dim: int) -> tuple[np.ndarray, int]:
-    """The parts, each row checked finite and scaled to unit length, as one float32 .npy; returns it
-    memory-mapped and the number of rows that had to be normalised."""
-    rescaled = 0
-
-    def unit_rows(index: int, start: int, rows: np.ndarray) -> np.ndarray:
-        nonlocal rescaled
-        block = np.asarray(rows, dtype=np.float64)
-        if not np.isfinite(block).all():
-            bad = start + int(np.argwhere(~np.isfinite(block))[0][0])
-            raise ValueError(f"{parts[index]}: row {bad} holds NaN or infinite values")
-        norms = np.linalg.norm(block, axis=1)
-        if (norms == 0).any():
-            raise ValueError(f"{parts[index]}: row {start + int(np.argmin(norms))} is all zeros and has no direction")
-        rescaled += int((np.abs(norms - 1) > UNIT_TOLERANCE).sum())
-        unit: np.ndarray = block / norms[:, None]
-        return unit
-
-    matrices = [np.load(part, mmap_mode="r") for part in parts]
-    saved = save_vectors(path, matrices, total, dim, each_block=unit_rows)
-    return saved, rescaled
-
-
 def _text(table: pa.Table, name: str) -> list[str]:
     if name not in table.column_names:
         return [""] * table.num_rows
     return ["" if v is None else str(v) for v in table.column(name).to_pylist()]
 
 
-def _image_rows(shards: list[Shard]) -> pa.Table:
-    """Our image metadata from each shard's table: ``image_path`` (or ``path``) is the path, ``key`` the
-    key (else the path, else the row number), ``url`` and ``caption`` as they are; other columns are dropped."""
-    tables, offset = [], 0
+def _image_table(shard: Shard, offset: int) -> pa.Table:
+    """Our image metadata from a shard's table: ``image_path`` (or ``path``) is the path, ``key`` the key
+    (else the path, else the row number), ``url`` and ``caption`` as they are; other columns are dropped."""
+    table = pq.read_table(shard.metadata)
+    paths = _text(table, "image_path" if "image_path" in table.column_names else "path")
+    keys = _text(table, "key")
+    n = table.num_rows
+    ids = np.arange(offset, offset + n, dtype=np.int64)
+    keys = [k or p or str(i) for k, p, i in zip(keys, paths, ids.tolist(), strict=True)]
+    sizes = {side: pa.nulls(n, pa.int32()) for side in ("width", "height")}
+    for side in [c for c in sizes if c in table.column_names]:
+        try:
+            sizes[side] = table.column(side).cast(pa.int32())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
+            raise ValueError(f"{shard.metadata}: column {side!r} is not whole numbers ({err})") from None
+    columns = [pa.array(ids), keys, paths, _text(table, "url"), _text(table, "caption"), *sizes.values()]
+    return pa.Table.from_arrays(columns, schema=SCHEMAS["image"])
+
+
+def _tables(shards: list[Shard], modality: str) -> Iterator[pa.Table]:
+    """Each shard's metadata rows for ``modality``, a shard at a time (never the whole table at once)."""
+    offset = 0
     for shard in shards:
-        table = pq.read_table(shard.metadata)
-        paths = _text(table, "image_path" if "image_path" in table.column_names else "path")
-        keys = _text(table, "key")
-        n = table.num_rows
-        ids = np.arange(offset, offset + n, dtype=np.int64)
-        keys = [k or p or str(i) for k, p, i in zip(keys, paths, ids.tolist(), strict=True)]
-        sizes = {side: pa.nulls(n, pa.int32()) for side in ("width", "height")}
-        for side in [c for c in sizes if c in table.column_names]:
-            try:
-                sizes[side] = table.column(side).cast(pa.int32())
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
-                raise ValueError(f"{shard.metadata}: column {side!r} is not whole numbers ({err})") from None
-        columns = [pa.array(ids), keys, paths, _text(table, "url"), _text(table, "caption"), *sizes.values()]
-        tables.append(pa.Table.from_arrays(columns, schema=SCHEMAS["image"]))
-        offset += n
-    return pa.concat_tables(tables)
+        image = _image_table(shard, offset)
+        offset += image.num_rows
+        if modality == "image":
+            yield image
+        else:
+            ids = image.column("id")
+            columns = [ids, ids, image.column("key"), image.column("caption")]
+            yield pa.Table.from_arrays(columns, schema=SCHEMAS["text"])
+
+
+def _write_metadata(path: Path, tables: Iterator[pa.Table], schema: pa.Schema) -> None:
+    with pq.ParquetWriter(path, schema) as writer:
+        for table in tables:
+            writer.write_table(table)
 
 
 def import_embeddings(
@@ -207,27 +205,28 @@ def import_embeddings(
     try:
         counts: dict[str, int] = {}
         normalized = 0
-        image_table = _image_rows(shards)
+        # Above the exact size, an import is built shard by shard into on-disk lists unless told otherwise.
+        kind = choose_kind(total, dim, ann)
+        on_disk = kind == DISK_KIND or (kind == "ivf_pq" and ann.kind == "auto" and ann.on_disk)
         # Captions are what an image store is queried with, so they calibrate its approximate index: first.
         modalities = ["text", "image"] if with_text else ["image"]
         for modality in modalities:
             directory = stage / modality
             directory.mkdir(parents=True, exist_ok=True)
             parts = [s.image if modality == "image" else s.text for s in shards]
-            vectors, rescaled = _write_unit_rows(directory / "vectors.npy", [p for p in parts if p], total, dim)
-            normalized += rescaled
-            if modality == "image":
-                table = image_table
-            else:
-                ids = image_table.column("id")
-                columns = [ids, ids, image_table.column("key"), image_table.column("caption")]
-                table = pa.Table.from_arrays(columns, schema=SCHEMAS["text"])
-            pq.write_table(table, directory / METADATA)
+            normalized += write_unit_vectors([p for p in parts if p], directory / VECTORS, dim, UNIT_TOLERANCE)
+            _write_metadata(directory / METADATA, _tables(shards, modality), SCHEMAS[modality])
             calibration = None
             if modality == "image" and with_text:
-                text = np.load(stage / "text" / "vectors.npy", mmap_mode="r")
-                calibration = np.asarray(text[np.linspace(0, len(text) - 1, min(256, len(text))).astype(int)])
-            build_store(vectors, ann, calibration).save(directory)
+                text = NpyRows(stage / "text" / VECTORS)
+                calibration = text.take(np.linspace(0, len(text) - 1, min(256, len(text))).astype(int))
+            if on_disk:
+                write_rows(directory, _tables(shards, modality))
+                rows = [len(NpyRows(shard.image)) for shard in shards]
+                build_disk_store(directory, rows, ann, calibration, home=out.resolve() / modality).save(directory)
+            else:
+                vectors = np.load(directory / VECTORS, mmap_mode="r")
+                build_store(vectors, ann, calibration).save(directory)
             counts[modality] = total
         info: dict[str, Any] = {
             "format": FORMAT,

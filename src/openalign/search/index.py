@@ -26,7 +26,7 @@ import numpy as np
 
 from openalign.config import ConfigError, from_dict, to_dict
 
-AnnKind = Literal["auto", "exact", "ivf_flat", "ivf_pq", "hnsw"]
+AnnKind = Literal["auto", "exact", "ivf_flat", "ivf_pq", "hnsw", "ivf_pq_disk"]
 VECTORS = "vectors.npy"
 FAISS_FILE = "faiss.index"
 ANN_FILE = "ann.json"
@@ -50,6 +50,8 @@ class AnnConfig:
     train_size: int = 0  # vectors used to train IVF centroids and PQ codebooks; 0 picks 40·nlist
     kmeans_iterations: int = 10  # k-means passes; centroids barely move after ~10 on embeddings
     seed: int = 0
+    on_disk: bool = True  # imports (--embeddings) above exact_threshold: IVF-PQ built shard by shard into on-disk lists
+    disk_nbits: int = 8  # bits per sub-quantizer code of the on-disk IVF-PQ (kind ivf_pq_disk)
 
 
 def ann_config(data: dict[str, Any] | AnnConfig | None = None, **overrides: Any) -> AnnConfig:
@@ -145,6 +147,10 @@ class VectorStore:
         self.ann = ann
         self.kind = kind
         self.params = dict(params or {})
+        # Rows to re-rank, read with positioned reads rather than through the map (an on-disk store): a
+        # fault on a mapped file maps its cached neighbours too, so scattered reads through a map make the
+        # resident set grow towards the file's size.
+        self.read_rows: Callable[[np.ndarray], np.ndarray] | None = None
         self._apply_params()
 
     # ------------------------------------------------------------------ properties
@@ -168,8 +174,10 @@ class VectorStore:
             links = faiss.vector_to_array(self.ann.hnsw.neighbors).nbytes
             return int(self.size * self.dim * 4 + links + self.size * 16)
         ivf = faiss.extract_index_ivf(self.ann)
-        pq = faiss.downcast_index(ivf).pq if self.kind == "ivf_pq" else None  # type: ignore[attr-defined]  # faiss stub
+        pq = faiss.downcast_index(ivf).pq if self.kind.startswith("ivf_pq") else None  # type: ignore[attr-defined]  # faiss stub
         codebooks = pq.centroids.size() * 4 if pq is not None else 0
+        if self.kind == "ivf_pq_disk":  # the lists stay on disk, paged in as queries probe them
+            return int(ivf.nlist * self.dim * 4 + codebooks)
         return int(ivf.ntotal * (ivf.code_size + 8) + ivf.nlist * self.dim * 4 + codebooks)
 
     # ------------------------------------------------------------------ search
@@ -199,7 +207,7 @@ class VectorStore:
             return np.empty((len(queries), 0), np.float32), np.empty((len(queries), 0), np.int64)
         if self.ann is None:
             return exact_search(self.vectors, queries, k)
-        if self.kind == "ivf_pq":
+        if self.kind in ("ivf_pq", "ivf_pq_disk"):
             return self._search_reranked(queries, k)
         scores, ids = self.ann.search(queries, min(k, self.size))
         return _drop_missing(scores, ids)
@@ -214,7 +222,8 @@ class VectorStore:
         for row, ids in enumerate(cand):
             ids = ids[ids >= 0]
             order = np.sort(ids)  # sorted reads are kinder to a memory-mapped file
-            scores = np.asarray(self.vectors[order], dtype=np.float32) @ queries[row]
+            rows = self.vectors[order] if self.read_rows is None else self.read_rows(order)
+            scores = np.asarray(rows, dtype=np.float32) @ queries[row]
             top = np.argsort(-scores, kind="stable")[:k]
             out_s[row, : len(top)] = scores[top]
             out_i[row, : len(top)] = order[top]
@@ -239,7 +248,8 @@ class VectorStore:
 
     @classmethod
     def load(cls, directory: str | Path, mmap: bool = True) -> VectorStore:
-        """Open a saved store; the matrix is memory-mapped unless ``mmap`` is False."""
+        """Open a saved store; the matrix (and an on-disk index's lists) are memory-mapped unless ``mmap`` is
+        False."""
         d = Path(directory)
         if not (d / VECTORS).is_file():
             raise FileNotFoundError(f"{d}: no {VECTORS}")
@@ -253,13 +263,23 @@ class VectorStore:
                 raise FileNotFoundError(f"{d}: ann.json names a {meta['kind']} index but {FAISS_FILE} is missing")
             import faiss
 
-            try:
-                ann = faiss.read_index(str(d / FAISS_FILE))
-            except RuntimeError as err:
-                raise ValueError(f"{d / FAISS_FILE}: truncated or damaged ({_first_line(err)})") from None
+            if meta["kind"] == "ivf_pq_disk":
+                from openalign.search.ondisk import read_disk_index
+
+                ann = read_disk_index(d, mmap)
+            else:
+                try:
+                    ann = faiss.read_index(str(d / FAISS_FILE))
+                except RuntimeError as err:
+                    raise ValueError(f"{d / FAISS_FILE}: truncated or damaged ({_first_line(err)})") from None
             if ann.ntotal != vectors.shape[0]:
                 raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
-        return cls(vectors, ann, meta["kind"], meta.get("params", {}))
+        store = cls(vectors, ann, meta["kind"], meta.get("params", {}))
+        if meta["kind"] == "ivf_pq_disk":
+            from openalign.search.ondisk import NpyRows
+
+            store.read_rows = NpyRows(d / VECTORS).take
+        return store
 
 
 def _first_line(err: BaseException, limit: int = 160) -> str:
@@ -367,6 +387,8 @@ def build_store(
     kind = choose_kind(n, dim, cfg)
     if kind == "exact" or n == 0:
         return VectorStore(vectors, None, "exact", {})
+    if kind == "ivf_pq_disk":
+        raise ConfigError("kind ivf_pq_disk is built from embedding files: openalign index build --embeddings DIR")
     import faiss
 
     rng = np.random.default_rng(cfg.seed)

@@ -1,0 +1,310 @@
+"""IVF-PQ indexes larger than memory: trained once, built shard by shard, merged into on-disk lists.
+
+The coarse centroids and PQ codebooks are trained once on rows sampled across the whole input; each input
+shard is then encoded into its own IVF-PQ index with those shared parameters (only one shard's codes in
+memory, its vectors read in blocks), and the shards' inverted lists are merged into one file
+(``lists.ivfdata``) that FAISS's ``OnDiskInvertedLists`` memory-maps. ``faiss.index`` then holds only the
+centroids, codebooks and list offsets, so opening an index reads a few megabytes and a query pages in just
+the lists it probes.
+
+Vectors are read with plain file reads, not through a memory map: the pages a map touches count in the
+process's resident set until the kernel reclaims them, so a scan through a map looks (and, without memory
+pressure, is) as large as the file, while read pages stay in the page cache only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from openalign.config import ConfigError
+from openalign.search.index import VECTORS, AnnConfig, VectorStore, calibration_queries, exact_search, recall_at
+
+DISK_KIND = "ivf_pq_disk"
+LISTS = "lists.ivfdata"
+TRAINED = "trained.index"
+BLOCK = 65_536  # rows read, normalised or encoded at a time
+
+
+class NpyRows:
+    """A 2-D .npy matrix read by row ranges with plain reads (nothing mapped, nothing cached)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, fortran, dtype = read_header(f)
+                self.offset = f.tell()
+        except (ValueError, OSError, EOFError) as err:
+            if isinstance(err, OSError) and err.errno is not None:
+                raise
+            raise ValueError(f"{self.path}: not a NumPy .npy array ({err})") from None
+        if len(shape) != 2 or not shape[1]:
+            raise ValueError(f"{self.path}: expected a 2-D [rows, dim] matrix, got shape {list(shape)}")
+        if fortran:
+            raise ValueError(f"{self.path}: Fortran-ordered matrix; save it row-major (C order)")
+        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
+        self.dtype = np.dtype(dtype)
+        self.row_bytes = self.shape[1] * self.dtype.itemsize
+        need = self.offset + self.shape[0] * self.row_bytes
+        have = os.path.getsize(self.path)
+        if have < need:
+            raise ValueError(f"{self.path}: truncated, {have} bytes where its header needs {need}")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` as an array of the file's dtype."""
+        count = max(0, min(stop, len(self)) - start)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start * self.row_bytes)
+            data = np.fromfile(f, dtype=self.dtype, count=count * self.shape[1])
+        return data.reshape(count, self.shape[1])
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """The given rows (any order), one positioned read each."""
+        out = np.empty((len(rows), self.shape[1]), self.dtype)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i, row in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
+                out[i] = np.frombuffer(os.pread(fd, self.row_bytes, self.offset + row * self.row_bytes), self.dtype)
+        finally:
+            os.close(fd)
+        return out
+
+    def blocks(self, block: int = BLOCK) -> Iterator[tuple[int, np.ndarray]]:
+        for start in range(0, len(self), block):
+            yield start, self.read(start, start + block)
+
+
+def write_unit_vectors(parts: list[Path], path: Path, dim: int, tolerance: float) -> int:
+    """Every row of ``parts``, checked finite and scaled to unit length, appended to one float32 .npy at
+    ``path`` a block at a time; returns how many rows were more than ``tolerance`` from unit length."""
+    readers = [NpyRows(p) for p in parts]
+    total = sum(len(r) for r in readers)
+    rescaled = 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as out:
+        np.lib.format.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False, "shape": (total, dim)})
+        for reader in readers:
+            for start, rows in reader.blocks():
+                block = np.asarray(rows, dtype=np.float64)
+                if not np.isfinite(block).all():
+                    bad = start + int(np.argwhere(~np.isfinite(block))[0][0])
+                    raise ValueError(f"{reader.path}: row {bad} holds NaN or infinite values")
+                norms = np.linalg.norm(block, axis=1)
+                if (norms == 0).any():
+                    raise ValueError(
+                        f"{reader.path}: row {start + int(np.argmin(norms))} is all zeros and has no direction"
+                    )
+                rescaled += int((np.abs(norms - 1) > tolerance).sum())
+                out.write((block / norms[:, None]).astype("<f4").tobytes())
+    os.replace(tmp, path)
+    return rescaled
+
+
+def disk_pq_m(dim: int) -> int:
+    """Default sub-quantizers of on-disk codes: about 4 dimensions per byte, at most 64 bytes a vector
+    (the codes are read from disk at query time; re-ranking restores exact scores)."""
+    return max(m for m in range(1, min(64, max(1, dim // 4)) + 1) if dim % m == 0)
+
+
+def disk_params(n: int, dim: int, cfg: AnnConfig) -> dict[str, int]:
+    """nlist, pq_m, nbits and training rows for ``n`` vectors of width ``dim``."""
+    nlist = min(cfg.nlist or max(1, int(2 * math.sqrt(n))), n)
+    m = cfg.pq_m or disk_pq_m(dim)
+    if dim % m:
+        raise ConfigError(f"pq_m={m} must divide the embedding width {dim}")
+    if not 1 <= cfg.disk_nbits <= 16:
+        raise ConfigError(f"disk_nbits must be in 1..16, got {cfg.disk_nbits}")
+    train = min(n, cfg.train_size or 40 * nlist)
+    if train < 2**cfg.disk_nbits or train < nlist:
+        raise ConfigError(
+            f"{train} training rows cannot train {nlist} lists and {2**cfg.disk_nbits} codes per sub-vector"
+        )
+    return {"nlist": nlist, "pq_m": m, "pq_nbits": cfg.disk_nbits, "train_size": train}
+
+
+def train_shared(vectors: NpyRows, params: dict[str, int], cfg: AnnConfig, path: Path) -> None:
+    """Train the coarse centroids and PQ codebooks on rows sampled across every shard; write the empty
+    trained index to ``path``."""
+    import faiss
+
+    rng = np.random.default_rng(cfg.seed)
+    rows = np.sort(rng.choice(len(vectors), size=params["train_size"], replace=False))
+    sample = np.ascontiguousarray(vectors.take(rows), dtype=np.float32)
+    dim = vectors.shape[1]
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFPQ(
+        quantizer, dim, params["nlist"], params["pq_m"], params["pq_nbits"], faiss.METRIC_INNER_PRODUCT
+    )
+    index.cp.seed = cfg.seed
+    index.cp.niter = cfg.kmeans_iterations
+    index.pq.cp.niter = cfg.kmeans_iterations  # FAISS's 25 passes per sub-quantizer dominate training time
+    index.pq.cp.seed = cfg.seed
+    index.train(sample)
+    faiss.write_index(index, str(path))
+
+
+def encode_shard(vectors: NpyRows, start: int, stop: int, trained: Path, path: Path) -> None:
+    """Rows ``start:stop`` (ids are row numbers) encoded with the shared trained index, written to ``path``."""
+    import faiss
+
+    index = faiss.read_index(str(trained))
+    for s in range(start, stop, BLOCK):
+        block = np.ascontiguousarray(vectors.read(s, min(stop, s + BLOCK)), dtype=np.float32)
+        index.add_with_ids(block, np.arange(s, s + len(block), dtype=np.int64))
+    faiss.write_index(index, str(path))
+
+
+@contextlib.contextmanager
+def _quiet_c_stdout() -> Iterator[None]:
+    # FAISS's on-disk lists print notes ("resizing …", "updating ondisk filename …", the latter on every
+    # open) with C printf; they must not land in a command's stdout (``openalign search --json``), so C's
+    # stdout is discarded for the call (errors come back as exceptions, not as printed text).
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
+        yield
+    finally:
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
+    """The trained index with the inverted lists of every part, in order, merged into ``lists`` on disk."""
+    import faiss
+
+    index = faiss.read_index(str(trained))
+    ivf = faiss.extract_index_ivf(index)
+    # Memory-mapped: the parts' codes are paged through once, never loaded together. The parts stay open
+    # (owning their lists) until the merge has copied them.
+    shards = [faiss.read_index(str(part), faiss.IO_FLAG_MMAP) for part in parts]
+    merged = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(lists))
+    pointers = faiss.InvertedListsPtrVector()  # type: ignore[attr-defined]  # faiss stub
+    for shard in shards:
+        pointers.push_back(faiss.extract_index_ivf(shard).invlists)
+    with _quiet_c_stdout():
+        total = merged.merge_from_multiple(pointers.data(), pointers.size(), False)
+    del pointers, shards
+    index.ntotal = ivf.ntotal = total
+    ivf.replace_invlists(merged, True)
+    merged.this.disown()  # type: ignore[attr-defined]  # faiss stub
+    return index
+
+
+def read_disk_index(directory: Path, mmap: bool = True) -> Any:
+    """``faiss.index`` of a store, its lists memory-mapped from ``lists.ivfdata`` beside it, or with
+    ``mmap`` False copied into memory (the same codes, so the same results)."""
+    import faiss
+
+    path = directory / "faiss.index"
+    if not (directory / LISTS).is_file():
+        raise FileNotFoundError(f"{directory}: {LISTS} is missing (the on-disk inverted lists of {path.name})")
+    try:
+        with _quiet_c_stdout():  # an index that was moved has its lists' file name updated, with a note
+            index = faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
+    except RuntimeError as err:
+        raise ValueError(f"{path}: truncated or damaged ({str(err).strip().splitlines()[-1][:160]})") from None
+    if not mmap:
+        ivf = faiss.extract_index_ivf(index)
+        memory = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
+        memory.merge_from(ivf.invlists, 0)  # type: ignore[arg-type]  # faiss stub
+        ivf.replace_invlists(memory, True)
+        memory.this.disown()  # type: ignore[attr-defined]  # faiss stub
+    return index
+
+
+def exact_truth(vectors: NpyRows, queries: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the exact top ``k`` of ``queries``, scanning ``vectors`` a block at a time."""
+    best_s = np.full((len(queries), 0), -np.inf, np.float32)
+    best_i = np.empty((len(queries), 0), np.int64)
+    for start, rows in vectors.blocks():
+        s, i = exact_search(np.asarray(rows, np.float32), queries, k)
+        cand_s, cand_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i + start], 1)
+        order = np.argsort(-cand_s, axis=1, kind="stable")[:, :k]
+        best_s, best_i = np.take_along_axis(cand_s, order, 1), np.take_along_axis(cand_i, order, 1)
+    return best_i
+
+
+def calibrate_nprobe(store: VectorStore, truth: np.ndarray, queries: np.ndarray, target: float) -> dict[str, Any]:
+    """The smallest nprobe (powers of two and midpoints) whose recall@10 reaches ``target``."""
+    nlist = int(store.params["nlist"])
+    steps = sorted({min(nlist, int(b * 2**i)) for i in range(0, int(math.log2(nlist)) + 2) for b in (1, 1.5)})
+    chosen, reached = steps[-1], 0.0
+    for value in steps:
+        store.params["nprobe"] = value
+        store._apply_params()
+        reached = recall_at(store.search(queries, truth.shape[1])[1], truth)
+        if reached >= target:
+            chosen = value
+            break
+    store.params["nprobe"] = chosen
+    store._apply_params()
+    return {"calibrated_recall@10": round(reached, 4)}
+
+
+def build_disk_store(
+    directory: Path,
+    shard_rows: list[int],
+    cfg: AnnConfig,
+    calibration: np.ndarray | None = None,
+    home: Path | None = None,
+) -> VectorStore:
+    """An on-disk IVF-PQ store over ``directory/vectors.npy`` (unit rows), whose consecutive row ranges of
+    ``shard_rows`` rows are the input shards: trained once, encoded a shard at a time, merged on disk.
+    ``home``: the folder the store will be moved to, recorded as where its lists live."""
+    vectors = NpyRows(directory / VECTORS)
+    n, dim = vectors.shape
+    if sum(shard_rows) != n:
+        raise ValueError(f"{directory / VECTORS}: {n} rows, but the shards hold {sum(shard_rows)}")
+    params: dict[str, Any] = disk_params(n, dim, cfg)
+    parts_dir = directory / "parts"
+    parts_dir.mkdir(exist_ok=True)
+    trained = directory / TRAINED
+    train_shared(vectors, params, cfg, trained)
+    parts, start = [], 0
+    for number, rows in enumerate(shard_rows):
+        part = parts_dir / f"part_{number:05d}.index"
+        encode_shard(vectors, start, start + rows, trained, part)
+        parts.append(part)
+        start += rows
+    index = merge_shards(trained, parts, directory / LISTS)
+    shutil.rmtree(parts_dir)
+    if home is not None:
+        import faiss
+
+        lists: Any = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)  # type: ignore[arg-type]
+        lists.filename = str(home / LISTS)
+    params.update(rerank=cfg.rerank)
+    store = VectorStore(np.load(directory / VECTORS, mmap_mode="r"), index, DISK_KIND, params)
+    store.read_rows = vectors.take
+    if cfg.nprobe:
+        store.params["nprobe"] = min(cfg.nprobe, params["nlist"])
+        store._apply_params()
+        return store
+    if calibration is None:
+        calibration = calibration_queries(store.vectors, seed=cfg.seed)
+    queries = np.ascontiguousarray(calibration, dtype=np.float32)
+    store.params.update(calibrate_nprobe(store, exact_truth(vectors, queries, 10), queries, cfg.target_recall))
+    return store

@@ -1,0 +1,243 @@
+"""On-disk IVF-PQ indexes built shard by shard from clip-retrieval's inference folders: recall against
+FAISS brute force, the merged lists bit-equal to one in-memory index, memory-mapped results equal to
+in-memory ones, build and serving memory that do not grow with the data, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from openalign.cli import main
+from openalign.search.catalog import SearchIndex
+from openalign.search.imported import import_embeddings
+from openalign.search.index import AnnConfig, VectorStore
+from openalign.search.ondisk import LISTS, TRAINED, build_disk_store, read_disk_index
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _clustered(n: int, d: int, seed: int) -> np.ndarray:
+    # Clustered, not uniform: neighbourhoods exist, as in image embeddings.
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(99).standard_normal((200, d))
+    x = centres[rng.integers(0, 200, n)] + 0.5 * rng.standard_normal((n, d))
+    return x.astype(np.float32)
+
+
+def _write_folder(root: Path, shards: list[np.ndarray]) -> Path:
+    (root / "img_emb").mkdir(parents=True)
+    (root / "metadata").mkdir()
+    for i, x in enumerate(shards):
+        np.save(root / "img_emb" / f"img_emb_{i}.npy", x)
+        paths = [f"/photos/{i}/{j}.jpg" for j in range(len(x))]
+        pq.write_table(pa.table({"image_path": paths, "caption": [f"photo {i} {j}" for j in range(len(x))]}),
+                       root / "metadata" / f"metadata_{i}.parquet")  # fmt: skip
+    return root
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+ANN = AnnConfig(exact_threshold=1000, nlist=64, pq_m=8, disk_nbits=8, train_size=4000, target_recall=0.95)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    root = tmp_path_factory.mktemp("ondisk")
+    shards = [_clustered(6000, 32, s) for s in range(3)]
+    import_embeddings(_write_folder(root / "emb", shards), root / "index", ann=ANN)
+    return root / "index", np.concatenate(shards)
+
+
+def test_recall_against_faiss_brute_force(built: tuple[Path, np.ndarray]) -> None:
+    path, raw = built
+    index = SearchIndex.open(path)
+    store = index.store("image")
+    assert store.kind == "ivf_pq_disk" and store.params["nprobe"] < store.params["nlist"]
+    unit = _unit(raw)
+    queries = _unit(raw[::300] + 0.3 * np.random.default_rng(5).standard_normal((60, 32)).astype(np.float32))
+    flat = faiss.IndexFlatIP(32)
+    flat.add(unit)
+    _, truth = flat.search(queries, 10)
+    _, found = store.search(queries, 10)
+    recall = np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found.tolist(), truth.tolist(), strict=True)])
+    assert recall >= 0.9, recall
+    # Metadata comes from the row file, in result order, without loading the table.
+    rows = index.rows("image", found[0][:3])
+    assert [r["id"] for r in rows] == found[0][:3].tolist()
+    assert rows[0]["path"] == f"/photos/{found[0][0] // 6000}/{found[0][0] % 6000}.jpg"
+
+
+def test_merged_lists_equal_one_in_memory_index(built: tuple[Path, np.ndarray]) -> None:
+    path, raw = built
+    directory = path / "image"
+    ondisk = read_disk_index(directory)
+    memory = faiss.read_index(str(directory / TRAINED))  # the same trained centroids and codebooks
+    memory.add_with_ids(np.load(directory / "vectors.npy"), np.arange(len(raw), dtype=np.int64))
+    queries = _unit(raw[7::500])
+    for nprobe in (1, 8, 64):
+        faiss.extract_index_ivf(ondisk).nprobe = faiss.extract_index_ivf(memory).nprobe = nprobe
+        d1, i1 = ondisk.search(queries, 20)
+        d2, i2 = memory.search(queries, 20)
+        assert np.array_equal(i1, i2) and np.array_equal(d1, d2)
+
+
+def test_memory_mapped_results_equal_in_memory(built: tuple[Path, np.ndarray]) -> None:
+    path, raw = built
+    mapped = VectorStore.load(path / "image", mmap=True)
+    loaded = VectorStore.load(path / "image", mmap=False)
+    assert "OnDisk" in type(faiss.downcast_InvertedLists(faiss.extract_index_ivf(mapped.ann).invlists)).__name__
+    assert "Array" in type(faiss.downcast_InvertedLists(faiss.extract_index_ivf(loaded.ann).invlists)).__name__
+    queries = _unit(raw[3::400])
+    s1, i1 = mapped.search(queries, 10)
+    s2, i2 = loaded.search(queries, 10)
+    assert np.array_equal(i1, i2) and np.array_equal(s1, s2)
+
+
+def test_search_json_stays_clean_after_the_index_moves(
+    built: tuple[Path, np.ndarray], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # FAISS notes the moved lists file on C's stdout, below Python's sys.stdout: capfd sees file descriptor 1.
+    moved = tmp_path / "moved"
+    subprocess.run(["cp", "-r", str(built[0]), str(moved)], check=True)
+    query = tmp_path / "q.json"
+    query.write_text(json.dumps(_unit(built[1][:1])[0].tolist()))
+    capfd.readouterr()
+    assert main(["search", str(moved), "--embedding", str(query), "--json", "-k", "3"]) == 0
+    assert json.loads(capfd.readouterr().out)[0]["id"] == 0
+
+
+BUILD = """
+import json, os, resource, sys
+from openalign.search.imported import import_embeddings
+from openalign.search.index import AnnConfig
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # fail this process, not the machine
+cfg = AnnConfig(exact_threshold=1000, nlist=128, pq_m=32, disk_nbits=6, train_size=5000, nprobe=8)
+peaks = {}
+for folder, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    # Each build in a forked child (imports done once): its own peak, from the same starting point.
+    read, write = os.pipe()
+    if os.fork() == 0:
+        import_embeddings(folder, out, ann=cfg)
+        os.write(write, str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.wait()[1] == 0
+    peaks[folder] = int(os.read(read, 64))
+print(json.dumps(peaks))
+"""
+
+
+def _child(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                          env={"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[int, int, Path]]:
+    """Peak RSS of a build from 1, 2 and 4 shards of 40,000 128-d vectors (20 MB each)."""
+    root = tmp_path_factory.mktemp("peaks")
+    args, data = [], {}
+    for count in (1, 2, 4):
+        folder = _write_folder(root / f"emb{count}", [_clustered(40_000, 128, s) for s in range(count)])
+        data[count] = sum(f.stat().st_size for f in (folder / "img_emb").iterdir())
+        args += [str(folder), str(root / f"index{count}")]
+    found = json.loads(_child(BUILD, *args))
+    return {count: (found[str(root / f"emb{count}")], data[count], root / f"index{count}") for count in (1, 2, 4)}
+
+
+def test_build_memory_does_not_grow_with_the_data(peaks: dict[int, tuple[int, int, Path]]) -> None:
+    peak = {count: p for count, (p, _, _) in peaks.items()}
+    grown = peaks[4][1] - peaks[1][1]
+    # Loading the vectors (let alone normalising them in float64) would add at least `grown` (60 MB) from 1
+    # to 4 shards; what may grow is the merge paging through the codes (32 bytes a vector against 512) and
+    # the allocator's noise.
+    assert max(peak.values()) - min(peak.values()) < 0.4 * grown, (peak, grown)
+
+
+SERVE = """
+import sys, numpy as np
+from pathlib import Path
+import faiss
+from openalign.search.index import VectorStore
+from openalign.search.ondisk import read_disk_index
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+queries = np.random.default_rng(0).standard_normal((10, 32)).astype(np.float32)
+queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+warm = faiss.IndexIVFPQ(faiss.IndexFlatIP(32), 32, 4, 16, 4, faiss.METRIC_INNER_PRODUCT)
+warm.train(np.random.default_rng(1).standard_normal((400, 32)).astype(np.float32))
+warm.add(queries)
+warm.search(queries, 10)  # FAISS's one-time set-up, outside either measurement
+before = rss()
+store = VectorStore.load(sys.argv[1])
+for q in queries:  # the serving path: probe the lists, re-rank from vectors.npy
+    store.search(q[None], 10)
+mapped = rss() - before
+before = rss()
+ann = read_disk_index(Path(sys.argv[1]), mmap=False)  # the control: the lists read into memory
+ann.search(queries, 10)
+print(mapped, rss() - before)
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An on-disk store of 600,000 32-d vectors in 512 lists (14 MB of lists), built without metadata."""
+    directory = tmp_path_factory.mktemp("served")
+    np.save(directory / "vectors.npy", _unit(_clustered(600_000, 32, 0)))
+    cfg = AnnConfig(nlist=512, pq_m=16, disk_nbits=8, train_size=5000, nprobe=4)
+    build_disk_store(directory, [200_000] * 3, cfg).save(directory)
+    return directory
+
+
+def test_serving_memory_stays_under_the_index_size(served: Path) -> None:
+    size = (served / LISTS).stat().st_size + (served / "faiss.index").stat().st_size
+    mapped, loaded = map(int, _child(SERVE, str(served)).split())
+    assert loaded > 0.8 * size  # shows the measurement would catch an index read into memory
+    assert mapped < 0.5 * size, (mapped, loaded, size)
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_bad_shards_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _write_folder(tmp_path / "emb", [_clustered(500, 16, 0), _clustered(500, 16, 1)])
+    shard = folder / "img_emb" / "img_emb_1.npy"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    argv = ["index", "build", "--embeddings", str(folder), "--out", str(tmp_path / "i1"), "--exact-threshold", "10"]
+    assert "img_emb_1.npy" in _error(capsys, argv)
+    np.save(shard, _clustered(500, 24, 1))
+    assert "24-d" in _error(capsys, [*argv[:5], str(tmp_path / "i2"), *argv[6:]])
+    shard.unlink()
+    assert "no img_emb/img_emb_1.npy" in _error(capsys, [*argv[:5], str(tmp_path / "i3"), *argv[6:]])
+
+
+def test_missing_lists_file_is_one_line_error(
+    built: tuple[Path, np.ndarray], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(built[0]), str(moved)], check=True)
+    (moved / "image" / LISTS).unlink()
+    query = tmp_path / "q.json"
+    query.write_text(json.dumps([0.1] * 32))
+    assert LISTS in _error(capsys, ["search", str(moved), "--embedding", str(query)])
