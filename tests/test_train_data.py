@@ -409,8 +409,9 @@ def test_batches_do_not_depend_on_which_library_decodes_the_jpegs(
     from openalign.data.synthetic import SyntheticWorld
 
     world = SyntheticWorld(0, 320)
+    sizes = [(320 - 9 * i, 240 - 90 * (i % 2)) for i in range(8)]
     samples = [
-        {"__key__": f"{i:06d}", "jpg": encoded(world.render(row.scene).resize((320 - 9 * i, 240 - 90 * (i % 2))), "JPEG"),
+        {"__key__": f"{i:06d}", "jpg": encoded(world.render(row.scene).resize(sizes[i]), "JPEG"),
          "txt": caption(i).encode()}
         for i, row in enumerate(world.iter_rows(8, 0.0))
     ]  # fmt: skip
