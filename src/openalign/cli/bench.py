@@ -128,6 +128,19 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
          "openalign bench embed --preset b0-tiny --processes 8 --batch-size 256   # 8 GPUs"),
         (JSON,),
     ),
+    "copy-detection": (
+        "openalign.bench.copy_detection:CopyBenchSettings",
+        "finding reposted copies of real photographs: pHash, tiny image, our copy detector, + verification",
+        "Real photographs shipped by installed packages (scikit-image, scikit-learn, matplotlib), each reposted by "
+        "every transformation of openalign.data.reposting at several strengths and a few at once, among "
+        "distractors (other photos, the other half of a halved reference). Scores every query against every "
+        "reference: recall at a 0.1% false-positive rate and DISC21's micro-average precision, overall and per "
+        "transformation, for a perceptual hash, a tiny-image descriptor, the copy detector untrained and trained "
+        "on synthetic images only, and that detector with verification of the pairs near the threshold.",
+        ("openalign bench copy-detection",
+         "openalign bench copy-detection --detector copy_detector/ --verify-band 0.3 --json copies.json"),
+        (JSON,),
+    ),
     "gpu": (
         "openalign.bench.gpu:GpuCheckSettings",
         "the GPU path in one command: CUDA tests, ours against transformers, the paper's batch, plan vs measured",
@@ -237,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
         from openalign.bench.embed import run_embed_bench
 
         run_embed_bench(s)
+    elif args.bench == "copy-detection":
+        from openalign.bench.copy_detection import run_copy_detection_bench
+
+        run_copy_detection_bench(s)
     elif args.bench == "gpu":
         from openalign.bench.gpu import run_gpu_check
 

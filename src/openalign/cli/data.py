@@ -204,6 +204,14 @@ def run_dedup(args: argparse.Namespace) -> int:
         f"{run.candidate_pairs:,} candidate pairs, {run.duplicate_pairs:,} near-duplicate pairs, "
         f"{run.train_rows_removed:,} train images to drop"
     )
+    if "verification" in st:
+        v = st["verification"]
+        print(
+            f"decided by the embedding alone: {v['pairs_by_embedding']:,} pairs; by verification "
+            f"(cosine in ({v['band'][0]:.3f}, {v['band'][1]:.3f}]): {v['pairs_verified']:,} pairs, "
+            f"{v['accepted_by_phash']:,} accepted by pHash, {v['accepted_by_features']:,} by feature matching, "
+            f"{v['rejected']:,} rejected"
+        )
     for side, reasons in run.skipped.items():
         if reasons:
             print(f"skipped {side} images: {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")

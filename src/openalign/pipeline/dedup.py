@@ -49,6 +49,7 @@ from openalign.data.dedup import (
 )
 from openalign.data.dedup_buckets import EmbeddingFiles, find_pairs_in_files
 from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, Source, file_limit, open_source, read_file
+from openalign.data.verification import VerifyConfig, require_opencv
 from openalign.outputs import check_writable
 
 if TYPE_CHECKING:
@@ -93,11 +94,21 @@ class DedupRunConfig(DedupConfig):
     key_column: str = "key"  # metadata column matching the train keys
     batch_size: int = 64  # images per forward pass of the embedder
     device: str = "cpu"  # where the embedder runs: cpu or cuda
+    # decide the pairs with cosine within verify_band of the threshold by their pixels (pHash, then ORB +
+    # RANSAC); needs images and OpenCV (the verify extra)
+    verify: bool = False
+    verify_band: float = 0.05  # half-width of that band; above it the embedding alone decides
+    verification: VerifyConfig = field(default_factory=VerifyConfig)
 
     def validate(self) -> None:
         """Cross-field checks; raises ConfigError naming the bad field."""
         super().validate()
-        parse_embedder(self.embedder, check_dir=False)
+        spec = parse_embedder(self.embedder, check_dir=False)
+        self.verification.validate()
+        if not 0 <= self.verify_band < 1:
+            raise ConfigError(f"dedup.verify_band must be in [0, 1), got {self.verify_band}")
+        if self.verify and spec.kind == "npy":
+            raise ConfigError("dedup.verify needs the images: use --embedder copy-detector:DIR or align:DIR")
         if self.batch_size < 1:
             raise ConfigError(f"dedup.batch_size must be at least 1, got {self.batch_size}")
         try:
@@ -221,17 +232,7 @@ def _embed_side(
     def skip(reason: str, detail: str) -> None:
         skipped[reason] += 1
 
-    if isinstance(side, ImageFiles):
-        pairs = side.images(skip, max_bytes=max_file_bytes)
-    else:
-        opened = (
-            side
-            if isinstance(side, Source)
-            else open_source(
-                side, image_root=image_root, max_file_bytes=max_file_bytes, allow_outside_root=allow_outside_root
-            )
-        )
-        pairs = iter_source_images(opened, skip)
+    pairs = _side_images(side, skip, image_root, max_file_bytes, allow_outside_root)
 
     def images() -> Iterator[Image.Image]:
         for key, image in pairs:
@@ -242,6 +243,26 @@ def _embed_side(
     if not len(emb):
         raise ValueError(f"{_describe(side)}: no readable images (skipped: {dict(skipped) or 'none'})")
     return emb, keys, dict(sorted(skipped.items()))
+
+
+def _side_images(
+    side: Side,
+    skip: Callable[[str, str], None],
+    image_root: str | None,
+    max_file_bytes: int,
+    allow_outside_root: bool,
+) -> Iterator[tuple[str, Image.Image]]:
+    """(key, image) of every readable image of a side, in the same order on every pass."""
+    if isinstance(side, ImageFiles):
+        return side.images(skip, max_bytes=max_file_bytes)
+    opened = (
+        side
+        if isinstance(side, Source)
+        else open_source(
+            side, image_root=image_root, max_file_bytes=max_file_bytes, allow_outside_root=allow_outside_root
+        )
+    )
+    return iter_source_images(opened, skip)
 
 
 def _describe(side: Side) -> str:
@@ -365,6 +386,10 @@ def run_dedup(
     out = Path(out_dir)
     check_writable(out, directory=True)
     spec = embedder.spec if embedder is not None else parse_embedder(cfg.embedder)
+    if cfg.verify:
+        if spec.kind == "npy":
+            raise ConfigError("dedup.verify needs the images: use --embedder copy-detector:DIR or align:DIR")
+        require_opencv()  # before the embedding, not after it
     skipped: dict[str, dict[str, int]] = {}
     train_names: Sequence[str] | None
     test_names: Sequence[str] | None
@@ -407,7 +432,24 @@ def run_dedup(
         for name, emb, names in (("train", train_emb, train_list), ("test", test_emb, test_list)):
             np.save(out / f"{name}_emb.npy", emb)
             (out / f"{name}_keys.json").write_text(json.dumps(names) + "\n")
-    if not on_files:
+    if not on_files and cfg.verify:
+        from dataclasses import replace
+
+        from openalign.pipeline.verify import verify_pairs
+
+        wide = replace(cfg, threshold=max(-1.0, cfg.threshold - cfg.verify_band))
+        found = find_near_duplicates(train_emb, test_emb, config=wide, progress=progress)
+
+        def images(side: Side) -> Iterator[Image.Image]:
+            limit = file_limit(cfg.max_file_mb)
+            pairs = _side_images(side, lambda reason, detail: None, cfg.image_root, limit, cfg.allow_outside_root)
+            return (image for _, image in pairs)
+
+        result = verify_pairs(
+            found, images(train), images(test), threshold=cfg.threshold, band=cfg.verify_band, config=cfg.verification
+        )
+        n_train = len(train_emb)
+    elif not on_files:
         result = find_near_duplicates(train_emb, test_emb, config=cfg, progress=progress)
         n_train = len(train_emb)
     if any(skipped.values()):

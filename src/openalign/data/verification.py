@@ -1,0 +1,173 @@
+"""Deciding a candidate copy pair by its pixels, where the embedding cosine is too close to the threshold to tell.
+
+Two checks, cheapest first:
+
+1. a perceptual hash (pHash: the signs of the 8 × 8 lowest frequencies of a 32 × 32 grey DCT against their
+   median): a resized or re-compressed copy keeps almost every bit, so a Hamming distance of at most
+   ``phash_bits`` accepts the pair without further work;
+2. local features with geometric verification: ORB keypoints of both images (and of the mirrored second
+   image, since a flip moves every keypoint), descriptor matches that pass Lowe's ratio test, and a
+   RANSAC fit of a similarity transform (shift, scale, rotation: what crops, resizes, padding, rotation and
+   embedding in a larger picture do). A copy keeps many matches consistent with one such transform; a
+   different photo of similar colours keeps almost none. ``min_inliers`` consistent matches accept.
+
+OpenCV (``opencv-python-headless``, the ``verify`` extra) is needed only for step 2 and imported only here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from openalign.config import ConfigError
+
+__all__ = ["Features", "VerifyConfig", "decide", "features", "in_band", "phash", "require_opencv", "verify_pair"]
+
+
+@dataclass
+class VerifyConfig:
+    """How a pair in the uncertain band is verified."""
+
+    phash_bits: int = 6  # accept at once when the 64-bit pHashes differ in at most this many bits
+    min_inliers: int = 15  # accept when this many feature matches fit one similarity transform
+    keypoints: int = 1000  # ORB keypoints per image
+    max_side: int = 512  # larger images are scaled down to this longest side before feature extraction
+    ratio: float = 0.8  # Lowe's ratio test on the two nearest descriptors
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the bad field."""
+        if not 0 <= self.phash_bits <= 64:
+            raise ConfigError(f"verify.phash_bits must be in [0, 64], got {self.phash_bits}")
+        if self.min_inliers < 4 or self.keypoints < 10 or self.max_side < 32:
+            raise ConfigError("verify.min_inliers must be ≥ 4, verify.keypoints ≥ 10 and verify.max_side ≥ 32")
+        if not 0 < self.ratio <= 1:
+            raise ConfigError(f"verify.ratio must be in (0, 1], got {self.ratio}")
+
+
+def require_opencv() -> Any:
+    """The cv2 module, or a one-line ConfigError saying how to install it."""
+    try:
+        import cv2
+    except ImportError:
+        raise ConfigError(
+            "verification needs OpenCV: pip install 'openalign[verify]' (opencv-python-headless)"
+        ) from None
+    return cv2
+
+
+def _dct_matrix(n: int) -> np.ndarray:
+    """Orthonormal DCT-II as a matrix: row k is cos(π (2i + 1) k / 2n), scaled."""
+    i = np.arange(n)
+    m: np.ndarray = np.cos(np.pi * (2 * i[None, :] + 1) * np.arange(n)[:, None] / (2 * n)) * np.sqrt(2 / n)
+    m[0] /= np.sqrt(2)
+    return m
+
+
+_DCT32 = _dct_matrix(32)
+
+
+def phash(image: Image.Image) -> int:
+    """64-bit perceptual hash: grey 32 × 32, 2-d DCT, the 8 × 8 lowest frequencies above their median."""
+    grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.LANCZOS), dtype=np.float64)
+    low = (_DCT32 @ grey @ _DCT32.T)[:8, :8].ravel()
+    bits = low > np.median(low[1:])  # the DC term sets the median off, as in the usual pHash
+    return int(sum(1 << i for i, b in enumerate(bits) if b))
+
+
+@dataclass
+class Features:
+    """What verification keeps of one image: its pHash, ORB keypoints and descriptors, and the mirror's."""
+
+    hash: int
+    points: np.ndarray  # float32 [K, 2]
+    descriptors: np.ndarray  # uint8 [K, 32]
+    mirror_points: np.ndarray | None = None
+    mirror_descriptors: np.ndarray | None = None
+
+
+def _orb(cv2: Any, grey: np.ndarray, keypoints: int) -> tuple[np.ndarray, np.ndarray]:
+    orb = cv2.ORB_create(nfeatures=keypoints, fastThreshold=10, edgeThreshold=15, patchSize=15)
+    kps, desc = orb.detectAndCompute(grey, None)
+    if desc is None or not kps:
+        return np.zeros((0, 2), np.float32), np.zeros((0, 32), np.uint8)
+    return np.array([k.pt for k in kps], dtype=np.float32), desc
+
+
+def features(image: Image.Image, config: VerifyConfig | None = None, *, mirror: bool = False) -> Features:
+    """pHash and ORB features of ``image`` (with ``mirror``, of its left–right flip too)."""
+    cfg = config or VerifyConfig()
+    cv2 = require_opencv()
+    im = image.convert("L")
+    scale = cfg.max_side / max(im.size)  # bounds the cost per image
+    if scale < 1:
+        im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))), Image.Resampling.BILINEAR)
+    grey = np.asarray(im, dtype=np.uint8)
+    points, desc = _orb(cv2, grey, cfg.keypoints)
+    out = Features(phash(image), points, desc)
+    if mirror:
+        out.mirror_points, out.mirror_descriptors = _orb(cv2, np.ascontiguousarray(grey[:, ::-1]), cfg.keypoints)
+    return out
+
+
+def _inliers(cv2: Any, pa: np.ndarray, da: np.ndarray, pb: np.ndarray, db: np.ndarray, cfg: VerifyConfig) -> int:
+    if len(da) < 2 or len(db) < 2:
+        return 0
+    matcher = cv2.BFMatcher(cv2.NORM_HAMMING)
+    good = [m[0] for m in matcher.knnMatch(da, db, k=2) if len(m) == 2 and m[0].distance < cfg.ratio * m[1].distance]
+    if len(good) < 4:
+        return 0
+    src = pa[[m.queryIdx for m in good]]
+    dst = pb[[m.trainIdx for m in good]]
+    transform, mask = cv2.estimateAffinePartial2D(
+        src, dst, method=cv2.RANSAC, ransacReprojThreshold=5.0, maxIters=2000, confidence=0.99
+    )
+    if transform is None or mask is None:
+        return 0
+    # A copy is scaled by a bounded factor; a degenerate fit (everything onto a point) is not a copy.
+    scale = float(np.hypot(transform[0, 0], transform[1, 0]))
+    if not 0.05 < scale < 20:
+        return 0
+    return int(mask.sum())
+
+
+def verify_pair(a: Features, b: Features, config: VerifyConfig | None = None) -> tuple[bool, str, int]:
+    """(is a copy, what decided it: ``phash``, ``features`` or ``rejected``, feature inliers)."""
+    cfg = config or VerifyConfig()
+    if bin(a.hash ^ b.hash).count("1") <= cfg.phash_bits:
+        return True, "phash", 0
+    cv2 = require_opencv()
+    inliers = _inliers(cv2, a.points, a.descriptors, b.points, b.descriptors, cfg)
+    if b.mirror_points is not None and b.mirror_descriptors is not None and inliers < cfg.min_inliers:
+        inliers = max(inliers, _inliers(cv2, a.points, a.descriptors, b.mirror_points, b.mirror_descriptors, cfg))
+    if inliers >= cfg.min_inliers:
+        return True, "features", inliers
+    return False, "rejected", inliers
+
+
+def in_band(cosine: float, threshold: float, band: float) -> bool:
+    """Whether verification decides a pair: its cosine lies in (threshold - band, threshold + band]."""
+    return threshold - band < cosine <= threshold + band
+
+
+def decide(
+    cosine: float,
+    a: Features | None,
+    b: Features | None,
+    threshold: float,
+    band: float,
+    config: VerifyConfig | None = None,
+) -> tuple[bool, str]:
+    """(is a copy, who decided: ``embedding``, ``phash``, ``features`` or ``rejected``) for one pair.
+
+    Outside the band the cosine decides alone (above the threshold a copy); inside it, the pixels do
+    (``verify_pair`` on the two images' ``features``, which must then be given).
+    """
+    if not in_band(cosine, threshold, band):
+        return cosine > threshold, "embedding"
+    if a is None or b is None:
+        raise ValueError("a pair in the verification band needs the features of both images")
+    accepted, how, _ = verify_pair(a, b, config)
+    return accepted, how

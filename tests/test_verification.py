@@ -1,0 +1,124 @@
+"""The verification stage on real photographs: a heavy copy below the threshold is accepted, another picture of
+the same scene above it rejected, the embedding alone decides outside the band, and OpenCV stays optional."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from openalign.bench.copy_detection import REFERENCES, _tiny, installed_photos
+from openalign.config import ConfigError
+from openalign.data.reposting import repost
+from openalign.data.verification import VerifyConfig, decide, features, require_opencv
+
+pytest.importorskip("cv2")
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, Image.Image]:
+    return installed_photos(REFERENCES, 384)
+
+
+def _heavy_copy(photo: Image.Image) -> Image.Image:
+    # A 20 % re-crop, a caption bar, logo and watermark, a thumbnail and a low-quality JPEG at once.
+    return repost(photo, [("crop", 1.0), ("overlay", 1.0), ("resize", 0.5), ("jpeg", 0.7)], random.Random(0))
+
+
+def test_heavy_copy_below_threshold_is_accepted(photos: dict[str, Image.Image]) -> None:
+    astronaut = photos["astronaut"]
+    copy = _heavy_copy(astronaut)
+    a, b = features(copy), features(astronaut, mirror=True)
+    assert decide(0.95, a, b, threshold=0.975, band=0.05) == (True, "features")
+    # Without verification the same cosine is a miss.
+    assert decide(0.95, None, None, threshold=0.975, band=0.0) == (False, "embedding")
+    # A mirrored copy matches the reference's mirrored features.
+    mirrored = repost(astronaut, [("crop", 1.0), ("overlay", 0.7), ("mirror", 1.0)], random.Random(0))
+    assert decide(0.95, features(mirrored), b, threshold=0.975, band=0.05) == (True, "features")
+
+
+def test_other_half_of_the_scene_above_threshold_is_rejected(photos: dict[str, Image.Image]) -> None:
+    china = photos["china"]
+    w, h = china.size
+    left, right = china.crop((0, 0, w // 2, h)), china.crop((w // 2, 0, w, h))
+    # Same colours, same scene, no common pixels: not a copy even at a cosine above the threshold.
+    assert decide(0.99, features(right), features(left, mirror=True), threshold=0.975, band=0.05) == (
+        False,
+        "rejected",
+    )
+    coffee, chelsea = photos["coffee"], photos["chelsea"]
+    assert decide(0.99, features(coffee), features(chelsea, mirror=True), threshold=0.975, band=0.05)[0] is False
+    # Above the band the embedding decides alone, without features.
+    assert decide(0.999, None, None, threshold=0.975, band=0.01) == (True, "embedding")
+
+
+def test_resized_recompressed_copy_takes_the_phash_shortcut(photos: dict[str, Image.Image]) -> None:
+    chelsea = photos["chelsea"]
+    copy = repost(chelsea, [("resize", 1.0), ("jpeg", 0.5)], random.Random(1))
+    assert decide(0.96, features(copy), features(chelsea), threshold=0.975, band=0.05) == (True, "phash")
+
+
+def test_missing_opencv_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from openalign.pipeline.dedup import DedupRunConfig, run_dedup
+
+    monkeypatch.setitem(sys.modules, "cv2", None)  # import cv2 now raises ImportError
+    with pytest.raises(ConfigError, match=r"verification needs OpenCV: pip install 'openalign\[verify\]'") as err:
+        require_opencv()
+    assert "\n" not in str(err.value)
+    (tmp_path / "d").mkdir()
+    cfg = DedupRunConfig(embedder=f"copy-detector:{tmp_path / 'd'}", verify=True)
+    with pytest.raises(ConfigError, match="verification needs OpenCV"):
+        run_dedup(tmp_path, tmp_path, tmp_path / "out", cfg)
+    with pytest.raises(ConfigError, match=r"dedup\.verify needs the images"):
+        DedupRunConfig(embedder="npy", verify=True).validate()
+    with pytest.raises(ConfigError, match="verify_band"):
+        DedupRunConfig(verify_band=1.5).validate()
+    with pytest.raises(ConfigError, match="min_inliers"):
+        VerifyConfig(min_inliers=2).validate()
+
+
+def test_dedup_reports_who_decided_each_pair(photos: dict[str, Image.Image], tmp_path: Path) -> None:
+    from openalign.model.copy_detector import CopyDetector
+    from openalign.pipeline.dedup import DedupRunConfig, Embedder, EmbedderSpec, run_dedup
+
+    china = photos["china"]
+    w, h = china.size
+    train_dir, test_dir = tmp_path / "train", tmp_path / "test"
+    train_dir.mkdir()
+    test_dir.mkdir()
+    _heavy_copy(photos["astronaut"]).save(train_dir / "a_copy.png")
+    china.crop((w // 2, 0, w, h)).save(train_dir / "china_right.png")
+    photos["grace_hopper"].save(train_dir / "hopper.png")
+    photos["astronaut"].save(test_dir / "astronaut.png")
+    china.crop((0, 0, w // 2, h)).save(test_dir / "china_left.png")
+
+    class TinyImages(Embedder):
+        # The plain tiny-image descriptor spreads these photos' cosines, where an untrained network maps them
+        # all within 0.001 of each other.
+        def embed(self, images: Iterable[Image.Image], *, batch_size: int = 64, progress: bool = False) -> np.ndarray:
+            return _tiny(list(images))
+
+    embedder = TinyImages(EmbedderSpec("copy-detector", tmp_path), CopyDetector())
+    # The band (0.075, 1.875]: every pair the search finds goes to verification, so the pixels decide here.
+    cfg = DedupRunConfig(embedder=f"copy-detector:{tmp_path}", verify=True, verify_band=0.9)
+    run = run_dedup(train_dir, test_dir, tmp_path / "out", cfg, embedder=embedder)
+    table = run.result.pairs_table(run.train_keys, run.test_keys)
+    pairs = set(zip(table["train_key"].to_pylist(), table["test_key"].to_pylist(), strict=True))
+    assert pairs == {("a_copy", "astronaut")}
+    assert run.dropped_keys == ["a_copy"]
+    v = run.result.stats["verification"]
+    train = np.load(tmp_path / "out" / "train_emb.npy")
+    test = np.load(tmp_path / "out" / "test_emb.npy")
+    cos = train @ test.T
+    assert v["pairs_by_embedding"] == 0
+    assert v["pairs_verified"] == int((cos > 0.975 - 0.9).sum()) >= 2  # the copy and at least one other pair
+    assert v["accepted_by_phash"] + v["accepted_by_features"] == 1
+    assert v["rejected"] == v["pairs_verified"] - v["accepted_by_phash"] - v["accepted_by_features"]
+    saved = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert saved["verification"]["pairs_verified"] == v["pairs_verified"]
