@@ -21,6 +21,7 @@ from openalign.search.catalog import SearchIndex
 from openalign.search.imported import import_embeddings
 from openalign.search.index import AnnConfig, VectorStore
 from openalign.search.ondisk import LISTS, TRAINED, build_disk_store, read_disk_index
+from test_search_import import _error
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -209,14 +210,6 @@ def test_serving_memory_stays_under_the_index_size(served: Path) -> None:
     mapped, loaded = map(int, _child(SERVE, str(served)).split())
     assert loaded > 0.8 * size  # shows the measurement would catch an index read into memory
     assert mapped < 0.5 * size, (mapped, loaded, size)
-
-
-def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def test_bad_shards_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

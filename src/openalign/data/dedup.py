@@ -323,6 +323,29 @@ def _effective_clusters(cfg: DedupConfig, n_train: int, notes: list[str]) -> tup
     return k, nearest, combo
 
 
+def kmeans_sample(
+    n_train: int, take: Callable[[np.ndarray], np.ndarray], config: DedupConfig, notes: list[str]
+) -> tuple[np.ndarray, int, int, int, int] | None:
+    """The train rows k-means learns from, unit length: ``points_per_cluster`` × K of them drawn with
+    ``config.seed`` (``take(rows)`` reads them, in increasing order), invalid ones dropped; with the clusters,
+    nearest and combo sizes that sample supports and the number of rows drawn. None (and a note) when no drawn row
+    is valid."""
+    k, nearest, combo = _effective_clusters(config, n_train, notes)
+    rng = np.random.default_rng(config.seed)
+    n_fit = min(n_train, k * config.points_per_cluster)
+    fit_rows = np.sort(rng.choice(n_train, n_fit, replace=False)) if n_fit < n_train else np.arange(n_train)
+    sample, ok = _normalised(take(fit_rows))
+    sample = sample[ok]
+    if not len(sample):
+        notes.append("no valid train rows in the k-means sample (NaN, inf or zero embeddings)")
+        return None
+    if len(sample) < k:
+        k = max(1, len(sample))
+        nearest, combo = min(nearest, k), min(combo, k)
+        notes.append(f"only {len(sample)} valid rows in the k-means sample; clusters reduced to {k}")
+    return sample, k, nearest, combo, n_fit
+
+
 def _fit_clusters(sample: np.ndarray, k: int, cfg: DedupConfig) -> Any:
     import faiss
 
@@ -428,20 +451,11 @@ def find_near_duplicates(
 
     # k-means sample: the paper clusters "all training images"; a sample of K × points_per_cluster
     # rows gives the same centroids for a fraction of the time.
-    k, n_nearest, n_combo = _effective_clusters(config, n_train, notes)
-    rng = np.random.default_rng(config.seed)
-    n_fit = min(n_train, k * config.points_per_cluster)
-    fit_rows = np.sort(rng.choice(n_train, n_fit, replace=False)) if n_fit < n_train else np.arange(n_train)
-    sample, sample_ok = _normalised(train_emb[fit_rows])
-    sample = sample[sample_ok]
-    if not len(sample):
+    drawn = kmeans_sample(n_train, lambda rows: train_emb[rows], config, notes)
+    if drawn is None:
         stats.update(clusters=0, candidate_pairs=0, duplicate_pairs=0, train_rows_removed=0, test_images_matched=0)
-        notes.append("no valid train rows in the k-means sample (NaN, inf or zero embeddings)")
         return empty
-    if len(sample) < k:
-        k = max(1, len(sample))
-        n_nearest, n_combo = min(n_nearest, k), min(n_combo, k)
-        notes.append(f"only {len(sample)} valid rows in the k-means sample; clusters reduced to {k}")
+    sample, k, n_nearest, n_combo, n_fit = drawn
     t = time.perf_counter()
     projection = _Projection(sample, config.project_dim)
     index = _fit_clusters(projection(sample), k, config)

@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 
 from openalign.data.dedup import (
     DedupConfig,
-    _effective_clusters,
     _fit_clusters,
     _nearest_clusters,
     _normalised,
     _Projection,
     bucket_keys,
+    kmeans_sample,
 )
 from openalign.data.dedup_buckets.files import OpenFiles
 
@@ -65,20 +65,10 @@ class Routing:
 
 def fit_routing(crawl: OpenFiles, cfg: DedupConfig, notes: list[str]) -> Routing | None:
     """Centroids on the same sample of crawl rows the in-memory search draws; None without valid rows."""
-    n = crawl.rows
-    k, nearest, combo = _effective_clusters(cfg, n, notes)
-    rng = np.random.default_rng(cfg.seed)
-    n_fit = min(n, k * cfg.points_per_cluster)
-    fit_rows = np.sort(rng.choice(n, n_fit, replace=False)) if n_fit < n else np.arange(n)
-    sample, ok = _normalised(crawl.take(fit_rows))
-    sample = sample[ok]
-    if not len(sample):
-        notes.append("no valid train rows in the k-means sample (NaN, inf or zero embeddings)")
+    drawn = kmeans_sample(crawl.rows, crawl.take, cfg, notes)
+    if drawn is None:
         return None
-    if len(sample) < k:
-        k = max(1, len(sample))
-        nearest, combo = min(nearest, k), min(combo, k)
-        notes.append(f"only {len(sample)} valid rows in the k-means sample; clusters reduced to {k}")
+    sample, k, nearest, combo, n_fit = drawn
     projection = _Projection(sample, cfg.project_dim)
     index = _fit_clusters(projection(sample), k, cfg)
     return Routing(projection, index, k, nearest, combo, n_fit)
