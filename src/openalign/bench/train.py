@@ -245,12 +245,17 @@ def measure_recipe(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir
 def measure_pipeline(
     which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str, workers: int
 ) -> dict[str, float]:
-    """Decoded + augmented + tokenised samples per second through ``workers`` processes (0: in-process), and the
-    CPU time per sample of this process: with ``workers`` 0 that is the pipeline's whole cost, a figure that
-    other work on the machine hardly moves (samples per second there fall with every process competing)."""
+    """Decoded + augmented + tokenised samples per second through ``workers`` processes (0: in-process, on one
+    thread as in a worker), and the CPU time per sample of this process: with ``workers`` 0 that is the
+    pipeline's whole cost, a figure that other work on the machine hardly moves (samples per second there fall
+    with every process competing)."""
     from openalign.text import load_tokenizer
 
     cfg = model_cfg(s)
+    if workers == 0:
+        # One thread, as in a DataLoader worker: idle intra-op threads spinning between small kernels would
+        # otherwise count as CPU time of the pipeline.
+        torch.set_num_threads(1)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     batches = max(2, -(-s.pipeline_samples // s.batch_size))
     if which == "openalign":
