@@ -127,7 +127,12 @@ class ThresholdFit:
             f"{self.max_false_positive_rate:g})"
             if self.below_resolution and self.false_positives == 0
             else f"FPR {self.false_positives:,}/{n:,} = {self.false_positive_rate:.2e} "
-            f"(asked ≤ {self.max_false_positive_rate:g})"
+            f"(asked ≤ {self.max_false_positive_rate:g}"
+            + (
+                "; not met: different images embed at cosine 1)"
+                if self.false_positive_rate > self.max_false_positive_rate
+                else ")"
+            )
         )
         return (
             f"fitted threshold {self.threshold:.4f} on {self.holdout_images:,} held-out images: recall "
