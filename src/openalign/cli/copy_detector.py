@@ -32,13 +32,18 @@ def _train(parser: Parser) -> None:
         "colour change, JPEG re-encode) are a positive pair, the other images of the batch negatives. SOURCE is "
         "anything the image-reading commands accept: an image folder, a table (.parquet/.csv/.jsonl with image "
         "bytes or an image_path column) or WebDataset shards; unreadable items are skipped and counted. Writes "
-        "OUT_DIR/config.json + model.safetensors, for `openalign dedup --embedder copy-detector:OUT_DIR`."
+        "OUT_DIR/config.json + model.safetensors, for `openalign dedup --embedder copy-detector:OUT_DIR`. Distinct "
+        "images beyond the --max-images trained on (up to --fit.holdout) are held out: each gets reposted copies, "
+        "and the lowest cosine whose false-positive rate on pairs of different images is at most "
+        "--fit.max_false_positive_rate becomes the detector's threshold (train.threshold in config.json, the "
+        "precision-recall curve in OUT_DIR/threshold_curve.csv), which dedup then uses unless --threshold is given."
     )
     parser.epilog = (
         "examples:\n"
         "  openalign copy-detector train crawl/ copy_detector/\n"
         "  openalign copy-detector train 'shards/{00000..00099}.tar' copy_detector/ --steps 1000 --batch-size 256\n"
-        "  openalign copy-detector train filtered.parquet copy_detector/ --seconds 600 --augment.crop 0.1"
+        "  openalign copy-detector train filtered.parquet copy_detector/ --seconds 600 --augment.crop 0.1\n"
+        "  openalign copy-detector train crawl/ copy_detector/ --max-images 5000 --fit.max_false_positive_rate 1e-3"
     )
     parser.add_argument("source", metavar="SOURCE", help="image folder, table (.parquet/.csv/.jsonl) or shards")
     parser.add_argument("out", metavar="OUT_DIR", help="where the detector is saved")
@@ -69,4 +74,11 @@ def run_train(args: argparse.Namespace) -> int:
         f"{f' (skipped {skipped})' if skipped else ''} in {st['train_seconds']:.0f} s; "
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {run.path}"
     )
+    if run.fit is not None:
+        print(f"{run.fit.report()}; curve in {run.path / 'threshold_curve.csv'}")
+    elif cfg.fit.holdout:
+        print(
+            f"note: no threshold fitted: the source has no distinct images beyond the {run.images_used:,} trained "
+            "on (lower --max-images to hold some out); dedup will use its --threshold"
+        )
     return 0

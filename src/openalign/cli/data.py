@@ -189,19 +189,24 @@ def dedup_config(settings: dict[str, Any]) -> Any:
 def run_dedup(args: argparse.Namespace) -> int:
     from openalign.config import to_dict
 
-    cfg = dedup_config(data(args))
+    settings = data(args)
+    cfg = dedup_config(settings)
     if args.print_config:
         print_config(to_dict(cfg))
         return 0
     from openalign.pipeline.dedup import run_dedup
 
-    run = run_dedup(args.train, args.test, args.out, cfg, progress=not args.quiet)
+    # A threshold given by flag or in --config wins; otherwise a copy detector's fitted one is used.
+    fitted = "threshold" not in settings
+    run = run_dedup(args.train, args.test, args.out, cfg, progress=not args.quiet, detector_threshold=fitted)
     st = run.result.stats
     for note in run.result.notes:
         print(f"note: {note}", file=sys.stderr)
+    source = {"detector": "fitted by the copy detector", "default": "default", "setting": "set"}
     print(
         f"{run.train_images:,} train × {run.test_images:,} test images, {st.get('clusters', 0)} clusters: "
-        f"{run.candidate_pairs:,} candidate pairs, {run.duplicate_pairs:,} near-duplicate pairs, "
+        f"{run.candidate_pairs:,} candidate pairs, {run.duplicate_pairs:,} near-duplicate pairs "
+        f"(cosine > {st['threshold']:.4f}, {source.get(st['threshold_source'], st['threshold_source'])}), "
         f"{run.train_rows_removed:,} train images to drop"
     )
     if "verification" in st:

@@ -50,6 +50,7 @@ from openalign.loss import contrastive_loss
 from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
 from openalign.model.io import save_model
 from openalign.optim import OptimConfig, build_optimizer, warmup_cosine
+from openalign.pipeline.copy_threshold import ThresholdFit, ThresholdFitConfig, fit_threshold_on_images, write_curve
 
 __all__ = [
     "CopyDetectorRun",
@@ -82,6 +83,7 @@ class CopyDetectorTrainConfig:
     # table source: also read image paths that resolve outside the image root (else skipped as outside_root)
     allow_outside_root: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    fit: ThresholdFitConfig = field(default_factory=ThresholdFitConfig)
 
     def detector(self) -> CopyDetectorConfig:
         """The network these settings build."""
@@ -92,6 +94,7 @@ class CopyDetectorTrainConfig:
     def validate(self) -> None:
         """Raises ConfigError naming the bad field."""
         self.augment.validate()
+        self.fit.validate()
         self.detector().validate()
         if self.steps < 1 or self.batch_size < 2:
             raise ConfigError(
@@ -119,6 +122,7 @@ class CopyDetectorRun:
     path: Path
     detector: CopyDetector
     skipped: dict[str, int] = field(default_factory=dict)  # input items that could not be read, by reason
+    fit: ThresholdFit | None = None  # the operating threshold fitted on held-out images (None: none held out)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -137,11 +141,24 @@ class CopyDetectorRun:
 # --------------------------------------------------------------------------------------------------
 # Preparation: decoded once, JPEG variants once
 
+# Held-out images are kept at most this large: enough for reposting edits to act as on a photo, while their
+# memory follows the holdout setting, not the source's image sizes.
+_HOLDOUT_SIDE = 256
+
 
 def _prepare(
-    images: Iterable[Image.Image], size: int, max_images: int, progress: bool
+    images: Iterable[Image.Image],
+    size: int,
+    max_images: int,
+    progress: bool,
+    holdout: list[Image.Image] | None = None,
+    holdout_images: int = 0,
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Decode and resize once; drop exact duplicates and unreadable images (counted, never fatal)."""
+    """Decode and resize once; drop exact duplicates and unreadable images (counted, never fatal).
+
+    With ``holdout``, the next ``holdout_images`` distinct images after the first ``max_images`` are appended
+    to it (as thumbnails) instead: the training images stay exactly the ones read without it.
+    """
     arrays: list[np.ndarray] = []
     seen: set[bytes] = set()
     counts = {"images_in": 0, "exact_duplicates": 0, "unreadable": 0}
@@ -158,8 +175,13 @@ def _prepare(
             counts["exact_duplicates"] += 1
             continue
         seen.add(digest)
-        arrays.append(array)
-        if len(arrays) >= max_images:
+        if len(arrays) < max_images:
+            arrays.append(array)
+        elif holdout is not None:
+            held = image.convert("RGB")
+            held.thumbnail((_HOLDOUT_SIDE, _HOLDOUT_SIDE))
+            holdout.append(held)
+        if len(arrays) >= max_images and (holdout is None or len(holdout) >= holdout_images):
             break
     bar.close()
     if len(arrays) < 2:
@@ -212,7 +234,11 @@ def _recalibrate_batch_norm(model: CopyDetector, arrays: np.ndarray, batch_size:
 
 
 def train_copy_detector(
-    images: Iterable[Image.Image], config: CopyDetectorTrainConfig | None = None, *, progress: bool = False
+    images: Iterable[Image.Image],
+    config: CopyDetectorTrainConfig | None = None,
+    *,
+    progress: bool = False,
+    holdout: list[Image.Image] | None = None,
 ) -> CopyDetector:
     """Train a copy detector on unlabelled images (e.g. the crawl's own) and return it in eval mode.
 
@@ -223,13 +249,14 @@ def train_copy_detector(
     is being used up faster, so a run cut short by ``seconds`` still ends annealed. At most ``max_images``
     distinct images are used (the first ones). The result is deterministic for a given ``seed`` and thread
     count; ``detector.train_stats`` records the per-step losses, steps, seconds and image counts (exact
-    duplicates and unreadable images are skipped and counted).
+    duplicates and unreadable images are skipped and counted). Given a ``holdout`` list, up to
+    ``config.fit.holdout`` distinct images after the training ones are put in it, never trained on.
     """
     cfg = config or CopyDetectorTrainConfig()
     cfg.validate()
     augment = cfg.augment
     start = time.perf_counter()
-    arrays, counts = _prepare(images, cfg.image_size, cfg.max_images, progress)
+    arrays, counts = _prepare(images, cfg.image_size, cfg.max_images, progress, holdout, cfg.fit.holdout)
     bank = _jpeg_bank(arrays, augment, cfg.seed, progress)
     batch_size = min(cfg.batch_size, len(arrays))
     steps, temperature = cfg.steps, cfg.temperature
@@ -306,7 +333,10 @@ def train_copy_detector_from_source(
     ``openalign.data.sources.open_source`` reads, or a source it opened) and save the detector in ``out``.
 
     Items that cannot be read or decoded are skipped and counted by reason (``CopyDetectorRun.skipped``, also
-    saved with the training statistics in ``out/config.json``).
+    saved with the training statistics in ``out/config.json``). When the source holds distinct images beyond
+    the ``max_images`` trained on, up to ``fit.holdout`` of them fit the operating threshold
+    (``openalign.pipeline.copy_threshold``): it is saved under ``train.threshold`` in ``out/config.json``, the
+    curve in ``out/threshold_curve.csv``.
     """
     cfg = config or CopyDetectorTrainConfig()
     cfg.validate()
@@ -326,6 +356,14 @@ def train_copy_detector_from_source(
         skipped[reason] += 1
 
     images = (image for _, image in decode_records(opened.records(skip), skip))
-    detector = train_copy_detector(images, cfg, progress=progress)
+    holdout: list[Image.Image] = []
+    detector = train_copy_detector(images, cfg, progress=progress, holdout=holdout if cfg.fit.holdout else None)
     detector.train_stats["skipped"] = dict(sorted(skipped.items()))
-    return CopyDetectorRun(save_model(detector, Path(out)), detector, dict(sorted(skipped.items())))
+    fit = None
+    if len(holdout) >= 2:
+        fit = fit_threshold_on_images(detector, holdout, cfg.fit, progress=progress)
+        detector.train_stats["threshold"] = fit.to_dict()
+    path = save_model(detector, Path(out))
+    if fit is not None:
+        write_curve(fit, path)
+    return CopyDetectorRun(path, detector, dict(sorted(skipped.items())), fit)

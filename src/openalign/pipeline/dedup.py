@@ -180,6 +180,24 @@ def load_embedder(spec: EmbedderSpec | str, device: str = "cpu") -> Embedder | N
     return Embedder(spec, model, device)
 
 
+def _detector_threshold(cfg: DedupRunConfig, embedder: Embedder) -> tuple[DedupRunConfig, str, str | None]:
+    """The settings with a copy detector's fitted threshold, where it came from, and a note when it has none."""
+    from dataclasses import replace
+
+    from openalign.model.copy_detector import CopyDetector
+
+    if not isinstance(embedder.model, CopyDetector):
+        return cfg, "default", None
+    fitted = (embedder.model.train_stats.get("threshold") or {}).get("value")
+    if fitted is None:
+        note = (
+            f"copy detector {embedder.spec.path} has no fitted threshold (saved before thresholds were fitted, "
+            f"or with no image held out): using threshold {cfg.threshold}"
+        )
+        return cfg, "default", note
+    return replace(cfg, threshold=float(fitted)), "detector", None
+
+
 # --------------------------------------------------------------------------------------------------
 # Inputs
 
@@ -373,6 +391,7 @@ def run_dedup(
     *,
     embedder: Embedder | None = None,
     progress: bool = False,
+    detector_threshold: bool = False,
 ) -> DedupRun:
     """Embed (or load) both sides, find the near-duplicate pairs, write the outputs in ``out_dir``.
 
@@ -380,6 +399,10 @@ def run_dedup(
     shard spec, an opened ``Source`` or ``ImageFiles``, embedded by ``config.embedder`` (or by ``embedder``
     when given). With ``config.metadata`` (the filtered corpus) the table minus the dropped images is written
     too, matched by key when the train side has keys and by row otherwise.
+
+    With ``detector_threshold`` (``openalign dedup`` sets it when no threshold was given) a copy detector's
+    fitted threshold (``openalign.pipeline.copy_threshold``) replaces ``config.threshold``; a detector saved
+    without one keeps it, with a note. ``stats.json`` names the threshold used and where it came from.
     """
     cfg = config or DedupRunConfig()
     cfg.validate()
@@ -391,6 +414,8 @@ def run_dedup(
             raise ConfigError("dedup.verify needs the images: use --embedder copy-detector:DIR or align:DIR")
         require_opencv()  # before the embedding, not after it
     skipped: dict[str, dict[str, int]] = {}
+    # "setting": the caller's threshold; "default": none was given and no fitted one applies; "detector".
+    threshold_source, note = ("default" if detector_threshold else "setting"), None
     train_names: Sequence[str] | None
     test_names: Sequence[str] | None
     on_files = spec.kind == "npy" and (
@@ -413,6 +438,8 @@ def run_dedup(
         loaded = embedder or load_embedder(spec, cfg.device)
         assert loaded is not None
         model: Embedder = loaded
+        if detector_threshold:
+            cfg, threshold_source, note = _detector_threshold(cfg, model)
 
         def embed(side: Side) -> tuple[np.ndarray, list[str], dict[str, int]]:
             return _embed_side(
@@ -452,6 +479,10 @@ def run_dedup(
     elif not on_files:
         result = find_near_duplicates(train_emb, test_emb, config=cfg, progress=progress)
         n_train = len(train_emb)
+    result.stats["threshold"] = cfg.threshold
+    result.stats["threshold_source"] = threshold_source
+    if note:
+        result.notes.append(note)
     if any(skipped.values()):
         result.stats["images_skipped"] = skipped
     table = None
