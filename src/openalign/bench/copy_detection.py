@@ -262,7 +262,7 @@ def _verified(
     for qi in np.flatnonzero(band.any(1)):
         qf = features(queries[qi], s.verify)
         counts["images_described"] += 1
-        for ri in np.flatnonzero(band[qi]):
+        for ri in np.flatnonzero(band[qi]).tolist():
             if ri not in ref_feats:
                 ref_feats[ri] = features(refs[ri], s.verify, mirror=True)
                 counts["images_described"] += 1
