@@ -113,6 +113,8 @@ def test_bad_settings() -> None:
         run_copy_detection_bench(CopyBenchSettings(train_steps=0))
     with pytest.raises(ConfigError, match="verify_band"):
         run_copy_detection_bench(CopyBenchSettings(verify_band=-0.1))
+    with pytest.raises(ConfigError, match="train_seconds"):
+        run_copy_detection_bench(CopyBenchSettings(train_seconds=0.0))
 
 
 def test_fixed_threshold_and_zero_band_leave_scores_alone(tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ class CopyBenchSettings:
     train_steps: int = 30  # training steps of that detector (openalign copy-detector train: 300)
     train_batch: int = 32  # distinct images per training step (openalign copy-detector train: 128)
     train_images: int = 500  # synthetic images it trains on
+    train_seconds: float | None = None  # also stop its training after this much time (figures then vary by machine)
     threshold: float | None = None  # centre of the verification band (default: the detector's at the fpr)
     verify_band: float = 0.1  # verification decides the pairs with cosine within this of the threshold
     seed: int = 0  # which edits, strengths and detector weights
@@ -90,6 +91,8 @@ class CopyBenchSettings:
             raise ConfigError("fpr must be in (0, 1) and verify_band ≥ 0")
         if self.train_steps < 1 or self.train_batch < 2 or self.train_images < 2:
             raise ConfigError("train_steps must be ≥ 1, train_batch ≥ 2 and train_images ≥ 2")
+        if self.train_seconds is not None and not self.train_seconds > 0:
+            raise ConfigError(f"train_seconds must be positive or none, got {self.train_seconds}")
         self.verify.validate()
 
 
@@ -235,7 +238,9 @@ def _synthetic_detector(s: CopyBenchSettings) -> Any:
 
     world = SyntheticWorld(seed=s.seed, image_size=64)
     images = (world.render(world.scene(i)) for i in range(s.train_images))
-    config = CopyDetectorTrainConfig(steps=s.train_steps, batch_size=s.train_batch, seed=s.seed)
+    config = CopyDetectorTrainConfig(
+        steps=s.train_steps, batch_size=s.train_batch, seconds=s.train_seconds, seed=s.seed
+    )
     return train_copy_detector(images, config)
 
 
