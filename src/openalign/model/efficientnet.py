@@ -9,13 +9,14 @@ reproduces transformers' fixed paddings instead, so its checkpoints give its num
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from openalign.config import ImageTowerConfig
-from openalign.model.layers import BatchNorm2d, drop_path, maybe_checkpointed
+from openalign.model.layers import BatchNorm2d, drop_path, has_values, maybe_checkpointed
 
 
 def round_filters(channels: int, width: float, divisor: int = 8) -> int:
@@ -60,9 +61,74 @@ class Conv2dSame(nn.Conv2d):
         else:
             pad = self.fixed_pad
         left, right, top, bottom = pad
+        if self._dense_depthwise(x):
+            return depthwise_as_matmul(x, self.weight, self.stride[0], pad)
         if left == right and top == bottom:
             return F.conv2d(x, self.weight, None, self.stride, (top, left), 1, self.groups)
         return F.conv2d(F.pad(x, pad), self.weight, None, self.stride, 0, 1, self.groups)
+
+    def _dense_depthwise(self, x: torch.Tensor) -> bool:
+        """Whether this is a depthwise conv over a map no larger than its kernel window, on the CPU.
+
+        There oneDNN's depthwise backward runs at a fraction of a GFLOP/s (a 5×5 kernel over a 3×3 map of
+        576 channels, batch 256: ~90 ms against ~9 ms as a matmul), and such maps are where a small input
+        ends (EfficientNet's last stages at 48–96 px). When the whole map fits in one window each output
+        reads nearly every input anyway, so the dense per-channel matrix wastes little; on larger maps
+        the direct conv wins, and GPUs keep their own kernels. Tensors of shapes only (plans count the
+        FLOPs a GPU would run) keep the conv; a compiled graph takes the matmul as eager code does.
+        """
+        k = self.kernel_size[0]
+        return (
+            self.groups == self.in_channels == self.out_channels
+            and x.device.type == "cpu"
+            and (torch.compiler.is_compiling() or has_values(x))
+            and x.shape[-2] * x.shape[-1] <= k * k
+        )
+
+
+def depthwise_as_matmul(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: Pad) -> torch.Tensor:
+    """A depthwise conv as one batched matmul: per channel, a dense [outputs, inputs] matrix made of its
+    kernel's taps (zero where a tap falls outside the map), applied to every sample's flattened map.
+
+    ``pad`` is (left, right, top, bottom) as for ``F.pad``; the result equals
+    ``F.conv2d(F.pad(x, pad), weight, stride=stride, groups=C)`` up to float rounding.
+    """
+    b, c, h, w = x.shape
+    k = weight.shape[-1]
+    left, right, top, bottom = pad
+    ho, wo = (h + top + bottom - k) // stride + 1, (w + left + right - k) // stride + 1
+    # Output (oy, ox) reads input (iy, ix) through tap (iy - oy·stride + top, ix - ox·stride + left).
+    dy = torch.arange(h).view(1, h) - torch.arange(ho).view(ho, 1) * stride + top
+    dx = torch.arange(w).view(1, w) - torch.arange(wo).view(wo, 1) * stride + left
+    inside_y, inside_x = (dy >= 0) & (dy < k), (dx >= 0) & (dx < k)
+    taps = dy.clamp(0, k - 1).view(ho, 1, h, 1) * k + dx.clamp(0, k - 1).view(1, wo, 1, w)
+    inside = inside_y.view(ho, 1, h, 1) & inside_x.view(1, wo, 1, w)
+    taps, inside = taps.reshape(ho * wo, h * w), inside.reshape(ho * wo, h * w)
+    matrix = weight.reshape(c, k * k)[:, taps] * inside.to(weight.dtype)  # [C, outputs, inputs]
+    y: torch.Tensor = _ChannelMatmul.apply(matrix, x.reshape(b, c, h * w).permute(1, 2, 0))  # [C, outputs, B]
+    y = y.permute(2, 0, 1).reshape(b, c, ho, wo)
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+class _ChannelMatmul(torch.autograd.Function):
+    """``torch.bmm`` whose operands and gradients are made contiguous first: the CPU kernel copies a
+    batch-strided operand one matrix at a time (thousands of tiny copies per call), one copy is cheaper."""
+
+    @staticmethod
+    def forward(ctx: Any, matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.x_dtype = x.dtype
+        x = x.contiguous().to(matrix.dtype)
+        ctx.save_for_backward(matrix, x)
+        # In the weights' precision, as the saved operands are: the backward runs outside autocast.
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.bmm(matrix, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        matrix, x = ctx.saved_tensors
+        grad = grad.contiguous().to(matrix.dtype)
+        return torch.bmm(grad, x.transpose(1, 2)), torch.bmm(matrix.transpose(1, 2), grad).to(ctx.x_dtype)
 
 
 class ConvBN(nn.Module):
