@@ -96,3 +96,19 @@ def test_the_report_says_where_to_look_when_the_mark_is_missed() -> None:
     assert not any("Temperature" in line or "Wall time" in line for line in reached)
     slow = diagnose(cfg, _summaries(70.0, 0.08, train_seconds=620.0), [(400, 69.5), (500, 70.0)])
     assert any("11.9 min, over the 10 min mark" in line and "train (620 s) and dedup (90 s)" in line for line in slow)
+
+
+def test_a_quick_run_is_not_held_against_the_full_runs_marks() -> None:
+    from openalign.pipeline.demo import _mark, diagnose, quick_config
+
+    cfg = quick_config("runs/quick")
+    assert cfg.target_r1 is None and cfg.target_minutes is None
+    cfg.validate()
+    lines = diagnose(cfg, _summaries(12.0, 0.5, train_seconds=900.0), [(10, 2.0), (30, 12.0)])
+    assert "no mark" in lines[0]
+    assert not any("does not reach" in line or "reaches" in line or "Where to look" in line for line in lines)
+    assert not any("Wall time" in line or "Temperature" in line for line in lines)
+    assert any("Learning curve" in line for line in lines) and any("found 30 of 100" in line for line in lines)
+    assert _mark(None, "%") == "" and _mark(65.0, "%") == " (mark 65 %)"
+    with pytest.raises(ConfigError, match="target_minutes"):
+        DemoConfig(target_minutes=0.0).validate()

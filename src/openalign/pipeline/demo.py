@@ -41,8 +41,11 @@ class DemoConfig:
     train_steps: int = 900  # the nano_cpu recipe's horizon
     batch_size: int = 256
     checks: int = 5  # held-out retrieval checks during training, evenly spaced (the learning curve)
-    target_r1: float = 65.0  # the held-out text → image R@1 the default run is built to reach
-    target_minutes: float = 10.0  # the wall time, all stages, the default run is built to stay under on 2 cores
+    # The held-out text → image R@1 the default run is built to reach, and the wall time (all stages) it is
+    # built to stay under on 2 cores; none for a run with no mark (--quick: its figures only show that each
+    # stage works, and a smoke test's R@1 held against the full run's mark would mislead).
+    target_r1: float | None = 65.0
+    target_minutes: float | None = 10.0
     dedup_threshold: float = 0.975  # the paper's cosine for a near-duplicate
     copy_detector_steps: int = 150  # training steps of the separate image model used for dedup
     # Its input size. At 48 px rather than 64 it found more planted copies (23 of 100 against 16) and removed
@@ -70,6 +73,8 @@ class DemoConfig:
             raise ConfigError(f"demo noise must be in [0, 1], got {self.noise}")
         if self.batch_size < 2:
             raise ConfigError(f"demo batch_size must be at least 2 (in-batch negatives), got {self.batch_size}")
+        if self.target_minutes is not None and not self.target_minutes > 0:
+            raise ConfigError(f"demo target_minutes must be positive or none, got {self.target_minutes}")
         if self.checks < 0 or self.index_shards < 0:
             raise ConfigError(f"demo checks and index_shards must be 0 or more, got {self.checks}, {self.index_shards}")
 
@@ -87,6 +92,8 @@ def quick_config(out: str) -> DemoConfig:
         checks=2,
         copy_detector_steps=20,
         workers=0,
+        target_r1=None,
+        target_minutes=None,
     )
 
 
@@ -165,8 +172,8 @@ def run_demo(cfg: DemoConfig, *, until: str | None = None, log: Callable[[str], 
     wall = wall_seconds(stages.summaries)
     t2i = stages.summaries["eval"]["results"][0].get("t2i_r1", float("nan"))
     log(
-        f"seed {cfg.seed}: held-out t2i R@1 {t2i:.2f} % (mark {cfg.target_r1:.0f} %), "
-        f"stages {wall:.0f} s in all (mark {60 * cfg.target_minutes:.0f} s)"
+        f"seed {cfg.seed}: held-out t2i R@1 {t2i:.2f} %{_mark(cfg.target_r1, '%')}, "
+        f"stages {wall:.0f} s in all{_mark(None if cfg.target_minutes is None else 60 * cfg.target_minutes, 's')}"
     )
     log(f"report: {report}")
     log(f"browse the index: openalign serve --index {root / 'index'} --model {root / 'train' / 'final'}")
@@ -198,7 +205,9 @@ def run_demo_seeds(cfg: DemoConfig, seeds: int, *, log: Callable[[str], None] = 
         "|---:|---:|---:|---|",
         *(f"| {seed} | {r1:.2f} | {wall:.0f} | seed-{seed}/report.md |" for seed, r1, wall in rows),
         "",
-        f"t2i R@1: {spread} (mean ± std), lowest {min(r1s):.2f}; the mark is {cfg.target_r1:.0f}. "
+        f"t2i R@1: {spread} (mean ± std), lowest {min(r1s):.2f}"
+        + ("" if cfg.target_r1 is None else f"; the mark is {cfg.target_r1:.0f}")
+        + ". "
         f"Wall time: longest {max(w for _, _, w in rows):.0f} s.",
         "",
     ]
@@ -436,18 +445,26 @@ def _learning_curve(root: Path) -> list[tuple[int, float]]:
     return read_metrics(root / "train").get("eval/t2i_r1", [])
 
 
+def _mark(value: float | None, unit: str) -> str:
+    """`` (mark 65 %)`` after a figure, or nothing for a run with no mark."""
+    return "" if value is None else f" (mark {value:.0f} {unit})"
+
+
 def diagnose(cfg: DemoConfig, summaries: dict[str, dict[str, Any]], curve: list[tuple[int, float]]) -> list[str]:
     """What the run says about itself: the mark, and where to look when it is missed."""
     t2i = summaries["eval"]["results"][0].get("t2i_r1", float("nan"))
     train = summaries["train"]
     temperature = train.get("metrics", {}).get("temperature", float("nan"))
     lines = []
-    if t2i >= cfg.target_r1:
-        lines.append(f"It **reaches** the {cfg.target_r1:.0f} % mark.")
-    else:
+    missed = cfg.target_r1 is not None and not t2i >= cfg.target_r1
+    if cfg.target_r1 is None:
+        lines.append("A run of small sizes with no mark to reach: its figures show that every stage works.")
+    elif missed:
         lines.append(f"It **does not reach** the {cfg.target_r1:.0f} % mark. Where to look:")
+    else:
+        lines.append(f"It **reaches** the {cfg.target_r1:.0f} % mark.")
     wall = wall_seconds(summaries)
-    if wall > 60 * cfg.target_minutes:
+    if cfg.target_minutes is not None and wall > 60 * cfg.target_minutes:
         slowest = sorted(summaries.items(), key=lambda item: -item[1].get("seconds", 0.0))[:2]
         lines.append(
             f"- Wall time: {wall / 60:.1f} min, over the {cfg.target_minutes:g} min mark; the slowest stages were "
@@ -465,7 +482,7 @@ def diagnose(cfg: DemoConfig, summaries: dict[str, dict[str, Any]], curve: list[
                 f"- Learning curve: R@1 {r1:.1f} % at step {step} → {last:.1f} % at step {last_step}"
                 + (" — still climbing at the end: more steps (`--steps`) would pay." if climbing else ", levelled off.")
             )
-    if t2i < cfg.target_r1 and not temperature < 0.2:
+    if missed and not temperature < 0.2:
         lines.append(
             f"- Temperature: {temperature:.3f} at the end, not yet sharp; it falls only once the towers agree, "
             "so a late fall means a late take-off."
