@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from openalign.config import model_config
-from openalign.model.efficientnet import Conv2dSame, EfficientNet, depthwise_as_matmul
+from openalign.model.efficientnet import Conv2dSame, EfficientNet, depthwise_as_matmul, direct_depthwise
 
 
 class _Ops(TorchDispatchMode):
@@ -111,3 +111,14 @@ def test_tower_with_tiny_last_maps_gives_the_conv_towers_outputs_and_gradients(m
     assert len(fast_grads) == len(slow_grads) > 0
     for a, b in zip(fast_grads, slow_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+
+
+def test_direct_depthwise_runs_the_conv_inside_the_block_only() -> None:
+    conv = Conv2dSame(16, 16, 5, 1, groups=16)
+    x = torch.randn(2, 16, 3, 3)
+    with _Ops() as inside, direct_depthwise():
+        conv(x)
+    with _Ops() as after:
+        conv(x)
+    assert "convolution" in inside.names and "bmm" not in inside.names
+    assert "bmm" in after.names

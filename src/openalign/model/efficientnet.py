@@ -9,6 +9,8 @@ reproduces transformers' fixed paddings instead, so its checkpoints give its num
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -79,7 +81,8 @@ class Conv2dSame(nn.Conv2d):
         """
         k = self.kernel_size[0]
         return (
-            self.groups == self.in_channels == self.out_channels
+            not _direct_only
+            and self.groups == self.in_channels == self.out_channels
             and x.device.type == "cpu"
             and (torch.compiler.is_compiling() or has_values(x))
             and x.shape[-2] * x.shape[-1] <= k * k
@@ -129,6 +132,22 @@ class _ChannelMatmul(torch.autograd.Function):
         matrix, x = ctx.saved_tensors
         grad = grad.contiguous().to(matrix.dtype)
         return torch.bmm(grad, x.transpose(1, 2)), torch.bmm(matrix.transpose(1, 2), grad).to(ctx.x_dtype)
+
+
+_direct_only = False  # set by direct_depthwise()
+
+
+@contextmanager
+def direct_depthwise() -> Iterator[None]:
+    """Every depthwise conv through ``F.conv2d`` inside the block, as a GPU runs it. A plan's fake tensors
+    hold no values and always take the conv; checking the plan against a real CPU step needs the step to
+    run the same kernels (and the model's FLOPs are the conv's, whichever kernel computes them)."""
+    global _direct_only
+    saved, _direct_only = _direct_only, True
+    try:
+        yield
+    finally:
+        _direct_only = saved
 
 
 class ConvBN(nn.Module):

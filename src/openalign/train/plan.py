@@ -49,6 +49,7 @@ from openalign.config import ConfigError
 from openalign.data.transforms import normalize_pixels
 from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
+from openalign.model.efficientnet import direct_depthwise
 from openalign.optim import build_optimizer
 from openalign.train import flops as flop_formulas
 from openalign.train.config import TrainConfig
@@ -993,7 +994,8 @@ def measured_step(cfg: TrainConfig, rows: int, bf16: bool) -> tuple[int, int]:
     the model exists, so the sum is absolute; the peak is taken from the step's start on, as the plan's is
     (building the model and the optimizer state is not part of a step). ``tracemalloc`` would see Python's
     allocator, not torch's, and a dispatch-mode counter would count the way the plan does. FLOPs come from
-    the counter the plan uses, on real tensors.
+    the counter the plan uses, on real tensors. Depthwise convs run as convs (``direct_depthwise``), as in
+    the plan, not as the matmul the CPU otherwise takes for tiny maps.
     """
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
@@ -1001,7 +1003,7 @@ def measured_step(cfg: TrainConfig, rows: int, bf16: bool) -> tuple[int, int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         s = build_step(cfg, rows, bf16)
         counter = flop_counter()
-        with counter, record_function("openalign.step"):
+        with counter, record_function("openalign.step"), direct_depthwise():
             run_step(s)
         del s
     assert prof.profiler is not None
