@@ -41,6 +41,9 @@ class DedupBenchSettings:
     files: bool = False
     shard_rows: int = 1_000_000  # files: rows per img_emb_N.npy shard
     work_dir: str | None = None  # files: where the folders and work files go (default: the system temp dir)
+    # files: the search process's memory limit in GiB (RLIMIT_DATA: its heap and anonymous maps, which is all of
+    # its memory but the embedding files it reads), so that going past it fails the run; 0 sets none
+    process_memory_gb: float = 0.0
     dedup: DedupConfig | None = None  # the search's settings (default: DedupConfig's)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from openalign.bench import own_peak_rss
 from openalign.bench.dedup import DedupBenchSettings, _noisy_copies, _pair_set, _unit, brute_force_pairs
 from openalign.data.dedup import DedupConfig
 from openalign.data.dedup_buckets import EmbeddingFiles, find_pairs_in_files
@@ -83,12 +84,20 @@ def write_synthetic_folders(
     return crawl, test_files, duplicate_src, near_miss_src
 
 
+def _limit_memory(gib: float) -> None:
+    """RLIMIT_DATA of this process: malloc and anonymous maps past it fail (file-backed maps are not counted,
+    so the limit is the process's own memory, not the embedding files it maps)."""
+    if gib > 0:
+        limit = int(gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def _search(crawl: EmbeddingFiles, test: EmbeddingFiles, cfg: DedupConfig, work: str) -> dict[str, Any]:
     """In a fresh process: the search, its wall time and this process's peak resident size."""
     t = time.perf_counter()
     result, _, _ = find_pairs_in_files(crawl, test, cfg, work)
     seconds = time.perf_counter() - t
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak_mb = own_peak_rss() / 2**20
     return {
         "seconds": seconds,
         "peak_rss_mb": peak_mb,
@@ -113,14 +122,15 @@ def run_files_bench(settings: DedupBenchSettings, cfg: DedupConfig) -> dict[str,
         previous = os.environ.get("OMP_WAIT_POLICY")
         os.environ["OMP_WAIT_POLICY"] = previous or "PASSIVE"
         try:
-            with mp.get_context("spawn").Pool(1) as pool:
+            with mp.get_context("spawn").Pool(1, _limit_memory, (settings.process_memory_gb,)) as pool:
                 found = pool.apply(_search, (crawl, test, cfg, str(root / "work")))
         finally:
             if previous is None:
                 del os.environ["OMP_WAIT_POLICY"]
         st = found["stats"]
+        limit = f", process limit {settings.process_memory_gb:g} GiB" if settings.process_memory_gb > 0 else ""
         print(
-            f"  ours ({engine}, memory_limit {cfg.memory_limit}): {found['seconds']:.1f} s, peak RSS "
+            f"  ours ({engine}, DuckDB memory_limit {cfg.memory_limit}{limit}): {found['seconds']:.1f} s, peak RSS "
             f"{found['peak_rss_mb']:.0f} MB; {st['candidate_pairs']:,} candidate pairs, "
             f"{st['duplicate_pairs']:,} duplicates; {st['seconds']}",
             flush=True,
@@ -154,6 +164,7 @@ def run_files_bench(settings: DedupBenchSettings, cfg: DedupConfig) -> dict[str,
         return {
             "engine": engine,
             "memory_limit": cfg.memory_limit,
+            "process_memory_gb": settings.process_memory_gb,
             "ours_s": found["seconds"],
             "peak_rss_mb": found["peak_rss_mb"],
             "crawl_gib_on_disk": on_disk,

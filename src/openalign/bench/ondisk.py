@@ -2,8 +2,8 @@
 
 For each size, synthetic clustered vectors (``bench.search.clustered_vectors``) are written as
 clip-retrieval's inference folder (``img_emb/img_emb_N.npy`` + ``metadata/metadata_N.parquet``), and
-``openalign index build --embeddings`` runs in a child process whose peak RSS (with any children of its
-own) is read from ``wait4``; it is printed beside the size of the vectors it indexed. A second child opens
+``openalign index build --embeddings`` runs in a child process that reports its own peak RSS (VmHWM; the
+build starts no processes of its own); it is printed beside the size of the vectors it indexed. A second child opens
 the index memory-mapped, as ``openalign search`` and ``serve`` do, runs the queries, and reports its RSS
 beside the index file's size, recall@10 and latency beside exact search over the same vectors, and a
 metadata lookup from the row file beside reading the Parquet row groups that hold the same rows.
@@ -36,7 +36,8 @@ path, queries_path, k, exact_queries = Path(sys.argv[1]), sys.argv[2], int(sys.a
 queries = np.load(queries_path)
 from openalign.search.catalog import SearchIndex
 from openalign.search.index import exact_search, recall_at
-from openalign.search.ondisk import NpyRows, exact_truth
+from openalign.data.npy_rows import NpyRows
+from openalign.search.ondisk import exact_truth
 import faiss
 before = rss()
 t0 = time.perf_counter()
@@ -139,18 +140,33 @@ def _limit(gb: float) -> Any:
     return apply
 
 
+BUILD_CHILD = """
+import sys
+from openalign.bench import own_peak_rss
+from openalign.cli import main
+code = main(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    f.write(str(own_peak_rss()))
+sys.exit(code)
+"""
+
+
 def _build(folder: Path, out: Path, s: IndexBenchSettings) -> tuple[float, int]:
     """Seconds and peak RSS (bytes) of ``openalign index build --embeddings`` in a child process."""
-    argv = [sys.executable, "-m", "openalign", "index", "build", "--embeddings", str(folder), "--out", str(out)]
+    peak_file = out.with_name(out.name + ".peak")
+    argv = [sys.executable, "-c", BUILD_CHILD, str(peak_file), "index", "build", "--embeddings", str(folder)]
+    argv += ["--out", str(out)]
     for name in ("nlist", "pq_m", "disk_nbits", "nprobe", "target_recall"):
         argv += [f"--ann.{name}", str(getattr(s, name))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     t0 = time.perf_counter()
-    child = subprocess.Popen(argv, preexec_fn=_limit(s.memory_limit_gb), stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)  # this child's peak RSS, with its own waited-for children
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode:
-        raise RuntimeError(f"index build of {folder} failed (exit {child.returncode})")
-    return time.perf_counter() - t0, usage.ru_maxrss * 1024
+    done = subprocess.run(argv, preexec_fn=_limit(s.memory_limit_gb), stdout=subprocess.DEVNULL, env=env)
+    if done.returncode:
+        raise RuntimeError(f"index build of {folder} failed (exit {done.returncode})")
+    seconds = time.perf_counter() - t0
+    peak = int(peak_file.read_text())
+    peak_file.unlink()
+    return seconds, peak
 
 
 def _serve(index: Path, queries: Path, s: IndexBenchSettings) -> dict[str, Any]:

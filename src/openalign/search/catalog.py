@@ -17,6 +17,7 @@ Layout::
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -83,27 +84,62 @@ class Thumbnails:
 
 class RowFile:
     """Metadata rows addressed by id without loading the table: JSON rows back to back in ``rows.bin`` and
-    N+1 offsets in ``rows.idx.npy``, both memory-mapped, so a lookup reads only the bytes of its rows."""
+    N+1 offsets in ``rows.idx.npy``, so a lookup reads only the bytes of its rows.
+
+    Both are read with ``pread``, not memory-mapped: a served lookup touches a few scattered rows, and every
+    page a map faults in (with the neighbours the kernel maps around it) would stay in the server's resident
+    set, which then grows towards the file's size with the queries served.
+    """
 
     def __init__(self, directory: Path):
-        self.offsets = read_matrix(directory / ROWS_INDEX)
-        size = int(self.offsets[-1]) if len(self.offsets) else 0
-        if not (directory / ROWS).is_file():
-            raise FileNotFoundError(f"{directory / ROWS}: missing; {ROWS_INDEX} points into it")
-        self.blob = np.memmap(directory / ROWS, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
-        if len(self.blob) < size:
-            raise ValueError(f"{directory / ROWS}: truncated, {len(self.blob)} bytes where {ROWS_INDEX} needs {size}")
+        self.rows_path, index_path = directory / ROWS, directory / ROWS_INDEX
+        try:
+            with open(index_path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read_header(f)
+                self.index_offset = f.tell()
+        except (ValueError, OSError, EOFError) as err:
+            if isinstance(err, OSError) and err.errno is not None:
+                raise
+            raise ValueError(f"{index_path}: truncated or damaged .npy file ({err})") from None
+        if len(shape) != 1 or np.dtype(dtype) != np.dtype("<i8"):
+            raise ValueError(f"{index_path}: expected 1-d int64 offsets, got {np.dtype(dtype)} {list(shape)}")
+        self.num_rows = max(0, int(shape[0]) - 1)
+        if os.path.getsize(index_path) < self.index_offset + 8 * int(shape[0]):
+            raise ValueError(f"{index_path}: truncated, fewer offsets than its header says")
+        if not self.rows_path.is_file():
+            raise FileNotFoundError(f"{self.rows_path}: missing; {ROWS_INDEX} points into it")
+        self.index_path = index_path
+        size = self._bounds(np.array([self.num_rows - 1]))[0, 1] if self.num_rows else 0
+        have = os.path.getsize(self.rows_path)
+        if have < size:
+            raise ValueError(f"{self.rows_path}: truncated, {have} bytes where {ROWS_INDEX} needs {size}")
 
-    @property
-    def num_rows(self) -> int:
-        return max(0, len(self.offsets) - 1)
+    def _bounds(self, ids: np.ndarray) -> np.ndarray:
+        """[len(ids), 2] byte ranges of rows ``ids`` in ``rows.bin``: offsets i and i + 1, one 16-byte read."""
+        fd = os.open(self.index_path, os.O_RDONLY)
+        try:
+            data = b"".join(os.pread(fd, 16, self.index_offset + 8 * i) for i in ids.tolist())
+        finally:
+            os.close(fd)
+        return np.frombuffer(data, "<i8").reshape(-1, 2)
 
     def take(self, ids: list[int] | np.ndarray) -> list[dict[str, Any]]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= self.num_rows)]
+        if len(bad):
+            raise IndexError(f"row {int(bad[0])} is out of range for {self.num_rows} rows")
+        bounds = self._bounds(ids)
         out = []
-        for i in np.asarray(ids, dtype=np.int64).tolist():
-            if not 0 <= i < self.num_rows:
-                raise IndexError(f"row {i} is out of range for {self.num_rows} rows")
-            out.append(json.loads(bytes(self.blob[int(self.offsets[i]) : int(self.offsets[i + 1])])))
+        fd = os.open(self.rows_path, os.O_RDONLY)
+        try:
+            for start, end in bounds.tolist():
+                out.append(json.loads(os.pread(fd, end - start, start)))
+        finally:
+            os.close(fd)
         return out
 
 

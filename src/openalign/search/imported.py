@@ -28,10 +28,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from openalign.config import to_dict
+from openalign.data.npy_rows import NpyRows
 from openalign.search.build import PENDING, IndexBuildResult, commit_stage
 from openalign.search.catalog import FORMAT, FORMAT_VERSION, INFO, METADATA, SCHEMAS, write_rows
 from openalign.search.index import VECTORS, AnnConfig, build_store, choose_kind
-from openalign.search.ondisk import DISK_KIND, NpyRows, build_disk_store, write_unit_vectors
+from openalign.search.ondisk import DISK_KIND, build_disk_store, write_unit_vectors
 
 UNIT_TOLERANCE = 1e-3  # rows whose length is this far from 1 are normalised
 

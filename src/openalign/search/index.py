@@ -151,6 +151,9 @@ class VectorStore:
         # fault on a mapped file maps its cached neighbours too, so scattered reads through a map make the
         # resident set grow towards the file's size.
         self.read_rows: Callable[[np.ndarray], np.ndarray] | None = None
+        # The approximate search itself, when it is not ``ann.search``: a served on-disk index reads the lists
+        # its queries probe instead of mapping the lists file (``ondisk.ProbedLists``).
+        self.probe: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None
         self._apply_params()
 
     # ------------------------------------------------------------------ properties
@@ -216,7 +219,7 @@ class VectorStore:
         # PQ scores are approximate; re-scoring a few times k candidates with the stored float32
         # vectors recovers exact order among them for the cost of a few small random reads.
         depth = min(self.size, k * int(self.params.get("rerank", 8)))
-        _, cand = self.ann.search(queries, depth)
+        _, cand = (self.probe or self.ann.search)(queries, depth)
         out_s = np.full((len(queries), min(k, self.size)), -np.inf, np.float32)
         out_i = np.full_like(out_s, -1, dtype=np.int64)
         for row, ids in enumerate(cand):
@@ -276,9 +279,12 @@ class VectorStore:
                 raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
         store = cls(vectors, ann, meta["kind"], meta.get("params", {}))
         if meta["kind"] == "ivf_pq_disk":
-            from openalign.search.ondisk import NpyRows
+            from openalign.data.npy_rows import NpyRows
+            from openalign.search.ondisk import LISTS, ProbedLists
 
             store.read_rows = NpyRows(d / VECTORS).take
+            if mmap:
+                store.probe = ProbedLists(ann, d / LISTS).search
         return store
 
 

@@ -7,9 +7,8 @@ memory, its vectors read in blocks), and the shards' inverted lists are merged i
 centroids, codebooks and list offsets, so opening an index reads a few megabytes and a query pages in just
 the lists it probes.
 
-Vectors are read with plain file reads, not through a memory map: the pages a map touches count in the
-process's resident set until the kernel reclaims them, so a scan through a map looks (and, without memory
-pressure, is) as large as the file, while read pages stay in the page cache only.
+Vectors are read with plain file reads (``data.npy_rows``), not through a memory map, so that a scan
+through them leaves nothing of the file in the process's resident set.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,68 +27,12 @@ from typing import Any
 import numpy as np
 
 from openalign.config import ConfigError
+from openalign.data.npy_rows import BLOCK, NpyRows
 from openalign.search.index import VECTORS, AnnConfig, VectorStore, calibration_queries, exact_search, recall_at
 
 DISK_KIND = "ivf_pq_disk"
 LISTS = "lists.ivfdata"
 TRAINED = "trained.index"
-BLOCK = 65_536  # rows read, normalised or encoded at a time
-
-
-class NpyRows:
-    """A 2-D .npy matrix read by row ranges with plain reads (nothing mapped, nothing cached)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )
-                shape, fortran, dtype = read_header(f)
-                self.offset = f.tell()
-        except (ValueError, OSError, EOFError) as err:
-            if isinstance(err, OSError) and err.errno is not None:
-                raise
-            raise ValueError(f"{self.path}: not a NumPy .npy array ({err})") from None
-        if len(shape) != 2 or not shape[1]:
-            raise ValueError(f"{self.path}: expected a 2-D [rows, dim] matrix, got shape {list(shape)}")
-        if fortran:
-            raise ValueError(f"{self.path}: Fortran-ordered matrix; save it row-major (C order)")
-        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
-        self.dtype = np.dtype(dtype)
-        self.row_bytes = self.shape[1] * self.dtype.itemsize
-        need = self.offset + self.shape[0] * self.row_bytes
-        have = os.path.getsize(self.path)
-        if have < need:
-            raise ValueError(f"{self.path}: truncated, {have} bytes where its header needs {need}")
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` as an array of the file's dtype."""
-        count = max(0, min(stop, len(self)) - start)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset + start * self.row_bytes)
-            data = np.fromfile(f, dtype=self.dtype, count=count * self.shape[1])
-        return data.reshape(count, self.shape[1])
-
-    def take(self, rows: np.ndarray) -> np.ndarray:
-        """The given rows (any order), one positioned read each."""
-        out = np.empty((len(rows), self.shape[1]), self.dtype)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for i, row in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
-                out[i] = np.frombuffer(os.pread(fd, self.row_bytes, self.offset + row * self.row_bytes), self.dtype)
-        finally:
-            os.close(fd)
-        return out
-
-    def blocks(self, block: int = BLOCK) -> Iterator[tuple[int, np.ndarray]]:
-        for start in range(0, len(self), block):
-            yield start, self.read(start, start + block)
 
 
 def write_unit_vectors(parts: list[Path], path: Path, dim: int, tolerance: float) -> int:
@@ -233,6 +177,95 @@ def read_disk_index(directory: Path, mmap: bool = True) -> Any:
         ivf.replace_invlists(memory, True)
         memory.this.disown()  # type: ignore[attr-defined]  # faiss stub
     return index
+
+
+class ProbedLists:
+    """Searches an on-disk IVF index by reading only the lists its queries probe, with ``pread``.
+
+    FAISS's ``OnDiskInvertedLists`` memory-maps the lists file, and every page a query faults in (with the
+    neighbours the kernel maps around it) stays in the server's resident set: after enough queries a
+    served index is as large in memory as on disk. Here the index holds an in-memory ``ArrayInvertedLists``
+    filled, for one group of queries, with just the lists they probe (read from the file, which the page
+    cache keeps hot) and freed afterwards. Results are those of the memory-mapped index: the same codes,
+    scored by the same ``search_preassigned`` after the same coarse search. A group holds at most
+    ``budget_bytes`` of lists (one query's lists at least), so memory is a setting, not the index's size.
+    """
+
+    def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20):
+        import faiss
+
+        self.index, self.path, self.budget = index, lists_path, budget_bytes
+        self.ivf: Any = faiss.extract_index_ivf(index)  # Any: the Python wrappers' signatures, not the stub's
+        disk = faiss.downcast_InvertedLists(self.ivf.invlists)  # type: ignore[arg-type]  # faiss stub
+        if not isinstance(disk, faiss.OnDiskInvertedLists):
+            raise TypeError(f"{lists_path}: the index's lists are not on disk")
+        table: Any = disk.lists
+        entries = [table.at(n) for n in range(self.ivf.nlist)]
+        self.sizes = np.array([e.size for e in entries], np.int64)
+        # A list's codes start at its offset; its ids follow its capacity's worth of codes.
+        self.codes_at = np.array([e.offset for e in entries], np.int64)
+        self.ids_at = self.codes_at + np.array([e.capacity for e in entries], np.int64) * self.ivf.code_size
+        self.list_bytes = self.sizes * (self.ivf.code_size + 8)
+        del entries, table, disk
+        self._swap_lists()  # frees the mapped lists
+        self.lock = threading.Lock()  # the index's lists are replaced for each group of queries
+
+    def _swap_lists(self) -> Any:
+        """A fresh, empty in-memory list set in the index (the previous one, with its buffers, is freed)."""
+        import faiss
+
+        lists: Any = faiss.ArrayInvertedLists(self.ivf.nlist, self.ivf.code_size)
+        self.ivf.replace_invlists(lists, True)
+        lists.this.disown()  # the index owns it now
+        return lists
+
+    def _groups(self, probe: np.ndarray) -> list[tuple[int, int]]:
+        """Consecutive query ranges whose probed lists together stay within the budget."""
+        groups, start, held = [], 0, np.zeros(self.ivf.nlist, bool)
+        total = 0
+        for q, row in enumerate(probe):
+            row = row[row >= 0]
+            new = row[~held[row]]
+            add = int(self.list_bytes[new].sum())
+            if q > start and total + add > self.budget:
+                groups.append((start, q))
+                start, total = q, 0
+                held[:] = False
+                new = row
+                add = int(self.list_bytes[row].sum())
+            held[new] = True
+            total += add
+        groups.append((start, len(probe)))
+        return groups
+
+    def _read(self, fd: int, size: int, offset: int, dtype: type) -> np.ndarray:
+        data = os.pread(fd, size, offset)
+        if len(data) != size:  # FAISS would read past the buffer
+            raise ValueError(f"{self.path}: truncated, {len(data)} of {size} bytes at offset {offset}")
+        return np.frombuffer(data, dtype)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import faiss
+
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        scores = np.empty((len(queries), k), np.float32)
+        ids = np.empty((len(queries), k), np.int64)
+        with self.lock, open(self.path, "rb") as f:
+            fd = f.fileno()
+            coarse, probe = self.ivf.quantizer.search(queries, self.ivf.nprobe)
+            for a, b in self._groups(probe):
+                memory = self._swap_lists()
+                try:
+                    for n in np.unique(probe[a:b][probe[a:b] >= 0]).tolist():
+                        size = int(self.sizes[n])
+                        if size:
+                            codes = self._read(fd, size * self.ivf.code_size, int(self.codes_at[n]), np.uint8)
+                            found = self._read(fd, size * 8, int(self.ids_at[n]), np.int64)
+                            memory.add_entries(n, size, faiss.swig_ptr(found), faiss.swig_ptr(codes))
+                    scores[a:b], ids[a:b] = self.ivf.search_preassigned(queries[a:b], k, probe[a:b], coarse[a:b])
+                finally:
+                    self._swap_lists()  # frees this group's lists
+        return scores, ids
 
 
 def exact_truth(vectors: NpyRows, queries: np.ndarray, k: int) -> np.ndarray:

@@ -21,15 +21,9 @@ import numpy as np
 import pyarrow as pa
 
 from openalign.data.dedup_buckets.files import EmbeddingFiles, OpenFiles
+from openalign.data.npy_rows import NpyRows
 
 PAIR_SCHEMA = pa.schema([("i", pa.int64()), ("j", pa.int64()), ("cosine", pa.float32())])
-
-
-def _gather(matrix: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    order = np.argsort(rows, kind="stable")  # ascending reads of the memory map
-    out = np.empty((len(rows), matrix.shape[1]), dtype=np.float32)
-    out[order] = matrix[rows[order]]
-    return out
 
 
 @dataclass
@@ -43,9 +37,12 @@ class PairScorer:
     block: int = 16_384  # bounds the two gathered [block, D] matrices
 
     def __post_init__(self) -> None:
-        self.screen: tuple[np.ndarray, np.ndarray] | None = None
+        self.screen: tuple[NpyRows, np.ndarray] | None = None
         if self.projected is not None:
-            self.screen = (np.load(self.projected[0], mmap_mode="r"), np.load(self.projected[1], mmap_mode="r"))
+            # Crawl rows are read per batch without a memory map (candidates arrive in crawl order, so the reads
+            # are near-sequential and nothing of the file stays resident); the test side's projection is held,
+            # as its bucket keys are (``project_dim`` floats a row).
+            self.screen = (NpyRows(self.projected[0]), np.load(self.projected[1]))
         # The in-memory search's bound, with the same margin for float rounding.
         self.max_sq = np.float32(2.0 * (1.0 - self.threshold) * (1 + 1e-4) + 1e-5)
 
@@ -60,7 +57,7 @@ class PairScorer:
         for s in range(0, len(i), self.block):
             a, b = i[s : s + self.block], j[s : s + self.block]
             if self.screen is not None:
-                diff = _gather(self.screen[0], a) - _gather(self.screen[1], b)
+                diff = self.screen[0].take(a) - self.screen[1][b]
                 near = np.einsum("ij,ij->i", diff, diff) < self.max_sq
                 a, b = a[near], b[near]
             cos = np.einsum("ij,ij->i", self.crawl.unit_rows(a), self.test.unit_rows(b))

@@ -17,6 +17,7 @@ from typing import overload
 import numpy as np
 
 from openalign.data.dedup import _normalised, load_embeddings
+from openalign.data.npy_rows import NpyRows
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class OpenFiles:
         if len(dims) != 1:
             raise ValueError(f"{spec.files[0].parent}: embedding files of different widths {sorted(dims)}")
         self.dim = dims.pop()
+        # Row reads go through plain reads; a column-major file (rare) is read through its map.
+        self.readers = [
+            NpyRows(p) if a.flags.c_contiguous else None for p, a in zip(spec.files, self.arrays, strict=True)
+        ]
         self.offsets = np.concatenate([[0], np.cumsum([len(a) for a in self.arrays])]).astype(np.int64)
         self.rows = int(self.offsets[-1])
         if spec.keys is not None and len(spec.keys) != self.rows:
@@ -71,23 +76,14 @@ class OpenFiles:
         Chunks are read with plain file reads rather than through the memory map, so a pass over the whole
         crawl leaves no file pages mapped into the process (its resident size stays one chunk).
         """
-        for offset, array in zip(self.offsets[:-1], self.arrays, strict=True):
-            plain = isinstance(array, np.memmap) and array.flags.c_contiguous
-            row_bytes = array.shape[1] * array.dtype.itemsize
+        for offset, array, reader in zip(self.offsets[:-1], self.arrays, self.readers, strict=True):
             for s in range(0, len(array), size):
-                n = min(size, len(array) - s)
-                if plain:
-                    assert isinstance(array, np.memmap) and array.filename is not None
-                    flat = np.fromfile(
-                        array.filename, array.dtype, n * array.shape[1], offset=array.offset + s * row_bytes
-                    )
-                    rows = flat.reshape(n, array.shape[1])
-                else:
-                    rows = np.asarray(array[s : s + n])
+                rows = reader.read(s, s + size) if reader is not None else np.asarray(array[s : s + size])
                 yield int(offset) + s, np.asarray(rows, dtype=np.float32)
 
     def take(self, rows: np.ndarray) -> np.ndarray:
-        """Rows by global number (any order), as float32 [len(rows), D]."""
+        """Rows by global number (any order), as float32 [len(rows), D], read without the memory map (a sample
+        spread over the crawl would otherwise map most of its pages into the process)."""
         rows = np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows), self.dim), dtype=np.float32)
         if rows.size and (rows.min() < 0 or rows.max() >= self.rows):
@@ -96,8 +92,12 @@ class OpenFiles:
         for f in np.unique(file_of):
             at = np.flatnonzero(file_of == f)
             local = rows[at] - self.offsets[f]
-            order = np.argsort(local, kind="stable")  # ascending reads are sequential on disk
-            out[at[order]] = self.arrays[f][local[order]]
+            reader = self.readers[f]
+            if reader is not None:
+                out[at] = reader.take(local)
+            else:
+                order = np.argsort(local, kind="stable")  # ascending reads are sequential on disk
+                out[at[order]] = self.arrays[f][local[order]]
         return out
 
     def unit_rows(self, rows: np.ndarray) -> np.ndarray:
