@@ -12,10 +12,12 @@ from openalign.search.index import (
     VectorStore,
     ann_config,
     build_store,
+    calibrate,
     choose_kind,
     exact_search,
     extend_store,
     normalize_rows,
+    nprobe_steps,
     pick_pq_m,
     recall_at,
     save_vectors,
@@ -86,6 +88,41 @@ def test_calibration_picks_the_smallest_breadth_that_reaches_the_target(data):
     high = build_store(x, AnnConfig(kind="ivf_flat", nlist=64, target_recall=0.99))
     assert low.params["nprobe"] < high.params["nprobe"]
     assert high.params["calibrated_recall@10"] >= 0.99 or high.params["nprobe"] == 64
+
+
+class _Curve:
+    """A store whose recall@10 at each nprobe follows ``curve``: its results hold that share of the truth."""
+
+    def __init__(self, curve):
+        self.params, self.curve, self.asked = {}, curve, []
+
+    def _apply_params(self):
+        pass
+
+    def search(self, queries, k):
+        nprobe = self.params["nprobe"]
+        self.asked.append(nprobe)
+        hits = round(100 * self.curve(nprobe))
+        return None, np.tile(np.r_[np.arange(hits), 1000 + np.arange(100 - hits)], (len(queries), 1))
+
+
+def test_calibration_stops_where_more_lists_buy_no_recall():
+    truth, queries = np.tile(np.arange(100), (4, 1)), np.zeros((4, 8), np.float32)
+    steps = nprobe_steps(1024)
+    assert steps[:8] == [1, 2, 3, 4, 6, 8, 12, 16] and steps[-1] == 1024
+    # Reachable: the smallest breadth at the target, no plateau.
+    store = _Curve(lambda b: min(1.0, 0.5 + 0.1 * np.log2(b)))
+    found = calibrate(store, AnnConfig(target_recall=0.9), "nprobe", steps, queries, truth)
+    assert store.params["nprobe"] == 16 and found == {"calibrated_recall@10": 0.9}
+    # Codes that top out at 0.88 (PQ re-ranked at a fixed depth): not every list for the last bit.
+    store = _Curve(lambda b: min(0.88, 0.5 + 0.1 * np.log2(b)))
+    found = calibrate(store, AnnConfig(target_recall=0.95), "nprobe", steps, queries, truth)
+    assert found == {"calibrated_recall@10": 0.88, "calibration_plateau": True}
+    assert store.params["nprobe"] == 16 and max(store.asked) == 32  # 16 → 32 bought nothing; stop there
+    # Slow but steady gains (2 points a doubling) keep it going to the target.
+    store = _Curve(lambda b: min(1.0, 0.7 + 0.02 * np.log2(b)))
+    calibrate(store, AnnConfig(target_recall=0.9), "nprobe", steps, queries, truth)
+    assert store.params["nprobe"] == 1024
 
 
 def test_choose_kind_and_code_size_from_size_and_memory_budget():

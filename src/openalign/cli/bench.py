@@ -102,7 +102,7 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "the ratio, and the recall against brute force.",
         ("openalign bench dedup                                  # 1M × 50k, 640-d",
          "openalign bench dedup --train 200000 --test 10000 --engine sparse",
-         "openalign bench dedup --files --train 10000000 --memory-limit 4GB   # out of core, on DuckDB"),
+         "openalign bench dedup --files --train 10000000 --test 10000 --memory-limit 2500MB --process-memory-gb 4"),
         (JSON, *(Alias((f"--{n.replace('_', '-')}",), f"dedup.{n}", f"same as --dedup.{n}",
                        type=str_value if n == "engine" else None)
                  for n in ("clusters", "nearest", "combo", "threshold", "engine", "project_dim", "chunk_size",

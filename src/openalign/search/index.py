@@ -359,25 +359,49 @@ def calibration_queries(vectors: np.ndarray, count: int = 256, noise: float = 1.
     return normalize_rows(base + jitter)
 
 
-def _calibrate(
-    store: VectorStore, cfg: AnnConfig, name: str, candidates: list[int], queries: np.ndarray | None
+PLATEAU_GAIN = 0.01  # recall@10 a doubling of the search breadth must buy while the target is out of reach
+
+
+def nprobe_steps(nlist: int) -> list[int]:
+    """Powers of two and the midpoints between them, up to ``nlist``: nprobe drives latency linearly."""
+    return sorted({min(nlist, int(b * 2**i)) for i in range(0, int(math.log2(max(1, nlist))) + 2) for b in (1, 1.5)})
+
+
+def calibrate(
+    store: VectorStore,
+    cfg: AnnConfig,
+    name: str,
+    candidates: list[int],
+    queries: np.ndarray | None,
+    truth: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    # The smallest search breadth whose recall@10 against exact search reaches the target.
+    """Set ``store.params[name]`` to the smallest search breadth whose recall@10 against exact search (``truth``,
+    else computed) reaches the target.
+
+    Where the codes cannot reach it (PQ codes re-ranked at a fixed depth top out below it), breadth stops at the
+    point past which doubling it buys less than ``PLATEAU_GAIN``: probing every list for the last 0.1 point
+    would make the index slower than exact search. The result then says so (``calibration_plateau``).
+    """
     if queries is None:
         queries = calibration_queries(store.vectors, seed=cfg.seed)
-    _, truth = exact_search(store.vectors, queries, 10)
-    chosen, reached = candidates[-1], 0.0
+    if truth is None:
+        truth = exact_search(store.vectors, queries, 10)[1]
+    recall: dict[int, float] = {}
+    chosen, plateau = candidates[-1], False
     for value in candidates:
         store.params[name] = value
         store._apply_params()
-        _, found = store.search(queries, 10)
-        reached = recall_at(found, truth)
-        if reached >= cfg.target_recall:
+        recall[value] = recall_at(store.search(queries, 10)[1], truth)
+        if recall[value] >= cfg.target_recall:
             chosen = value
+            break
+        half = [v for v in recall if v <= value // 2]
+        if half and recall[value] - recall[max(half)] < PLATEAU_GAIN:
+            chosen, plateau = max(half), True
             break
     store.params[name] = chosen
     store._apply_params()
-    return {"calibrated_recall@10": round(reached, 4)}
+    return {"calibrated_recall@10": round(recall[chosen], 4), **({"calibration_plateau": True} if plateau else {})}
 
 
 def build_store(
@@ -408,7 +432,7 @@ def build_store(
             store.params["ef_search"] = cfg.ef_search
             store._apply_params()
         else:
-            store.params.update(_calibrate(store, cfg, "ef_search", [16, 32, 64, 128, 256, 512, 1024], calibration))
+            store.params.update(calibrate(store, cfg, "ef_search", [16, 32, 64, 128, 256, 512, 1024], calibration))
         return store
 
     # 2·sqrt(N) lists balances the coarse search (nlist dot products) against the list scans
@@ -438,9 +462,7 @@ def build_store(
         store.params["nprobe"] = min(cfg.nprobe, nlist)
         store._apply_params()
     else:
-        # Powers of two and the midpoints between them: nprobe drives latency linearly.
-        steps = sorted({min(nlist, int(b * 2**i)) for i in range(0, int(math.log2(nlist)) + 2) for b in (1, 1.5)})
-        store.params.update(_calibrate(store, cfg, "nprobe", steps, calibration))
+        store.params.update(calibrate(store, cfg, "nprobe", nprobe_steps(nlist), calibration))
     return store
 
 

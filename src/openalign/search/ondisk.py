@@ -28,7 +28,15 @@ import numpy as np
 
 from openalign.config import ConfigError
 from openalign.data.npy_rows import BLOCK, NpyRows
-from openalign.search.index import VECTORS, AnnConfig, VectorStore, calibration_queries, exact_search, recall_at
+from openalign.search.index import (
+    VECTORS,
+    AnnConfig,
+    VectorStore,
+    calibrate,
+    calibration_queries,
+    exact_search,
+    nprobe_steps,
+)
 
 DISK_KIND = "ivf_pq_disk"
 LISTS = "lists.ivfdata"
@@ -280,23 +288,6 @@ def exact_truth(vectors: NpyRows, queries: np.ndarray, k: int) -> np.ndarray:
     return best_i
 
 
-def calibrate_nprobe(store: VectorStore, truth: np.ndarray, queries: np.ndarray, target: float) -> dict[str, Any]:
-    """The smallest nprobe (powers of two and midpoints) whose recall@10 reaches ``target``."""
-    nlist = int(store.params["nlist"])
-    steps = sorted({min(nlist, int(b * 2**i)) for i in range(0, int(math.log2(nlist)) + 2) for b in (1, 1.5)})
-    chosen, reached = steps[-1], 0.0
-    for value in steps:
-        store.params["nprobe"] = value
-        store._apply_params()
-        reached = recall_at(store.search(queries, truth.shape[1])[1], truth)
-        if reached >= target:
-            chosen = value
-            break
-    store.params["nprobe"] = chosen
-    store._apply_params()
-    return {"calibrated_recall@10": round(reached, 4)}
-
-
 def build_disk_store(
     directory: Path,
     shard_rows: list[int],
@@ -339,5 +330,6 @@ def build_disk_store(
     if calibration is None:
         calibration = calibration_queries(store.vectors, seed=cfg.seed)
     queries = np.ascontiguousarray(calibration, dtype=np.float32)
-    store.params.update(calibrate_nprobe(store, exact_truth(vectors, queries, 10), queries, cfg.target_recall))
+    truth = exact_truth(vectors, queries, 10)
+    store.params.update(calibrate(store, cfg, "nprobe", nprobe_steps(params["nlist"]), queries, truth))
     return store
