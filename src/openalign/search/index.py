@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from openalign.config import ConfigError, from_dict, to_dict
+from openalign.data.npy_rows import NpyRows
 
 AnnKind = Literal["auto", "exact", "ivf_flat", "ivf_pq", "hnsw", "ivf_pq_disk"]
 VECTORS = "vectors.npy"
@@ -279,7 +280,6 @@ class VectorStore:
                 raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
         store = cls(vectors, ann, meta["kind"], meta.get("params", {}))
         if meta["kind"] == "ivf_pq_disk":
-            from openalign.data.npy_rows import NpyRows
             from openalign.search.ondisk import LISTS, ProbedLists
 
             store.read_rows = NpyRows(d / VECTORS).take
@@ -337,11 +337,13 @@ def _write_json(path: Path, data: dict) -> None:
 # Building
 
 
-def _sample_rows(vectors: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+def _sample_rows(vectors: np.ndarray | NpyRows, count: int, rng: np.random.Generator) -> np.ndarray:
     n = vectors.shape[0]
-    if count >= n:
-        return np.ascontiguousarray(vectors, dtype=np.float32)
-    idx = np.sort(rng.choice(n, size=count, replace=False))
+    idx = np.arange(n) if count >= n else np.sort(rng.choice(n, size=count, replace=False))
+    if isinstance(vectors, NpyRows):
+        # Read, not mapped: faulting a few hundred rows of a freshly written file through a map maps the
+        # kernel's read-ahead around each (300 MB resident for 256 rows of a 2M × 64 matrix).
+        return np.ascontiguousarray(vectors.take(idx), dtype=np.float32)
     return np.ascontiguousarray(vectors[idx], dtype=np.float32)
 
 
@@ -350,7 +352,9 @@ def _add_in_blocks(index: Any, vectors: np.ndarray, start: int = 0, block: int =
         index.add(np.ascontiguousarray(vectors[s : s + block], dtype=np.float32))
 
 
-def calibration_queries(vectors: np.ndarray, count: int = 256, noise: float = 1.0, seed: int = 0) -> np.ndarray:
+def calibration_queries(
+    vectors: np.ndarray | NpyRows, count: int = 256, noise: float = 1.0, seed: int = 0
+) -> np.ndarray:
     """Queries near (not on) stored vectors: a stored row plus Gaussian noise of relative size ``noise``,
     renormalised, so calibration does not reward finding a query's own copy."""
     rng = np.random.default_rng(seed + 1)

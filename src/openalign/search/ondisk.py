@@ -328,7 +328,7 @@ def build_disk_store(
         store._apply_params()
         return store
     if calibration is None:
-        calibration = calibration_queries(store.vectors, seed=cfg.seed)
+        calibration = calibration_queries(vectors, seed=cfg.seed)
     queries = np.ascontiguousarray(calibration, dtype=np.float32)
     truth = exact_truth(vectors, queries, 10)
     store.params.update(calibrate(store, cfg, "nprobe", nprobe_steps(params["nlist"]), queries, truth))
