@@ -20,29 +20,33 @@ SPAN_BYTES = 4 << 20  # the most one read of ``take`` covers: bounds its buffer 
 GAP_BYTES = 16 << 10  # unrequested bytes a read may cover between two requested rows rather than seek again
 
 
+def npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, Fortran order, dtype, byte offset of the data) of a ``.npy`` file; ValueError naming a damaged one."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(f)
+            return tuple(shape), bool(fortran), np.dtype(dtype), f.tell()
+    except (ValueError, OSError, EOFError) as err:
+        if isinstance(err, OSError) and err.errno is not None:
+            raise
+        raise ValueError(f"{path}: not a NumPy .npy array ({err})") from None
+
+
 class NpyRows:
     """A 2-D .npy matrix read by row ranges and row lists with plain reads (nothing mapped, nothing cached)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )
-                shape, fortran, dtype = read_header(f)
-                self.offset = f.tell()
-        except (ValueError, OSError, EOFError) as err:
-            if isinstance(err, OSError) and err.errno is not None:
-                raise
-            raise ValueError(f"{self.path}: not a NumPy .npy array ({err})") from None
+        shape, fortran, self.dtype, self.offset = npy_header(self.path)
         if len(shape) != 2 or not shape[1]:
             raise ValueError(f"{self.path}: expected a 2-D [rows, dim] matrix, got shape {list(shape)}")
         if fortran:
             raise ValueError(f"{self.path}: Fortran-ordered matrix; save it row-major (C order)")
         self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
-        self.dtype = np.dtype(dtype)
         self.row_bytes = self.shape[1] * self.dtype.itemsize
         need = self.offset + self.shape[0] * self.row_bytes
         have = os.path.getsize(self.path)

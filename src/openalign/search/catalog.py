@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from openalign.data.npy_rows import npy_header
 from openalign.search.index import VectorStore, read_json, read_matrix
 
 FORMAT = "openalign-index"
@@ -93,19 +94,8 @@ class RowFile:
 
     def __init__(self, directory: Path):
         self.rows_path, index_path = directory / ROWS, directory / ROWS_INDEX
-        try:
-            with open(index_path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read_header(f)
-                self.index_offset = f.tell()
-        except (ValueError, OSError, EOFError) as err:
-            if isinstance(err, OSError) and err.errno is not None:
-                raise
-            raise ValueError(f"{index_path}: truncated or damaged .npy file ({err})") from None
-        if len(shape) != 1 or np.dtype(dtype) != np.dtype("<i8"):
+        shape, _, dtype, self.index_offset = npy_header(index_path)
+        if len(shape) != 1 or dtype != np.dtype("<i8"):
             raise ValueError(f"{index_path}: expected 1-d int64 offsets, got {np.dtype(dtype)} {list(shape)}")
         self.num_rows = max(0, int(shape[0]) - 1)
         if os.path.getsize(index_path) < self.index_offset + 8 * int(shape[0]):
