@@ -85,6 +85,8 @@ def test_merged_lists_equal_one_in_memory_index(built: tuple[Path, np.ndarray]) 
     path, raw = built
     directory = path / "image"
     ondisk = read_disk_index(directory)
+    ivf = faiss.extract_index_ivf(ondisk)
+    assert (directory / LISTS).stat().st_size == len(raw) * (ivf.code_size + 8)  # no slack between lists
     memory = faiss.read_index(str(directory / TRAINED))  # the same trained centroids and codebooks
     memory.add_with_ids(np.load(directory / "vectors.npy"), np.arange(len(raw), dtype=np.int64))
     queries = _unit(raw[7::500])

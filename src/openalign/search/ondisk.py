@@ -144,24 +144,55 @@ def _quiet_c_stdout() -> Iterator[None]:
 
 
 def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
-    """The trained index with the inverted lists of every part, in order, merged into ``lists`` on disk."""
+    """The trained index with the inverted lists of every part, in order, merged into ``lists`` on disk.
+
+    FAISS's own merge copies the codes through its memory map of ``lists``, so every page of the merged file
+    stays resident in the building process: its peak grew with the index. Here FAISS only allocates each
+    list's place in the file (``set_all_lists_sizes`` touches no page), and the codes and ids of one part at a time are
+    written there with ``pwrite``, through the page cache; the layout, and so the index, is FAISS's.
+    """
     import faiss
 
     index = faiss.read_index(str(trained))
     ivf = faiss.extract_index_ivf(index)
-    # Memory-mapped: the parts' codes are paged through once, never loaded together. The parts stay open
-    # (owning their lists) until the merge has copied them.
-    shards = [faiss.read_index(str(part), faiss.IO_FLAG_MMAP) for part in parts]
-    merged = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(lists))
-    pointers = faiss.InvertedListsPtrVector()  # type: ignore[attr-defined]  # faiss stub
-    for shard in shards:
-        pointers.push_back(faiss.extract_index_ivf(shard).invlists)
-    with _quiet_c_stdout():
-        total = merged.merge_from_multiple(pointers.data(), pointers.size(), False)
-    del pointers, shards
-    index.ntotal = ivf.ntotal = total
+    nlist, code_size = ivf.nlist, ivf.code_size
+
+    def part_lists(part: Path) -> tuple[Any, Any]:
+        shard = faiss.read_index(str(part), faiss.IO_FLAG_MMAP)  # pages of one part at a time
+        return shard, faiss.extract_index_ivf(shard).invlists
+
+    sizes = np.zeros((len(parts), nlist), np.int64)
+    for p, part in enumerate(parts):
+        _, invlists = part_lists(part)
+        sizes[p] = [invlists.list_size(n) for n in range(nlist)]
+    merged: Any = faiss.OnDiskInvertedLists(nlist, code_size, str(lists))
+    totals = np.ascontiguousarray(sizes.sum(0), dtype=np.uint64)
+    merged.set_all_lists_sizes(faiss.swig_ptr(totals))  # lists back to back, each exactly its size
+    used = int(totals.sum()) * (code_size + 8)
+    if used:
+        with _quiet_c_stdout():  # FAISS notes the file's new size
+            merged.update_totsize(used)
+        # Growing the file records its new bytes as a free slot; the lists fill them, so the slot is taken (else
+        # a later allocation, were the index ever grown, would be placed over list 0).
+        merged.allocate_slot(used)
+    table: Any = merged.lists
+    codes_at = np.array([table.at(n).offset for n in range(nlist)], np.int64)
+    ids_at = codes_at + np.array([table.at(n).capacity for n in range(nlist)], np.int64) * code_size
+    written = np.zeros(nlist, np.int64)
+    with open(lists, "r+b") as f:
+        for p, part in enumerate(parts):
+            shard, invlists = part_lists(part)
+            for n in np.flatnonzero(sizes[p]).tolist():
+                count = int(sizes[p, n])
+                codes = faiss.rev_swig_ptr(invlists.get_codes(n), count * code_size)
+                found = faiss.rev_swig_ptr(invlists.get_ids(n), count)
+                os.pwrite(f.fileno(), codes.tobytes(), int(codes_at[n] + written[n] * code_size))
+                os.pwrite(f.fileno(), found.tobytes(), int(ids_at[n] + written[n] * 8))
+                written[n] += count
+            del shard, invlists  # unmaps the part
+    index.ntotal = ivf.ntotal = int(written.sum())
     ivf.replace_invlists(merged, True)
-    merged.this.disown()  # type: ignore[attr-defined]  # faiss stub
+    merged.this.disown()
     return index
 
 
