@@ -239,7 +239,12 @@ class VectorStore:
         """Write the approximate index and its parameters next to ``vectors.npy`` (already on disk)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        if self.ann is not None:
+        if self.probe is not None:
+            # A served on-disk index: its faiss.index was written with its lists, and the index in memory holds
+            # only the lists of the query at hand, so there is nothing here to write.
+            if not (out / FAISS_FILE).is_file():
+                raise ValueError(f"{out}: an on-disk index is saved only where it was built, beside its lists")
+        elif self.ann is not None:
             import faiss
 
             tmp = out / (FAISS_FILE + ".tmp")

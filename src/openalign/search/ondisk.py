@@ -29,6 +29,7 @@ import numpy as np
 from openalign.config import ConfigError
 from openalign.data.npy_rows import BLOCK, NpyRows
 from openalign.search.index import (
+    FAISS_FILE,
     VECTORS,
     AnnConfig,
     VectorStore,
@@ -39,6 +40,7 @@ from openalign.search.index import (
 )
 
 DISK_KIND = "ivf_pq_disk"
+TRUTH_BLOCK = 16_384  # rows scored at a time by exact search for calibration: 256 queries × this many floats
 LISTS = "lists.ivfdata"
 TRAINED = "trained.index"
 
@@ -311,7 +313,7 @@ def exact_truth(vectors: NpyRows, queries: np.ndarray, k: int) -> np.ndarray:
     """Ids of the exact top ``k`` of ``queries``, scanning ``vectors`` a block at a time."""
     best_s = np.full((len(queries), 0), -np.inf, np.float32)
     best_i = np.empty((len(queries), 0), np.int64)
-    for start, rows in vectors.blocks():
+    for start, rows in vectors.blocks(TRUTH_BLOCK):
         s, i = exact_search(np.asarray(rows, np.float32), queries, k)
         cand_s, cand_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i + start], 1)
         order = np.argsort(-cand_s, axis=1, kind="stable")[:, :k]
@@ -346,14 +348,18 @@ def build_disk_store(
         start += rows
     index = merge_shards(trained, parts, directory / LISTS)
     shutil.rmtree(parts_dir)
-    if home is not None:
-        import faiss
+    import faiss
 
+    if home is not None:
         lists: Any = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)  # type: ignore[arg-type]
         lists.filename = str(home / LISTS)
+    faiss.write_index(index, str(directory / FAISS_FILE))
     params.update(rerank=cfg.rerank)
     store = VectorStore(np.load(directory / VECTORS, mmap_mode="r"), index, DISK_KIND, params)
     store.read_rows = vectors.take
+    # Calibration searches as a server does, reading the lists it probes: through FAISS's map they would
+    # stay resident, and the build's peak would grow with the index.
+    store.probe = ProbedLists(index, directory / LISTS).search
     if cfg.nprobe:
         store.params["nprobe"] = min(cfg.nprobe, params["nlist"])
         store._apply_params()
