@@ -235,7 +235,7 @@ class ProbedLists:
     def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20):
         import faiss
 
-        self.index, self.path, self.budget = index, lists_path, budget_bytes
+        self.index, self.path, self.budget = index, lists_path, budget_bytes  # the index owns the IVF part used below
         self.ivf: Any = faiss.extract_index_ivf(index)  # Any: the Python wrappers' signatures, not the stub's
         disk = faiss.downcast_InvertedLists(self.ivf.invlists)  # type: ignore[arg-type]  # faiss stub
         if not isinstance(disk, faiss.OnDiskInvertedLists):
