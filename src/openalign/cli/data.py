@@ -214,8 +214,14 @@ def run_dedup(args: argparse.Namespace) -> int:
         print(
             f"decided by the embedding alone: {v['pairs_by_embedding']:,} pairs; by verification "
             f"(cosine in ({v['band'][0]:.3f}, {v['band'][1]:.3f}]): {v['pairs_verified']:,} pairs, "
-            f"{v['accepted_by_phash']:,} accepted by pHash, {v['accepted_by_features']:,} by feature matching, "
+            f"{v.get('accepted_by_aligned_pixels', 0):,} accepted by aligned pixels, "
+            f"{v['accepted_by_phash']:,} by pHash, {v['accepted_by_features']:,} by feature matching, "
             f"{v['rejected']:,} rejected"
+            + (
+                f"; {v['pairs_beyond_nearest']:,} pairs beyond each image's nearest"
+                if v.get("pairs_beyond_nearest")
+                else ""
+            )
         )
     for side, reasons in run.skipped.items():
         if reasons:

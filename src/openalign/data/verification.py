@@ -1,7 +1,11 @@
 """Deciding a candidate copy pair by its pixels, where the embedding cosine is too close to the threshold to tell.
 
-Two checks, cheapest first:
+Three checks, each able to accept a pair (``VerifyConfig.checks`` names those that run), cheapest per pair first:
 
+0. aligned pixels (``openalign.data.alignment``, run on many pairs at once by ``pipeline/verify.py``): the
+   pair registered by an affine map, accepted when even its worst region matches after a brightness and
+   contrast fit — what a re-crop, rescale, re-tone or re-compression leaves, and what a different picture on
+   the same background does not;
 1. a perceptual hash (pHash: the signs of the 8 × 8 lowest frequencies of a 32 × 32 grey DCT against their
    median): a resized or re-compressed copy keeps almost every bit, so a Hamming distance of at most
    ``phash_bits`` accepts the pair without further work;
@@ -16,7 +20,7 @@ OpenCV (``opencv-python-headless``, the ``verify`` extra) is needed only for ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +28,19 @@ from PIL import Image
 
 from openalign.config import ConfigError
 
-__all__ = ["Features", "VerifyConfig", "decide", "features", "in_band", "phash", "require_opencv", "verify_pair"]
+__all__ = [
+    "CHECKS",
+    "Features",
+    "VerifyConfig",
+    "decide",
+    "features",
+    "in_band",
+    "phash",
+    "require_opencv",
+    "verify_pair",
+]
+
+CHECKS = ("aligned", "phash", "features")
 
 
 @dataclass
@@ -36,9 +52,22 @@ class VerifyConfig:
     keypoints: int = 1000  # ORB keypoints per image
     max_side: int = 512  # larger images are scaled down to this longest side before feature extraction
     ratio: float = 0.8  # Lowe's ratio test on the two nearest descriptors
+    # the checks that may accept a pair: aligned (registered pixels, all pairs at once), then phash, then
+    # features (ORB + RANSAC, the one that needs OpenCV) on the pairs the earlier ones left
+    checks: list[str] = field(default_factory=lambda: list(CHECKS))
+    aligned_side: int = 48  # both images are resized to this square before registration
+    max_residual: float = 0.3  # aligned accepts when the worst region's residual / the query's variance is ≤ this
+    # verify only each train image's this many highest-cosine pairs in the band (0: all); the rest are not
+    # copies, since a copy's own original is what a copy detector ranks first (or nearly)
+    nearest: int = 0
 
     def validate(self) -> None:
         """Raises ConfigError naming the bad field."""
+        unknown = [c for c in self.checks if c not in CHECKS]
+        if unknown or not self.checks or len(set(self.checks)) != len(self.checks):
+            raise ConfigError(f"verify.checks must be distinct names of {', '.join(CHECKS)}, got {self.checks}")
+        if self.aligned_side < 16 or not self.max_residual > 0 or self.nearest < 0:
+            raise ConfigError("verify.aligned_side must be ≥ 16, verify.max_residual > 0 and verify.nearest ≥ 0")
         if not 0 <= self.phash_bits <= 64:
             raise ConfigError(f"verify.phash_bits must be in [0, 64], got {self.phash_bits}")
         if self.min_inliers < 4 or self.keypoints < 10 or self.max_side < 32:
@@ -97,8 +126,11 @@ def _orb(cv2: Any, grey: np.ndarray, keypoints: int) -> tuple[np.ndarray, np.nda
 
 
 def features(image: Image.Image, config: VerifyConfig | None = None, *, mirror: bool = False) -> Features:
-    """pHash and ORB features of ``image`` (with ``mirror``, of its left–right flip too)."""
+    """pHash and ORB features of ``image`` (with ``mirror``, of its left–right flip too); the pHash alone
+    when the ``features`` check is off."""
     cfg = config or VerifyConfig()
+    if "features" not in cfg.checks:
+        return Features(phash(image), np.zeros((0, 2), np.float32), np.zeros((0, 32), np.uint8))
     cv2 = require_opencv()
     im = image.convert("L")
     scale = cfg.max_side / max(im.size)  # bounds the cost per image
@@ -134,10 +166,13 @@ def _inliers(cv2: Any, pa: np.ndarray, da: np.ndarray, pb: np.ndarray, db: np.nd
 
 
 def verify_pair(a: Features, b: Features, config: VerifyConfig | None = None) -> tuple[bool, str, int]:
-    """(is a copy, what decided it: ``phash``, ``features`` or ``rejected``, feature inliers)."""
+    """(is a copy, what decided it: ``phash``, ``features`` or ``rejected``, feature inliers) by the pHash and
+    feature checks that ``config.checks`` names (``aligned`` works on batches: ``pipeline/verify.py``)."""
     cfg = config or VerifyConfig()
-    if bin(a.hash ^ b.hash).count("1") <= cfg.phash_bits:
+    if "phash" in cfg.checks and bin(a.hash ^ b.hash).count("1") <= cfg.phash_bits:
         return True, "phash", 0
+    if "features" not in cfg.checks:
+        return False, "rejected", 0
     cv2 = require_opencv()
     inliers = _inliers(cv2, a.points, a.descriptors, b.points, b.descriptors, cfg)
     if b.mirror_points is not None and b.mirror_descriptors is not None and inliers < cfg.min_inliers:

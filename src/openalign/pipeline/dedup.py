@@ -94,8 +94,8 @@ class DedupRunConfig(DedupConfig):
     key_column: str = "key"  # metadata column matching the train keys
     batch_size: int = 64  # images per forward pass of the embedder
     device: str = "cpu"  # where the embedder runs: cpu or cuda
-    # decide the pairs with cosine within verify_band of the threshold by their pixels (pHash, then ORB +
-    # RANSAC); needs images and OpenCV (the verify extra)
+    # decide the pairs with cosine within verify_band of the threshold by their pixels (registered pixels,
+    # pHash, then ORB + RANSAC: verification.checks); needs the images, and OpenCV (the verify extra) for ORB
     verify: bool = False
     verify_band: float = 0.05  # half-width of that band; above it the embedding alone decides
     verification: VerifyConfig = field(default_factory=VerifyConfig)
@@ -412,7 +412,8 @@ def run_dedup(
     if cfg.verify:
         if spec.kind == "npy":
             raise ConfigError("dedup.verify needs the images: use --embedder copy-detector:DIR or align:DIR")
-        require_opencv()  # before the embedding, not after it
+        if "features" in cfg.verification.checks:
+            require_opencv()  # before the embedding, not after it
     skipped: dict[str, dict[str, int]] = {}
     # "setting": the caller's threshold; "default": none was given and no fitted one applies; "detector".
     threshold_source, note = ("default" if detector_threshold else "setting"), None

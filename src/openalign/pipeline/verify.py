@@ -1,12 +1,16 @@
 """The verification stage of a dedup run: the pairs whose cosine is near the threshold, decided by their pixels.
 
 ``run_dedup`` with ``verify`` finds the pairs above ``threshold - verify_band``; a pair above
-``threshold + verify_band`` is a copy on the embedding alone, and the others go to
-``openalign.data.verification`` (pHash shortcut, then ORB matches with a RANSAC similarity fit). The images
-are read a second time, test side first: the features of the test images in some uncertain pair are kept
-(about 40 KB each, at most one per test image), then the train side streams past and each train image in an
-uncertain pair is verified against its partners as it arrives, so memory holds no train image beyond the one
-being checked.
+``threshold + verify_band`` is a copy on the embedding alone, and the others go to verification. With
+``nearest`` set, only each train image's best-ranked pairs in the band are verified and the rest are not
+copies. The checks (``VerifyConfig.checks``) run cheapest per pair first: the registered pixels of many pairs
+at once (``openalign.data.alignment``), then, for the pairs those leave, the pHash shortcut and ORB matches with
+a RANSAC similarity fit (``openalign.data.verification``).
+
+The images are read a second time, test side first: what the checks need of the test images in some uncertain
+pair is kept (a ``side``² thumbnail, and about 40 KB of features when feature matching is on; at most one per
+test image). Then the train side streams past: each train image in an uncertain pair leaves the same, and
+every ``batch`` pairs are decided together, so memory holds at most ``batch`` train thumbnails.
 """
 
 from __future__ import annotations
@@ -14,15 +18,46 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from openalign.data.alignment import register, worst_region_residual
+from openalign.data.augment import image_array
 from openalign.data.dedup import DedupResult
 from openalign.data.verification import Features, VerifyConfig, features, verify_pair
 
 __all__ = ["verify_pairs"]
+
+_BATCH = 1024  # pairs registered together: large enough for batched kernels, ~30 MB of float grids at 48 px
+
+
+@dataclass
+class _Side:
+    """What the checks keep of one image."""
+
+    thumb: np.ndarray | None  # uint8 [3, side, side] for the aligned check
+    feats: Features | None  # pHash / ORB for the later checks
+
+
+def _keep(image: Image.Image, cfg: VerifyConfig, *, mirror: bool) -> _Side:
+    thumb = image_array(image, cfg.aligned_side) if "aligned" in cfg.checks else None
+    later = "phash" in cfg.checks or "features" in cfg.checks
+    return _Side(thumb, features(image, cfg, mirror=mirror) if later else None)
+
+
+def _nearest_only(result: DedupResult, unsure: np.ndarray, nearest: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the unsure pairs among each train row's ``nearest`` highest cosines, the unsure pairs beyond them)."""
+    if nearest <= 0 or not len(unsure):
+        return unsure, unsure[:0]
+    # Sort by train row, then by cosine falling; a pair's rank is its place within its row's run.
+    order = unsure[np.lexsort((-result.cosine[unsure], result.train_idx[unsure]))]
+    rows = result.train_idx[order]
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+    rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+    return np.sort(order[rank < nearest]), np.sort(order[rank >= nearest])
 
 
 def verify_pairs(
@@ -41,30 +76,52 @@ def verify_pairs(
     """
     cfg = config or VerifyConfig()
     started = time.perf_counter()
-    cos = result.cosine
-    sure = cos > threshold + band
-    unsure = np.flatnonzero(~sure)
+    sure = result.cosine > threshold + band
+    unsure, beyond = _nearest_only(result, np.flatnonzero(~sure), cfg.nearest)
     needed_test = set(result.test_idx[unsure].tolist())
     by_train: dict[int, list[int]] = defaultdict(list)
     for p in unsure.tolist():
         by_train[int(result.train_idx[p])].append(p)
-    test_features: dict[int, Features] = {}
+    tests: dict[int, _Side] = {}
     if len(unsure):
         for row, image in enumerate(test_images):
             if row in needed_test:
-                test_features[row] = features(image, cfg, mirror=True)
+                tests[row] = _keep(image, cfg, mirror=True)
     accepted = sure.copy()
-    counts = {"phash": 0, "features": 0, "rejected": 0}
+    counts = {"aligned": 0, "phash": 0, "features": 0, "rejected": 0}
+    pending: list[tuple[int, _Side]] = []  # (pair, the train image's side of it)
+
+    def decide(batch: list[tuple[int, _Side]]) -> None:
+        left = batch
+        if "aligned" in cfg.checks:
+            queries = np.stack([train.thumb for _, train in batch])  # type: ignore[misc]
+            refs = np.stack([tests[int(result.test_idx[p])].thumb for p, _ in batch])  # type: ignore[misc]
+            ok = worst_region_residual(queries, refs, register(queries, refs)) <= cfg.max_residual
+            for (p, _), yes in zip(batch, ok.tolist(), strict=True):
+                accepted[p] = yes
+            counts["aligned"] += int(ok.sum())
+            left = [item for item, yes in zip(batch, ok.tolist(), strict=True) if not yes]
+        for p, train in left:
+            reference = tests[int(result.test_idx[p])].feats
+            if train.feats is None or reference is None:
+                counts["rejected"] += 1
+                continue
+            yes, how, _ = verify_pair(train.feats, reference, cfg)
+            counts[how] += 1
+            accepted[p] = yes
+
     if len(unsure):
         for row, image in enumerate(train_images):
             pairs = by_train.get(row)
             if not pairs:
                 continue
-            mine = features(image, cfg)
-            for p in pairs:
-                ok, how, _ = verify_pair(mine, test_features[int(result.test_idx[p])], cfg)
-                counts[how] += 1
-                accepted[p] = ok
+            mine = _keep(image, cfg, mirror=False)
+            pending += [(p, mine) for p in pairs]
+            if len(pending) >= _BATCH:
+                decide(pending)
+                pending = []
+        if pending:
+            decide(pending)
     keep = np.flatnonzero(accepted)
     train_idx, test_idx, cosine = result.train_idx[keep], result.test_idx[keep], result.cosine[keep]
     stats: dict[str, Any] = {
@@ -75,8 +132,11 @@ def verify_pairs(
         "test_images_matched": len(np.unique(test_idx)),
         "verification": {
             "band": [threshold - band, threshold + band],
+            "checks": list(cfg.checks),
             "pairs_by_embedding": int(sure.sum()),
             "pairs_verified": len(unsure),
+            "pairs_beyond_nearest": len(beyond),
+            "accepted_by_aligned_pixels": counts["aligned"],
             "accepted_by_phash": counts["phash"],
             "accepted_by_features": counts["features"],
             "rejected": counts["rejected"],

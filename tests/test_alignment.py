@@ -1,0 +1,131 @@
+"""Aligned-pixel verification: the registration recovers a known re-crop, a copy's worst region matches and a
+picture with one thing changed does not, and the verification stage decides batches and each image's nearest
+pairs as a plain per-pair reference would."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageEnhance
+
+from openalign.bench.copy_detection import REFERENCES, installed_photos
+from openalign.data.alignment import aligned_arrays, register, worst_region_residual
+from openalign.data.dedup import DedupResult
+from openalign.data.verification import VerifyConfig
+from openalign.pipeline.verify import _nearest_only, verify_pairs
+
+SIDE = 48
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, Image.Image]:
+    out = installed_photos(REFERENCES, 192)
+    if len(out) < 4:
+        pytest.skip("the sample photographs of scikit-image / scikit-learn are not installed")
+    return out
+
+
+def _recrop(image: Image.Image, box: tuple[float, float, float, float]) -> Image.Image:
+    """``image`` with fractions (left, top, right, bottom) of its sides cut off, resized back."""
+    w, h = image.size
+    left, top, right, bottom = box
+    return image.crop((left * w, top * h, w - right * w, h - bottom * h)).resize(image.size, Image.Resampling.BICUBIC)
+
+
+def _repost(image: Image.Image, box: tuple[float, float, float, float], brightness: float, quality: int) -> Image.Image:
+    out = ImageEnhance.Brightness(_recrop(image, box)).enhance(brightness)
+    buf = io.BytesIO()
+    out.save(buf, format="JPEG", quality=quality)
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def _square(photo: Image.Image) -> Image.Image:
+    side = min(photo.size)
+    return photo.crop((0, 0, side, side)).resize((192, 192), Image.Resampling.LANCZOS)
+
+
+def test_registration_recovers_a_known_recrop(photos: dict[str, Image.Image]) -> None:
+    boxes = [(0.04, 0.0, 0.0, 0.03), (0.0, 0.04, 0.03, 0.0), (0.02, 0.02, 0.02, 0.02), (0.0, 0.0, 0.0, 0.0)]
+    names = sorted(photos)[: len(boxes)]
+    refs = [_square(photos[n]) for n in names]
+    queries = [_recrop(r, b) for r, b in zip(refs, boxes, strict=True)]
+    affine = register(aligned_arrays(queries, SIDE), aligned_arrays(refs, SIDE))
+    # A query pixel at u ∈ [-1, 1] shows the reference at left·2 - 1 + (u + 1)(1 - left - right):
+    # scale 1 - left - right, offset left - right (and the same for top and bottom in y).
+    truth = torch.tensor([[[1 - lf - rt, 0.0, lf - rt], [0.0, 1 - tp - bt, tp - bt]] for lf, tp, rt, bt in boxes])
+    assert torch.allclose(affine, truth, atol=0.012), (affine - truth).abs().amax((1, 2))
+
+
+def test_a_copy_matches_everywhere_and_one_changed_object_does_not(photos: dict[str, Image.Image]) -> None:
+    refs, copies, changed = [], [], []
+    r = random.Random(0)
+    for name in sorted(photos)[:6]:
+        ref = _square(photos[name])
+        box = (r.uniform(0, 0.04), r.uniform(0, 0.04), r.uniform(0, 0.04), r.uniform(0, 0.04))
+        refs.append(ref)
+        copies.append(_repost(ref, box, r.uniform(0.93, 1.07), r.randint(70, 90)))
+        # The same photo, the same re-post, with one thing of a tenth of the side painted over it: what an
+        # embedding of the whole scene hardly sees, and what makes it a different picture.
+        other = copies[-1].copy()
+        x, y = r.randint(20, 140), r.randint(20, 140)
+        under = np.asarray(other.crop((x, y, x + 22, y + 22))).reshape(-1, 3).mean(0)
+        ImageDraw.Draw(other).ellipse((x, y, x + 22, y + 22), fill=tuple(int(255 - v) for v in under))
+        changed.append(other)
+    ref_arrays = aligned_arrays(refs, SIDE)
+    for queries, is_copy in ((copies, True), (changed, False)):
+        q = aligned_arrays(queries, SIDE)
+        scores = worst_region_residual(q, ref_arrays, register(q, ref_arrays))
+        assert ((scores <= VerifyConfig().max_residual) == is_copy).all(), scores
+    # Unregistered (the identity map), a re-crop of a few percent already fails: the registration is what
+    # lets the copies through.
+    q = aligned_arrays(copies, SIDE)
+    identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]).expand(len(q), 2, 3)
+    assert (worst_region_residual(q, ref_arrays, identity) > VerifyConfig().max_residual).any()
+
+
+def test_nearest_keeps_each_rows_best_cosines() -> None:
+    rng = np.random.default_rng(3)
+    train = rng.integers(0, 7, 60)
+    result = DedupResult(train, rng.integers(0, 9, 60), rng.random(60).astype(np.float32))
+    unsure = np.flatnonzero(rng.random(60) < 0.8)
+    for nearest in (1, 2, 0):
+        kept, beyond = _nearest_only(result, unsure, nearest)
+        expected = []
+        for row in np.unique(train[unsure]):
+            mine = unsure[train[unsure] == row]
+            best = mine[np.argsort(-result.cosine[mine], kind="stable")]
+            expected += best[: nearest or len(best)].tolist()
+        assert kept.tolist() == sorted(expected)
+        assert sorted(kept.tolist() + beyond.tolist()) == unsure.tolist()
+
+
+def test_verification_stage_decides_by_aligned_pixels_in_batches(
+    photos: dict[str, Image.Image], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import openalign.pipeline.verify as verify
+
+    monkeypatch.setattr(verify, "_BATCH", 3)  # several batches and a partial last one
+    names = sorted(photos)[:4]
+    tests = [_square(photos[n]) for n in names]
+    trains = [_repost(t, (0.03, 0.01, 0.0, 0.02), 1.05, 80) for t in tests]  # train i copies test i
+    # Every train image pairs with every test image; train i's own original has the best cosine but for
+    # train 3, whose best-ranked pair is a wrong one.
+    tr, te = np.meshgrid(np.arange(4), np.arange(4), indexing="ij")
+    tr, te = tr.ravel(), te.ravel()
+    cosine = np.where(tr == te, 0.95, 0.9).astype(np.float32)
+    cosine[(tr == 3) & (te == 0)] = 0.97
+    result = DedupResult(tr, te, cosine, {})
+    cfg = VerifyConfig(checks=["aligned"], nearest=0)
+    everything = verify_pairs(result, iter(trains), iter(tests), threshold=0.975, band=0.2, config=cfg)
+    assert sorted(zip(everything.train_idx.tolist(), everything.test_idx.tolist())) == [(i, i) for i in range(4)]
+    v = everything.stats["verification"]
+    assert (v["pairs_verified"], v["accepted_by_aligned_pixels"], v["rejected"]) == (16, 4, 12)
+    cfg.nearest = 1
+    nearest = verify_pairs(result, iter(trains), iter(tests), threshold=0.975, band=0.2, config=cfg)
+    assert sorted(zip(nearest.train_idx.tolist(), nearest.test_idx.tolist())) == [(0, 0), (1, 1), (2, 2)]
+    v = nearest.stats["verification"]
+    assert (v["pairs_verified"], v["pairs_beyond_nearest"], v["accepted_by_aligned_pixels"]) == (4, 12, 3)
