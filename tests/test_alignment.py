@@ -121,11 +121,13 @@ def test_verification_stage_decides_by_aligned_pixels_in_batches(
     result = DedupResult(tr, te, cosine, {})
     cfg = VerifyConfig(checks=["aligned"], nearest=0)
     everything = verify_pairs(result, iter(trains), iter(tests), threshold=0.975, band=0.2, config=cfg)
-    assert sorted(zip(everything.train_idx.tolist(), everything.test_idx.tolist())) == [(i, i) for i in range(4)]
+    assert sorted(zip(everything.train_idx.tolist(), everything.test_idx.tolist(), strict=True)) == [
+        (i, i) for i in range(4)
+    ]
     v = everything.stats["verification"]
     assert (v["pairs_verified"], v["accepted_by_aligned_pixels"], v["rejected"]) == (16, 4, 12)
     cfg.nearest = 1
     nearest = verify_pairs(result, iter(trains), iter(tests), threshold=0.975, band=0.2, config=cfg)
-    assert sorted(zip(nearest.train_idx.tolist(), nearest.test_idx.tolist())) == [(0, 0), (1, 1), (2, 2)]
+    assert sorted(zip(nearest.train_idx.tolist(), nearest.test_idx.tolist(), strict=True)) == [(0, 0), (1, 1), (2, 2)]
     v = nearest.stats["verification"]
     assert (v["pairs_verified"], v["pairs_beyond_nearest"], v["accepted_by_aligned_pixels"]) == (4, 12, 3)
