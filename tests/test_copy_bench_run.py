@@ -20,6 +20,7 @@ from openalign.bench.copy_detection import (
 )
 from openalign.config import ConfigError
 from openalign.data.reposting import TRANSFORMS, repost
+from openalign.data.verification import VerifyConfig
 
 METHODS = ["phash", "tiny-image", "detector-untrained", "detector", "detector+verify"]
 
@@ -62,7 +63,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     n_refs, n_queries = int(header.split()[0]), int(header.split(", ")[1].split()[0])
     assert n_pairs == n_refs * n_queries
     v = results["verification"]
-    assert v["below"] + v["by_embedding"] + v["phash"] + v["features"] + v["rejected"] == n_pairs
+    assert v["below"] + v["by_embedding"] + v["aligned"] + v["phash"] + v["features"] + v["rejected"] == n_pairs
     assert v["band"][1] - v["band"][0] == pytest.approx(2 * s.verify_band)
     # The band is centred on the detector's operating threshold, read at the false-positive rate.
     assert (v["band"][0] + v["band"][1]) / 2 == pytest.approx(results["detector"]["threshold"])
@@ -92,7 +93,7 @@ def test_verification_counts_and_ranks_by_hand() -> None:
         photos["camera"],  # not a copy of anything
     ]
     cosine = np.array([[0.95, 0.10, 0.50], [0.20, 0.85, 0.79], [0.30, 0.88, 0.40]])
-    s = CopyBenchSettings(verify_band=0.1)
+    s = CopyBenchSettings(verify_band=0.1, verify=VerifyConfig(checks=["phash", "features"]))
     out, counts = _verified(cosine, queries, refs, 0.9, s)
     band = (cosine > 0.8) & (cosine <= 1.0)
     assert counts["by_embedding"] == 0 and counts["below"] == int((~band).sum())
@@ -106,6 +107,13 @@ def test_verification_counts_and_ranks_by_hand() -> None:
     # Recall at the fpr only rises when verification keeps the copies and drops the other photo.
     positive = np.array([[True, False, False], [False, True, False], [False, False, False]])
     assert recall_at_fpr(out, positive, 0.0)[0] >= recall_at_fpr(cosine, positive, 0.0)[0]
+    # With the aligned check first, both copies (a thumbnail, a 12 % re-crop) are accepted by their registered
+    # pixels, and only the other photo's pairs are left for feature matching, which rejects them.
+    out, counts = _verified(cosine, queries, refs, 0.9, CopyBenchSettings(verify_band=0.1))
+    assert counts["aligned"] == 2 and counts["phash"] + counts["features"] == 0
+    assert counts["rejected"] == int(band.sum()) - 2
+    assert out[0, 0] == pytest.approx(2.95) and out[1, 1] == pytest.approx(2.85)
+    assert out[2, 1] == pytest.approx(0.88 - 4)
 
 
 def test_bad_settings() -> None:
@@ -123,4 +131,12 @@ def test_fixed_threshold_and_zero_band_leave_scores_alone(tmp_path: Path) -> Non
     cosine = np.array([[0.99, 0.2], [0.3, 0.97]])
     out, counts = _verified(cosine, refs, refs, 0.975, CopyBenchSettings(verify_band=0.0))
     np.testing.assert_array_equal(out, cosine)
-    assert counts == {"by_embedding": 1, "below": 3, "phash": 0, "features": 0, "rejected": 0, "images_described": 0}
+    assert counts == {
+        "by_embedding": 1,
+        "below": 3,
+        "aligned": 0,
+        "phash": 0,
+        "features": 0,
+        "rejected": 0,
+        "images_described": 0,
+    }

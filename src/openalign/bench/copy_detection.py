@@ -249,7 +249,9 @@ def _verified(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """Scores after verifying the pairs with cosine in (centre - band, centre + band]: a verified pair ranks
     above every unverified one (by cosine among themselves), a rejected one below every pair outside the band.
-    Features are computed lazily, once per image, and only for images in some pair of the band."""
+    The band's pairs are registered together first (the aligned check); features are computed lazily, once
+    per image, and only for images in some pair of the band that the aligned check left."""
+    from openalign.data.alignment import aligned_arrays, register, worst_region_residual
     from openalign.data.verification import Features, features, verify_pair
 
     lo, hi = centre - s.verify_band, centre + s.verify_band
@@ -259,11 +261,29 @@ def _verified(
     counts = {
         "by_embedding": int((cosine > hi).sum()),
         "below": int((cosine <= lo).sum()),
+        "aligned": 0,
         "phash": 0,
         "features": 0,
         "rejected": 0,
         "images_described": 0,
     }
+    if "aligned" in s.verify.checks and band.any():
+        side = s.verify.aligned_side
+        qs, rs = np.nonzero(band)
+        q_arr = dict(
+            zip(np.unique(qs).tolist(), aligned_arrays([queries[i] for i in np.unique(qs)], side), strict=True)
+        )
+        r_arr = dict(zip(np.unique(rs).tolist(), aligned_arrays([refs[i] for i in np.unique(rs)], side), strict=True))
+        for start in range(0, len(qs), 1024):
+            qa = np.stack([q_arr[i] for i in qs[start : start + 1024].tolist()])
+            ra = np.stack([r_arr[i] for i in rs[start : start + 1024].tolist()])
+            ok = worst_region_residual(qa, ra, register(qa, ra)) <= s.verify.max_residual
+            for qi, ri in zip(
+                qs[start : start + 1024][ok].tolist(), rs[start : start + 1024][ok].tolist(), strict=True
+            ):
+                out[qi, ri] = cosine[qi, ri] + 2.0
+                band[qi, ri] = False  # decided
+            counts["aligned"] += int(ok.sum())
     for qi in np.flatnonzero(band.any(1)):
         qf = features(queries[qi], s.verify)
         counts["images_described"] += 1
@@ -358,7 +378,8 @@ def _print(results: dict[str, Any], s: CopyBenchSettings) -> None:
     v = results["verification"]
     print(
         f"\nverification in cosine band ({v['band'][0]:.3f}, {v['band'][1]:.3f}]: {v['by_embedding']} pairs above it "
-        f"decided by the embedding alone; {v['phash']} accepted by pHash, {v['features']} by feature matching, "
+        f"decided by the embedding alone; {v.get('aligned', 0)} accepted by aligned pixels, {v['phash']} by pHash, "
+        f"{v['features']} by feature matching, "
         f"{v['rejected']} rejected ({v['images_described']} images described), {v['below']} below, "
         f"in {v['seconds']} s"
     )
