@@ -36,8 +36,11 @@ def _recrop(image: Image.Image, box: tuple[float, float, float, float]) -> Image
     return image.crop((left * w, top * h, w - right * w, h - bottom * h)).resize(image.size, Image.Resampling.BICUBIC)
 
 
-def _repost(image: Image.Image, box: tuple[float, float, float, float], brightness: float, quality: int) -> Image.Image:
+def _repost(
+    image: Image.Image, box: tuple[float, float, float, float], brightness: float, quality: int, colour: float = 1.0
+) -> Image.Image:
     out = ImageEnhance.Brightness(_recrop(image, box)).enhance(brightness)
+    out = ImageEnhance.Color(out).enhance(colour)
     buf = io.BytesIO()
     out.save(buf, format="JPEG", quality=quality)
     return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
@@ -58,6 +61,9 @@ def test_registration_recovers_a_known_recrop(photos: dict[str, Image.Image]) ->
     # scale 1 - left - right, offset left - right (and the same for top and bottom in y).
     truth = torch.tensor([[[1 - lf - rt, 0.0, lf - rt], [0.0, 1 - tp - bt, tp - bt]] for lf, tp, rt, bt in boxes])
     assert torch.allclose(affine, truth, atol=0.012), (affine - truth).abs().amax((1, 2))
+    # Fitted on a smaller grid than the images', the same maps: they are in [-1, 1] coordinates, whatever the size.
+    finer = register(aligned_arrays(queries, 64), aligned_arrays(refs, 64), side=SIDE)
+    assert torch.allclose(finer, truth, atol=0.012), (finer - truth).abs().amax((1, 2))
 
 
 def test_a_copy_matches_everywhere_and_one_changed_object_does_not(photos: dict[str, Image.Image]) -> None:
@@ -67,7 +73,8 @@ def test_a_copy_matches_everywhere_and_one_changed_object_does_not(photos: dict[
         ref = _square(photos[name])
         box = (r.uniform(0, 0.04), r.uniform(0, 0.04), r.uniform(0, 0.04), r.uniform(0, 0.04))
         refs.append(ref)
-        copies.append(_repost(ref, box, r.uniform(0.93, 1.07), r.randint(70, 90)))
+        # Saturation ±50 %: a re-toned copy, which the luminance residual does not see.
+        copies.append(_repost(ref, box, r.uniform(0.93, 1.07), r.randint(70, 90), r.choice([0.5, 1.5])))
         # The same photo, the same re-post, with one thing of a tenth of the side painted over it: what an
         # embedding of the whole scene hardly sees, and what makes it a different picture.
         other = copies[-1].copy()
@@ -131,3 +138,18 @@ def test_verification_stage_decides_by_aligned_pixels_in_batches(
     assert sorted(zip(nearest.train_idx.tolist(), nearest.test_idx.tolist(), strict=True)) == [(0, 0), (1, 1), (2, 2)]
     v = nearest.stats["verification"]
     assert (v["pairs_verified"], v["pairs_beyond_nearest"], v["accepted_by_aligned_pixels"]) == (4, 12, 3)
+
+
+def test_a_saturation_edit_costs_nothing() -> None:
+    # A saturated disc on a grey textured ground, and the same picture with its colours halved: luminance is
+    # unchanged, so the copy's worst region (the disc) still matches; each channel's gain alone cannot undo
+    # the edit, because the grey ground pins the gains at one.
+    rng = np.random.default_rng(0)
+    ground = (128 + 30 * rng.standard_normal((64, 64, 1))).clip(0, 255).repeat(3, 2).astype(np.uint8)
+    image = Image.fromarray(ground)
+    ImageDraw.Draw(image).ellipse((20, 20, 44, 44), fill=(230, 30, 40))
+    copy = ImageEnhance.Color(image).enhance(0.5)
+    q, r = aligned_arrays([copy], 64), aligned_arrays([image], 64)
+    identity = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    assert worst_region_residual(q, r, identity)[0] < 0.05
+    assert worst_region_residual(q.astype(np.float32) / 255, r.astype(np.float32) / 255, identity)[0] < 0.05

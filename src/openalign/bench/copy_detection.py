@@ -277,7 +277,7 @@ def _verified(
         for start in range(0, len(qs), 1024):
             qa = np.stack([q_arr[i] for i in qs[start : start + 1024].tolist()])
             ra = np.stack([r_arr[i] for i in rs[start : start + 1024].tolist()])
-            ok = worst_region_residual(qa, ra, register(qa, ra)) <= s.verify.max_residual
+            ok = worst_region_residual(qa, ra, register(qa, ra, s.verify.register_side)) <= s.verify.max_residual
             for qi, ri in zip(
                 qs[start : start + 1024][ok].tolist(), rs[start : start + 1024][ok].tolist(), strict=True
             ):

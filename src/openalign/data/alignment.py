@@ -10,12 +10,15 @@ and fails in some. So the decision here is about the *worst* region, not the ave
    photometrically fitted residual, coarse to fine (half size, then full), many pairs at once. It starts from
    the identity, so it undoes what mild edits do (a re-crop of a few percent a side, rescaling, a slight
    shift); large transforms (mirror, embedding in a larger picture) are left to feature matching.
-2. ``worst_region_residual``: with the reference warped onto the query and each channel's gain and offset
-   fitted (brightness and contrast edits cost nothing), the squared residual averaged over windows of
-   ``1/window`` of the side, its largest value divided by the query's variance. A copy scores a few tenths
-   at most; a picture with one object changed scores on that object.
+2. ``worst_region_residual``: with the reference warped onto the query, both taken to luminance and a gain
+   and offset fitted (brightness and contrast edits cost nothing, and a saturation edit leaves luminance as it
+   is), the squared residual averaged over windows of ``1/window`` of the side, its largest value divided by
+   the query's variance. A copy scores a few tenths at most; a picture with one object changed scores on that
+   object. It is scored on a finer grid than the registration's: at 64 px rather than 48 the grain of a
+   texture tells a copy from another picture on the same background (on the synthetic world's hardest pairs,
+   92 of 94 copies passed with 9 of 3,206 other pairs, against 127 at 48 px).
 
-Pure torch on small grids (``side`` pixels, 48 by default): about 2 ms a pair on two CPU cores in batches.
+Pure torch on small grids, many pairs at once: about 2 ms a pair on two CPU cores at 48 px.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ def aligned_arrays(images: list[Image.Image], side: int) -> np.ndarray:
 def _as_float(x: torch.Tensor | np.ndarray) -> torch.Tensor:
     t = torch.as_tensor(x)
     return t.float() / 255.0 if t.dtype == torch.uint8 else t.float()
+
+
+def _luminance(x: torch.Tensor) -> torch.Tensor:
+    """ITU-R 601 luma of RGB [B, 3, H, W] (what a saturation or colour-balance edit barely moves); else ``x``."""
+    if x.shape[1] != 3:
+        return x
+    return 0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]
 
 
 def _grid(side: int) -> torch.Tensor:
@@ -79,17 +89,23 @@ def _gradients(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gx, gy
 
 
-def register(queries: torch.Tensor | np.ndarray, references: torch.Tensor | np.ndarray) -> torch.Tensor:
+def register(
+    queries: torch.Tensor | np.ndarray, references: torch.Tensor | np.ndarray, side: int | None = None
+) -> torch.Tensor:
     """[B, 2, 3] affine maps, in ``affine_grid``'s convention, taking each query's pixels into its reference.
 
-    ``queries`` and ``references`` are [B, C, S, S] (uint8 or float in [0, 1]). Each step solves the 6 × 6
-    normal equations of the linearised residual ``q - (g · ref(A x) + b)`` with the channel gains ``g``
-    refitted at the current map; the 6 × 6 matrix is built from per-pixel sums over the 6 products of
+    ``queries`` and ``references`` are [B, C, S, S] (uint8 or float in [0, 1]), fitted at ``side`` pixels
+    when that is smaller than S (the maps work in [-1, 1] coordinates, so they hold at any size). Each step
+    solves the 6 × 6 normal equations of the linearised residual ``q - (g · ref(A x) + b)`` with the channel
+    gains ``g`` refitted at the current map; the 6 × 6 matrix is built from per-pixel sums over the 6 products of
     (x, y, 1), so no [B, 6, pixels] Jacobian is ever materialised.
     """
     q_full, r_full = _as_float(queries), _as_float(references)
     if q_full.shape != r_full.shape or q_full.dim() != 4:
         raise ValueError(f"register needs two [B, C, S, S] batches of one shape, got {q_full.shape} and {r_full.shape}")
+    if side is not None and side < q_full.shape[-1]:
+        q_full = F.interpolate(q_full, size=(side, side), mode="area")
+        r_full = F.interpolate(r_full, size=(side, side), mode="area")
     b, c, side, _ = q_full.shape
     identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     offset = torch.zeros(b, 2, 3)
@@ -126,10 +142,10 @@ def worst_region_residual(
     window: int = 8,
 ) -> np.ndarray:
     """float [B]: each pair's worst window (``1/window`` of the side, half-overlapping) of squared residual
-    after warping the reference by ``affine`` and fitting each channel's gain and offset, over the query's
-    variance. Regions the warp leaves uncovered count for nothing, and a window at least half covered is
-    scored on its covered part."""
-    q, r = _as_float(queries), _as_float(references)
+    after warping the reference by ``affine`` and fitting a gain and offset to its luminance (each channel's,
+    for images that are not RGB), over the query's variance. Regions the warp leaves uncovered count for
+    nothing, and a window at least half covered is scored on its covered part."""
+    q, r = _luminance(_as_float(queries)), _luminance(_as_float(references))
     b, c, side, _ = q.shape
     w, m = _warp(r, affine, _grid(side))
     gain, mq, mw, count = _fit(q, w, m)

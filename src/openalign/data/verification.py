@@ -55,8 +55,9 @@ class VerifyConfig:
     # the checks that may accept a pair: aligned (registered pixels, all pairs at once), then phash, then
     # features (ORB + RANSAC, the one that needs OpenCV) on the pairs the earlier ones left
     checks: list[str] = field(default_factory=lambda: list(CHECKS))
-    aligned_side: int = 48  # both images are resized to this square before registration
-    max_residual: float = 0.3  # aligned accepts when the worst region's residual / the query's variance is ≤ this
+    aligned_side: int = 64  # both images are resized to this square and their residual is scored there
+    register_side: int = 48  # the affine fit runs on this smaller square (its maps hold at any size)
+    max_residual: float = 0.45  # aligned accepts when the worst region's residual / the query's variance is ≤ this
     # verify only each train image's this many highest-cosine pairs in the band (0: all); the rest are not
     # copies, since a copy's own original is what a copy detector ranks first (or nearly)
     nearest: int = 0
@@ -66,8 +67,10 @@ class VerifyConfig:
         unknown = [c for c in self.checks if c not in CHECKS]
         if unknown or not self.checks or len(set(self.checks)) != len(self.checks):
             raise ConfigError(f"verify.checks must be distinct names of {', '.join(CHECKS)}, got {self.checks}")
-        if self.aligned_side < 16 or not self.max_residual > 0 or self.nearest < 0:
-            raise ConfigError("verify.aligned_side must be ≥ 16, verify.max_residual > 0 and verify.nearest ≥ 0")
+        if not 16 <= self.register_side <= self.aligned_side:
+            raise ConfigError("verify.register_side must be ≥ 16 and at most verify.aligned_side")
+        if not self.max_residual > 0 or self.nearest < 0:
+            raise ConfigError("verify.max_residual must be > 0 and verify.nearest ≥ 0")
         if not 0 <= self.phash_bits <= 64:
             raise ConfigError(f"verify.phash_bits must be in [0, 64], got {self.phash_bits}")
         if self.min_inliers < 4 or self.keypoints < 10 or self.max_side < 32:

@@ -96,7 +96,8 @@ def verify_pairs(
         if "aligned" in cfg.checks:
             queries = np.stack([train.thumb for _, train in batch])  # type: ignore[misc]
             refs = np.stack([tests[int(result.test_idx[p])].thumb for p, _ in batch])  # type: ignore[misc]
-            ok = worst_region_residual(queries, refs, register(queries, refs)) <= cfg.max_residual
+            affine = register(queries, refs, side=cfg.register_side)
+            ok = worst_region_residual(queries, refs, affine) <= cfg.max_residual
             for (p, _), yes in zip(batch, ok.tolist(), strict=True):
                 accepted[p] = yes
             counts["aligned"] += int(ok.sum())
