@@ -13,9 +13,9 @@ import torch
 from PIL import Image, ImageDraw, ImageEnhance
 
 from openalign.bench.copy_detection import REFERENCES, installed_photos
-from openalign.data.alignment import aligned_arrays, register, worst_region_residual
+from openalign.data.alignment import aligned_arrays, coarse_residual, register, worst_region_residual
 from openalign.data.dedup import DedupResult
-from openalign.data.verification import VerifyConfig
+from openalign.data.verification import VerifyConfig, aligned_check
 from openalign.pipeline.verify import _nearest_only, verify_pairs
 
 SIDE = 48
@@ -153,3 +153,21 @@ def test_a_saturation_edit_costs_nothing() -> None:
     identity = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
     assert worst_region_residual(q, r, identity)[0] < 0.05
     assert worst_region_residual(q.astype(np.float32) / 255, r.astype(np.float32) / 255, identity)[0] < 0.05
+
+
+def test_the_coarse_screen_passes_copies_and_only_saves_work(photos: dict[str, Image.Image]) -> None:
+    r = random.Random(2)
+    refs = [_square(photos[n]) for n in sorted(photos)[:5]]
+    copies = [_repost(ref, (0.04, 0.0, 0.02, 0.03), r.uniform(0.93, 1.07), 75, 1.2) for ref in refs]
+    q, ref_arrays = aligned_arrays(copies, 64), aligned_arrays(refs, 64)
+    cfg = VerifyConfig(max_coarse_residual=0.8)
+    assert (coarse_residual(q, ref_arrays) <= cfg.max_coarse_residual).all()
+    # Each copy against another photo: the screen turns most away, and the check's decisions are those of
+    # registering and scoring every pair.
+    others = np.roll(ref_arrays, 1, axis=0)
+    assert (coarse_residual(q, others) > cfg.max_coarse_residual).sum() >= 3
+    both = np.concatenate([ref_arrays, others])
+    queries = np.concatenate([q, q])
+    full = worst_region_residual(queries, both, register(queries, both, side=cfg.register_side)) <= cfg.max_residual
+    np.testing.assert_array_equal(aligned_check(queries, both, cfg), full)
+    assert full.tolist() == [True] * 5 + [False] * 5

@@ -251,8 +251,8 @@ def _verified(
     above every unverified one (by cosine among themselves), a rejected one below every pair outside the band.
     The band's pairs are registered together first (the aligned check); features are computed lazily, once
     per image, and only for images in some pair of the band that the aligned check left."""
-    from openalign.data.alignment import aligned_arrays, register, worst_region_residual
-    from openalign.data.verification import Features, features, verify_pair
+    from openalign.data.alignment import aligned_arrays
+    from openalign.data.verification import Features, aligned_check, features, verify_pair
 
     lo, hi = centre - s.verify_band, centre + s.verify_band
     band = (cosine > lo) & (cosine <= hi)
@@ -277,7 +277,7 @@ def _verified(
         for start in range(0, len(qs), 1024):
             qa = np.stack([q_arr[i] for i in qs[start : start + 1024].tolist()])
             ra = np.stack([r_arr[i] for i in rs[start : start + 1024].tolist()])
-            ok = worst_region_residual(qa, ra, register(qa, ra, s.verify.register_side)) <= s.verify.max_residual
+            ok = aligned_check(qa, ra, s.verify)
             for qi, ri in zip(
                 qs[start : start + 1024][ok].tolist(), rs[start : start + 1024][ok].tolist(), strict=True
             ):

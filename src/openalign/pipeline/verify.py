@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from openalign.data.alignment import register, worst_region_residual
 from openalign.data.augment import image_array
 from openalign.data.dedup import DedupResult
-from openalign.data.verification import Features, VerifyConfig, features, verify_pair
+from openalign.data.verification import Features, VerifyConfig, aligned_check, features, verify_pair
 
 __all__ = ["verify_pairs"]
 
@@ -96,8 +95,7 @@ def verify_pairs(
         if "aligned" in cfg.checks:
             queries = np.stack([train.thumb for _, train in batch])  # type: ignore[misc]
             refs = np.stack([tests[int(result.test_idx[p])].thumb for p, _ in batch])  # type: ignore[misc]
-            affine = register(queries, refs, side=cfg.register_side)
-            ok = worst_region_residual(queries, refs, affine) <= cfg.max_residual
+            ok = aligned_check(queries, refs, cfg)
             for (p, _), yes in zip(batch, ok.tolist(), strict=True):
                 accepted[p] = yes
             counts["aligned"] += int(ok.sum())
