@@ -222,8 +222,13 @@ def _read_class(module: str, cls: ast.ClassDef, prefix: str) -> Schema:
             knobs += inner.knobs
             sections += inner.sections
             continue
-        if factory is not None:
-            default: Any = {"dict": {}, "list": [], "tuple": ()}.get(ast.unparse(factory), NO_DEFAULT)
+        if isinstance(factory, ast.Lambda):  # default_factory=lambda: ["a", "b"]: a literal, read as one
+            try:
+                default: Any = ast.literal_eval(factory.body)
+            except ValueError:
+                default = NO_DEFAULT
+        elif factory is not None:
+            default = {"dict": {}, "list": [], "tuple": ()}.get(ast.unparse(factory), NO_DEFAULT)
         else:
             default = _value(module, value)
         kind, choices = _kind(module, stmt.annotation)

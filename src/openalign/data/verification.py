@@ -55,7 +55,7 @@ class VerifyConfig:
     ratio: float = 0.8  # Lowe's ratio test on the two nearest descriptors
     # the checks that may accept a pair: aligned (registered pixels, all pairs at once), then phash, then
     # features (ORB + RANSAC, the one that needs OpenCV) on the pairs the earlier ones left
-    checks: list[str] = field(default_factory=lambda: list(CHECKS))
+    checks: list[str] = field(default_factory=lambda: ["aligned", "phash", "features"])
     aligned_side: int = 64  # both images are resized to this square and their residual is scored there
     register_side: int = 48  # the affine fit runs on this smaller square (its maps hold at any size)
     # pairs whose unregistered 16 px luminance residual is above this skip the registration (not copies by
@@ -190,30 +190,13 @@ def verify_pair(a: Features, b: Features, config: VerifyConfig | None = None) ->
     return False, "rejected", inliers
 
 
-def aligned_check(
-    queries: np.ndarray,
-    references: np.ndarray,
-    config: VerifyConfig | None = None,
-    groups: np.ndarray | None = None,
-) -> np.ndarray:
+def aligned_check(queries: np.ndarray, references: np.ndarray, config: VerifyConfig | None = None) -> np.ndarray:
     """bool [B]: which pairs of uint8 [B, 3, S, S] thumbnails (``aligned_side``) the aligned check accepts: the
-    coarse screen first, then registration at ``register_side`` and the worst region at full size.
-
-    With ``groups`` (the query image of each pair), only each group's pair with the lowest coarse residual
-    goes on to registration: a crawl image is a copy of the one test image its pixels match best, so its
-    other candidates need no registration of their own.
-    """
+    coarse screen first, then registration at ``register_side`` and the worst region at full size."""
     from openalign.data.alignment import coarse_residual, register, worst_region_residual
 
     cfg = config or VerifyConfig()
-    coarse = coarse_residual(queries, references)
-    ok: np.ndarray = coarse <= cfg.max_coarse_residual
-    if groups is not None and ok.any():
-        passing = np.flatnonzero(ok)
-        order = passing[np.lexsort((coarse[passing], groups[passing]))]
-        first = np.r_[True, groups[order][1:] != groups[order][:-1]]
-        ok[:] = False
-        ok[order[first]] = True
+    ok: np.ndarray = coarse_residual(queries, references) <= cfg.max_coarse_residual
     if ok.any():  # only the pairs that pass the screen are registered
         affine = register(queries[ok], references[ok], side=cfg.register_side)
         ok[ok] = worst_region_residual(queries[ok], references[ok], affine) <= cfg.max_residual

@@ -4,10 +4,8 @@
 ``threshold + verify_band`` is a copy on the embedding alone, and the others go to verification. With
 ``nearest`` set, only each train image's best-ranked pairs in the band are verified and the rest are not
 copies. The checks (``VerifyConfig.checks``) run cheapest per pair first: the registered pixels of many pairs
-at once (``openalign.data.alignment``; of a train image's pairs, only the one its pixels match best at 16 px is
-registered, so a copy of two test images that copy each other keeps one pair, and its row is dropped all the
-same), then, for the pairs those leave, the pHash shortcut and ORB matches with a RANSAC similarity fit
-(``openalign.data.verification``).
+at once (``openalign.data.alignment``), then, for the pairs those leave, the pHash shortcut and ORB matches with
+a RANSAC similarity fit (``openalign.data.verification``).
 
 The images are read a second time, test side first: what the checks need of the test images in some uncertain
 pair is kept (a ``side``² thumbnail, and about 40 KB of features when feature matching is on; at most one per
@@ -97,8 +95,7 @@ def verify_pairs(
         if "aligned" in cfg.checks:
             queries = np.stack([train.thumb for _, train in batch])  # type: ignore[misc]
             refs = np.stack([tests[int(result.test_idx[p])].thumb for p, _ in batch])  # type: ignore[misc]
-            rows = np.array([result.train_idx[p] for p, _ in batch])
-            ok = aligned_check(queries, refs, cfg, groups=rows)
+            ok = aligned_check(queries, refs, cfg)
             for (p, _), yes in zip(batch, ok.tolist(), strict=True):
                 accepted[p] = yes
             counts["aligned"] += int(ok.sum())
