@@ -511,10 +511,11 @@ def diagnose(cfg: DemoConfig, summaries: dict[str, dict[str, Any]], curve: list[
     planted, found = dedup.get("planted_after_filter", 0), dedup.get("planted_found", 0)
     if planted:
         lines.append(
-            f"- Decontamination: the copy detector found {found} of {planted} planted near-copies of test images "
-            f"({100 * found / planted:.0f} % recall) and removed {dedup.get('other_rows_removed', 0)} other rows; "
-            "copies it missed stay in training and flatter the held-out scores a little "
-            "(more `copy_detector_steps` finds more)."
+            f"- Decontamination: the copy detector and the aligned-pixel check found {found} of {planted} planted "
+            f"near-copies of test images ({100 * found / planted:.0f} % recall) and removed "
+            f"{dedup.get('other_rows_removed', 0)} other rows; copies they missed stay in training and flatter the "
+            "held-out scores a little (a copy whose original the detector does not rank among its "
+            "`dedup_verify_nearest` is never verified: more `copy_detector_steps` ranks better)."
         )
     skipped = train.get("skipped_steps", 0)
     if skipped:
