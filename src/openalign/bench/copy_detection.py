@@ -77,7 +77,7 @@ class CopyBenchSettings:
     train_images: int = 500  # synthetic images it trains on
     train_seconds: float | None = None  # also stop its training after this much time (figures then vary by machine)
     threshold: float | None = None  # centre of the verification band (default: the detector's at the fpr)
-    verify_band: float = 0.1  # verification decides the pairs with cosine within this of the threshold
+    verify_band: float = 0.3  # verification decides the pairs with cosine within this of the threshold
     seed: int = 0  # which edits, strengths and detector weights
     json_path: str | None = None  # also write the results to this JSON file
     verify: VerifyConfig = field(default_factory=VerifyConfig)
