@@ -275,12 +275,11 @@ def _verified(
         )
         r_arr = dict(zip(np.unique(rs).tolist(), aligned_arrays([refs[i] for i in np.unique(rs)], side), strict=True))
         for start in range(0, len(qs), 1024):
-            qa = np.stack([q_arr[i] for i in qs[start : start + 1024].tolist()])
-            ra = np.stack([r_arr[i] for i in rs[start : start + 1024].tolist()])
-            ok = aligned_check(qa, ra, s.verify)
-            for qi, ri in zip(
-                qs[start : start + 1024][ok].tolist(), rs[start : start + 1024][ok].tolist(), strict=True
-            ):
+            q_batch, r_batch = qs[start : start + 1024], rs[start : start + 1024]
+            ok = aligned_check(
+                np.stack([q_arr[i] for i in q_batch.tolist()]), np.stack([r_arr[i] for i in r_batch.tolist()]), s.verify
+            )
+            for qi, ri in zip(q_batch[ok].tolist(), r_batch[ok].tolist(), strict=True):
                 out[qi, ri] = cosine[qi, ri] + 2.0
                 band[qi, ri] = False  # decided
             counts["aligned"] += int(ok.sum())

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from openalign.data.augment import image_array
+from openalign.data.augment import image_array, luma
 
 __all__ = ["aligned_arrays", "coarse_residual", "register", "worst_region_residual"]
 
@@ -52,9 +52,7 @@ def _as_float(x: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 def _luminance(x: torch.Tensor) -> torch.Tensor:
     """ITU-R 601 luma of RGB [B, 3, H, W] (what a saturation or colour-balance edit barely moves); else ``x``."""
-    if x.shape[1] != 3:
-        return x
-    return 0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]
+    return luma(x) if x.shape[1] == 3 else x
 
 
 def _grid(side: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ __all__ = [
     "crop_resize",
     "image_array",
     "jpeg_round_trip",
+    "luma",
     "to_pixels",
 ]
 
@@ -107,7 +108,7 @@ def _uniform(n: int, low: float, high: float, generator: torch.Generator) -> tor
     return torch.rand(n, generator=generator) * (high - low) + low
 
 
-def _grey(x: torch.Tensor) -> torch.Tensor:
+def luma(x: torch.Tensor) -> torch.Tensor:
     """ITU-R 601 luma, the grey PIL's ImageEnhance blends towards."""
     return 0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]
 
@@ -140,9 +141,9 @@ def colour_jitter(
     """
     shape = (x.shape[0], 1, 1, 1)
     x = (x * brightness.view(shape)).clamp(0.0, 1.0)
-    mean = _grey(x).mean(dim=(2, 3), keepdim=True)
+    mean = luma(x).mean(dim=(2, 3), keepdim=True)
     x = ((x - mean) * contrast.view(shape) + mean).clamp(0.0, 1.0)
-    grey = _grey(x)
+    grey = luma(x)
     return ((x - grey) * saturation.view(shape) + grey).clamp(0.0, 1.0)
 
 
