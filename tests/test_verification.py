@@ -16,7 +16,7 @@ from PIL import Image
 from openalign.bench.copy_detection import REFERENCES, _tiny, installed_photos
 from openalign.config import ConfigError
 from openalign.data.reposting import repost
-from openalign.data.verification import VerifyConfig, decide, features, require_opencv
+from openalign.data.verification import VerifyConfig, decide, features, require_opencv, verify_pair
 
 pytest.importorskip("cv2")
 
@@ -122,3 +122,62 @@ def test_dedup_reports_who_decided_each_pair(photos: dict[str, Image.Image], tmp
     assert v["rejected"] == v["pairs_verified"] - v["accepted_by_phash"] - v["accepted_by_features"]
     saved = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert saved["verification"]["pairs_verified"] == v["pairs_verified"]
+
+
+def test_shown_fraction_is_the_reference_area_inside_the_query() -> None:
+    from openalign.data.verification import shown_fraction
+
+    identity = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    assert shown_fraction(identity, (200, 100), (200, 100)) == 1.0
+    # A thumbnail at half size and the picture embedded in a page show it all. (Keypoints sit at pixel centres,
+    # so the thumbnail's pixel x is the reference's 2x + 0.5.)
+    assert shown_fraction(identity * 2 + np.array([[0, 0, 0.5], [0, 0, 0.5]]), (100, 50), (200, 100)) == 1.0
+    assert shown_fraction(identity + np.array([[0, 0, -300], [0, 0, -80]]), (800, 400), (200, 100)) == 1.0
+    # A re-crop to 80 % of each side shows 64 % of it; a fit that squeezes the query onto a tenth of each side
+    # of the reference shows 1 %.
+    crop = identity + np.array([[0, 0, 20], [0, 0, 10]])
+    assert shown_fraction(crop, (160, 80), (200, 100)) == pytest.approx(0.64)
+    assert shown_fraction(identity * 0.1, (200, 100), (200, 100)) == pytest.approx(0.01)
+    assert shown_fraction(np.zeros((2, 3)), (200, 100), (200, 100)) == 0.0
+    # Turned by 45° about the centre of a square: the overlap is the regular octagon, 2(√2 - 1) of the square.
+    c, h = np.cos(np.pi / 4), 49.5
+    turn = np.array([[c, -c, h - c * h + c * h], [c, c, h - c * h - c * h]])
+    assert shown_fraction(turn, (100, 100), (100, 100)) == pytest.approx(2 * (np.sqrt(2) - 1))
+
+
+def test_a_zoom_into_a_detail_is_not_a_copy(photos: dict[str, Image.Image]) -> None:
+    # The middle quarter of a photo blown up to full size matches it everywhere, by a fit that shows only a
+    # quarter of the original: a detail, not a copy. Three fifths of each side (0.36 of it) still is one.
+    cfg, no_rule = VerifyConfig(checks=["features"]), VerifyConfig(checks=["features"], min_shown=0.0)
+    for name in ("astronaut", "chelsea", "camera"):
+        photo = photos[name]
+        w, h = photo.size
+        reference = features(photo, cfg, mirror=True)
+
+        def zoom(side: float, photo: Image.Image = photo, w: int = w, h: int = h) -> Image.Image:
+            box = (round(w * 0.2), round(h * 0.2), round(w * (0.2 + side)), round(h * (0.2 + side)))
+            return photo.crop(box).resize((w, h), Image.Resampling.BICUBIC)
+
+        detail = features(zoom(0.5), cfg)
+        assert verify_pair(detail, reference, no_rule)[:2] == (True, "features")
+        assert verify_pair(detail, reference, cfg)[:2] == (False, "rejected")
+        assert verify_pair(features(zoom(0.6), cfg), reference, cfg)[:2] == (True, "features")
+
+
+def test_each_reference_keypoint_is_matched_once() -> None:
+    # Thirty query keypoints with one descriptor (a repeated texture) all pick the same reference keypoint: one
+    # match, not thirty, so no transform is fitted to them.
+    from openalign.data.verification import _similarity
+
+    cv2 = require_opencv()
+    rng = np.random.default_rng(0)
+    reference = rng.integers(0, 256, (40, 32), dtype=np.uint8)
+    query = np.repeat(reference[:1], 30, axis=0)
+    points_q = rng.uniform(0, 100, (30, 2)).astype(np.float32)
+    points_r = np.full((40, 2), 50.0, np.float32) + rng.normal(0, 0.5, (40, 2)).astype(np.float32)
+    assert _similarity(cv2, points_q, query, points_r, reference, VerifyConfig()) == (0, None)
+    # Distinct descriptors in a shifted layout fit, with every keypoint an inlier.
+    inliers, transform = _similarity(
+        cv2, points_r[:30] * 3, reference[:30], points_r[:30] * 3 + 5, reference[:30], VerifyConfig()
+    )
+    assert inliers == 30 and transform is not None and np.allclose(transform[:, 2], 5, atol=0.5)

@@ -88,7 +88,10 @@ def _gradients(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def register(
-    queries: torch.Tensor | np.ndarray, references: torch.Tensor | np.ndarray, side: int | None = None
+    queries: torch.Tensor | np.ndarray,
+    references: torch.Tensor | np.ndarray,
+    side: int | None = None,
+    init: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, 2, 3] affine maps, in ``affine_grid``'s convention, taking each query's pixels into its reference.
 
@@ -105,7 +108,7 @@ def register(
         q_full = F.interpolate(q_full, size=(side, side), mode="area")
         r_full = F.interpolate(r_full, size=(side, side), mode="area")
     b, c, side, _ = q_full.shape
-    identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    start = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]) if init is None else init.float()
     offset = torch.zeros(b, 2, 3)
     for shrink, steps in _STEPS:
         size = max(4, side // shrink)
@@ -116,7 +119,7 @@ def register(
         x, y, one = grid.unbind(1)
         products = torch.stack([x * x, x * y, x, y * y, y, one], 1)  # the 6 distinct entries of (x,y,1)(x,y,1)ᵀ
         for _ in range(steps):
-            sampled, m = _warp(stack, offset + identity, grid)
+            sampled, m = _warp(stack, offset + start, grid)
             w, gx, gy = sampled[:, :c], sampled[:, c : 2 * c], sampled[:, 2 * c :]
             gain, mq, mw, _ = _fit(q, w, m)
             residual = ((q - mq) - gain * (w - mw)) * m
@@ -130,7 +133,7 @@ def register(
             hessian = hessian + torch.eye(6) * (1e-3 * scale + 1e-8)
             step = torch.linalg.solve(hessian, rhs.unsqueeze(-1)).view(b, 2, 3)
             offset = (offset + step).clamp(-_MAX_STEP, _MAX_STEP)
-    return offset + identity
+    return offset + start
 
 
 def coarse_residual(
