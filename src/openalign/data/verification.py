@@ -17,8 +17,8 @@ Three checks, each able to accept a pair (``VerifyConfig.checks`` names those th
    consistent matches accept, provided the fit shows at least ``min_shown`` of the reference. Both rules stop
    the same failure: repeated texture (text, foliage, gravel) lets many query keypoints match one reference
    keypoint, and a fit that squeezes the whole query onto that patch of the reference then "explains" them
-   all. On ``openalign bench copy-detection``'s photos, 73 of some 5,000 false pairs reached 15 inliers that
-   way; with one match per reference keypoint none reached 12, while 380 of the 381 copies kept 12 or more.
+   all. On ``openalign bench copy-detection``'s photos, 73 of its 5,160 false pairs reached 15 inliers that
+   way; with one match per reference keypoint none reached 12, while 380 of the 384 copies kept 12 or more.
 
 OpenCV (``opencv-python-headless``, the ``verify`` extra) is needed only for step 2 and imported only here.
 """
