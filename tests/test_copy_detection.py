@@ -31,6 +31,9 @@ def trained(scenes: list[Image.Image]) -> CopyDetector:
 
 
 def _cfg(**fields: object) -> CopyDetectorTrainConfig:
+    # Views by the batched edits only: the copies scored here are the synthetic crawl's mild ones, and a run of
+    # 40 steps on 32 px scenes is too short to learn the heavy reposted edits as well.
+    fields.setdefault("augment", AugmentConfig(reposts=0))
     return CopyDetectorTrainConfig(image_size=SIZE, **fields)
 
 
@@ -138,6 +141,25 @@ def test_exact_duplicates_and_unreadable_images_are_skipped_and_counted() -> Non
     assert stats["images_in"] == 10 and stats["images_used"] == 6
     assert stats["exact_duplicates"] == 3 and stats["unreadable"] == 1
     assert stats["batch_size"] == 6  # capped at the distinct images
+
+
+def test_views_start_from_the_image_its_jpeg_round_trips_and_its_reposted_copies(scenes: list[Image.Image]) -> None:
+    from openalign.data.augment import image_array
+    from openalign.pipeline.copy_detector import _bank, _prepare
+
+    cfg = AugmentConfig(jpeg_variants=1, reposts=3)
+    arrays, reposted, _ = _prepare(scenes[:5], SIZE, 5, False, reposts=cfg.reposts, seed=0)
+    bank = _bank(arrays, reposted, cfg, seed=0, progress=False).numpy()
+    assert bank.shape == (5, 1 + 1 + 3, 3, SIZE, SIZE)
+    np.testing.assert_array_equal(bank[:, 0], [image_array(im, SIZE) for im in scenes[:5]])
+    np.testing.assert_array_equal(bank[:, 2:], reposted)
+    # Each reposted copy is an edit of its own image: closer to it than to any other image of the batch.
+    distance = np.abs(reposted.astype(np.float32)[:, :, None] - arrays.astype(np.float32)[None, None]).mean((3, 4, 5))
+    assert (distance.argmin(-1) == np.arange(5)[:, None]).mean() >= 0.8
+    assert (reposted != arrays[:, None]).any((2, 3, 4)).all()  # and never the image unchanged
+    again = _prepare(scenes[:5], SIZE, 5, False, reposts=cfg.reposts, seed=0)[1]
+    np.testing.assert_array_equal(again, reposted)
+    assert _prepare(scenes[:5], SIZE, 5, False)[1].shape == (5, 0, 3, SIZE, SIZE)
 
 
 def test_seconds_budget_stops_training() -> None:

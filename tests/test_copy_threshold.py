@@ -157,10 +157,12 @@ def test_holding_out_leaves_the_training_images_as_they_were(trained: tuple[Path
     from openalign.pipeline.copy_detector import _prepare
 
     images = [Image.open(p) for p in sorted(trained[0].glob("*.png"))]
-    plain, _ = _prepare(images, 16, 8, False)
+    plain, plain_copies, _ = _prepare(images, 16, 8, False, reposts=2)
     held: list[Image.Image] = []
-    arrays, _ = _prepare(images, 16, 8, False, held, 6)
+    arrays, copies, _ = _prepare(images, 16, 8, False, held, 6, reposts=2)
     np.testing.assert_array_equal(arrays, plain)  # same arrays, same order: training is unchanged
+    np.testing.assert_array_equal(copies, plain_copies)  # and the same reposted copies of them
+    assert copies.shape == (8, 2, 3, 16, 16)
     assert [im.tobytes() for im in held] == [im.convert("RGB").tobytes() for im in images[8:14]]
     fewer: list[Image.Image] = []
     _prepare(images, 16, 8, False, fewer, 3)

@@ -72,9 +72,9 @@ class CopyBenchSettings:
     max_side: int = 512  # photos are scaled down to this longest side first
     fpr: float = 0.001  # the false-positive rate recall is read at
     detector: str | None = None  # a saved copy detector to score (default: train one on synthetic images)
-    train_steps: int = 30  # training steps of that detector (openalign copy-detector train: 300)
-    train_batch: int = 32  # distinct images per training step (openalign copy-detector train: 128)
-    train_images: int = 500  # synthetic images it trains on
+    train_steps: int = 150  # training steps of that detector (openalign copy-detector train: 300)
+    train_batch: int = 64  # distinct images per training step (openalign copy-detector train: 128)
+    train_images: int = 1000  # synthetic images it trains on
     train_seconds: float | None = None  # also stop its training after this much time (figures then vary by machine)
     threshold: float | None = None  # centre of the verification band (default: the detector's at the fpr)
     verify_band: float = 0.3  # verification decides the pairs with cosine within this of the threshold

@@ -35,8 +35,11 @@ __all__ = [
 class AugmentConfig:
     """What reposting does to an image, as training views; a bit stronger than the copies to be found.
 
-    The defaults cover the synthetic world's planted copies (re-crop ≤ 4 %, brightness ±7 %, colour ±10 %,
-    JPEG 70–90) with a margin, so real copies fall inside what the detector was taught to ignore.
+    The batched views cover the synthetic world's planted copies (re-crop ≤ 4 %, brightness ±7 %, colour
+    ±10 %, JPEG 70–90) with a margin; ``reposts`` adds the web's heavy edits. On ``bench copy-detection``'s
+    photos a detector trained 300 steps on 2,000 synthetic images, then verified in a band of 0.3, found 0.84
+    of the copies at 0.1 % false positives without reposts and 0.93 with 2 per image (mirrored 0.58 → 1.00,
+    embedded in a page 0.36 → 0.64, three edits at once 0.56 → 0.79).
     """
 
     crop: float = 0.06  # each side independently loses up to this fraction of the side, then resize back
@@ -47,6 +50,11 @@ class AugmentConfig:
     saturation: float = 0.15  # scale deviations from each pixel's grey by U(1 - s, 1 + s)
     jpeg_variants: int = 2  # JPEG round trips precomputed per image; a view is one of them or the original
     jpeg_quality: tuple[int, int] = (40, 95)  # quality range of those round trips
+    # copies per image made once, before training, by openalign.data.reposting's random_repost (1 to 3 of its
+    # edits at random strengths: re-crop, padding, mirror, rotation, captions and logos, embedding in a page,
+    # ...), among which a view picks as among the JPEG variants: the heavy edits of the web that batched
+    # torch views do not make. 0 = off
+    reposts: int = 2
 
     def validate(self) -> None:
         """Raises ConfigError naming the bad field."""
@@ -59,8 +67,10 @@ class AugmentConfig:
         for name in ("brightness", "contrast", "saturation"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"augment.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.jpeg_variants < 0:
-            raise ConfigError(f"augment.jpeg_variants must be 0 or more, got {self.jpeg_variants}")
+        if self.jpeg_variants < 0 or self.reposts < 0:
+            raise ConfigError(
+                f"augment.jpeg_variants and augment.reposts must be 0 or more, got {self.jpeg_variants}, {self.reposts}"
+            )
         if len(self.jpeg_quality) != 2:
             raise ConfigError(f"augment.jpeg_quality must be [low, high], got {list(self.jpeg_quality)}")
         lo, hi = self.jpeg_quality

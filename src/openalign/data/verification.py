@@ -56,8 +56,9 @@ class VerifyConfig:
 
     phash_bits: int = 6  # accept at once when the 64-bit pHashes differ in at most this many bits
     min_inliers: int = 15  # accept when this many feature matches fit one similarity transform
-    # ... and that transform shows at least this fraction of the reference's area inside the query: a copy
-    # shows most of its original (a re-crop to 80 % of each side, straightened by 10°, still shows 0.4 of it)
+    # feature matching also needs the fitted transform to show at least this fraction of the reference's area
+    # inside the query: a copy shows most of its original (a re-crop to 80 % of each side, straightened by
+    # 10°, still shows 0.4 of it)
     min_shown: float = 0.3
     keypoints: int = 1000  # ORB keypoints per image
     max_side: int = 512  # larger images are scaled down to this longest side before feature extraction

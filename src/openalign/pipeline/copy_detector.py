@@ -8,17 +8,19 @@ and of copy-detection descriptors such as SSCD (Pizzi et al. 2022):
 - two views of one image, each passed through what reposting does to a picture (``openalign.data.augment``:
   a re-crop of a few percent and a resize, a lower-resolution copy scaled back up, brightness/contrast/colour
   changes, a JPEG re-encode at a random quality), are the positive pair; every other image of the batch is a
-  negative;
+  negative. A view starts from the image, one of its JPEG round trips or one of its reposted copies
+  (``openalign.data.reposting``: padding, mirroring, captions, embedding in a page, ...), made once;
 - the loss is ``openalign.loss.contrastive_loss`` (symmetric InfoNCE) with a low fixed temperature, so even
   a negative at cosine 0.9 costs a lot and the model learns to keep distinct images well apart while the
   views of one image collapse to almost the same point;
 - a small extra term keeps pulling the two views together after InfoNCE is satisfied, because the
   threshold asks copies to reach cosine 0.975, not merely to beat the negatives.
 
-Everything a step needs is precomputed or batched: images are decoded and resized once, JPEG round trips are
-done once per image (a few variants at random qualities), and the geometric and colour changes run on whole
-batches in torch. Exact duplicates among the training images (one image behind many alt-texts) are dropped
-before training, since two copies in one batch would be a positive pair scored as a negative.
+Everything a step needs is precomputed or batched: images are decoded and resized once, JPEG round trips and
+reposted copies are made once per image (a few of each, about 1.5 ms per copy), and the geometric and colour
+changes run on whole batches in torch. Exact duplicates among the training images (one image behind many
+alt-texts) are dropped before training, since two copies in one batch would be a positive pair scored as a
+negative.
 
 ``train_copy_detector`` trains on any iterable of PIL images; ``train_copy_detector_from_source`` reads an
 image folder, a table or WebDataset shards through ``openalign.data.sources`` and saves the result with
@@ -45,6 +47,7 @@ from tqdm import tqdm
 
 from openalign.config import ConfigError, to_dict
 from openalign.data.augment import AugmentConfig, augment_views, image_array, jpeg_round_trip, to_pixels
+from openalign.data.reposting import random_repost
 from openalign.data.sources import Source, decode_records, file_limit, open_source
 from openalign.loss import contrastive_loss
 from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
@@ -146,6 +149,14 @@ class CopyDetectorRun:
 _HOLDOUT_SIDE = 256
 
 
+def _reposted(image: Image.Image, size: int, count: int, rng: random.Random) -> np.ndarray:
+    """uint8 [count, 3, size, size]: ``count`` copies of ``image`` by ``random_repost`` (1 to 3 edits), made on a
+    thumbnail of twice ``size`` (enough for a caption or a page around it, and cheap whatever the source's size)."""
+    small = image.convert("RGB")
+    small.thumbnail((2 * size, 2 * size))
+    return np.stack([image_array(random_repost(small, rng, edits=rng.randint(1, 3))[0], size) for _ in range(count)])
+
+
 def _prepare(
     images: Iterable[Image.Image],
     size: int,
@@ -153,13 +164,18 @@ def _prepare(
     progress: bool,
     holdout: list[Image.Image] | None = None,
     holdout_images: int = 0,
-) -> tuple[np.ndarray, dict[str, int]]:
-    """Decode and resize once; drop exact duplicates and unreadable images (counted, never fatal).
+    reposts: int = 0,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Decode and resize once; drop exact duplicates and unreadable images (counted, never fatal). Returns the
+    images [N, 3, S, S], ``reposts`` reposted copies of each [N, reposts, 3, S, S] (``_reposted``) and counts.
 
     With ``holdout``, the next ``holdout_images`` distinct images after the first ``max_images`` are appended
     to it (as thumbnails) instead: the training images stay exactly the ones read without it.
     """
+    rng = random.Random(f"copy-detection-repost/{seed}")
     arrays: list[np.ndarray] = []
+    copies: list[np.ndarray] = []
     seen: set[bytes] = set()
     counts = {"images_in": 0, "exact_duplicates": 0, "unreadable": 0}
     bar = tqdm(images, desc="copy-prepare", unit="img", disable=not progress, dynamic_ncols=True)
@@ -177,6 +193,8 @@ def _prepare(
         seen.add(digest)
         if len(arrays) < max_images:
             arrays.append(array)
+            if reposts:
+                copies.append(_reposted(image, size, reposts, rng))
         elif holdout is not None:
             held = image.convert("RGB")
             held.thumbnail((_HOLDOUT_SIDE, _HOLDOUT_SIDE))
@@ -186,14 +204,19 @@ def _prepare(
     bar.close()
     if len(arrays) < 2:
         raise ValueError(f"train_copy_detector needs at least 2 distinct readable images, got {len(arrays)}")
-    return np.stack(arrays), counts
+    stacked = np.stack(arrays)
+    reposted = np.stack(copies) if copies else np.zeros((len(arrays), 0, *stacked.shape[1:]), np.uint8)
+    return stacked, reposted, counts
 
 
-def _jpeg_bank(arrays: np.ndarray, cfg: AugmentConfig, seed: int, progress: bool) -> torch.Tensor:
-    """[N, 1 + jpeg_variants, 3, S, S] uint8: the image, then its JPEG round trips at random qualities."""
+def _bank(arrays: np.ndarray, reposted: np.ndarray, cfg: AugmentConfig, seed: int, progress: bool) -> torch.Tensor:
+    """[N, 1 + jpeg_variants + reposts, 3, S, S] uint8: the image, its JPEG round trips at random qualities,
+    then its reposted copies: everything a view starts from."""
     rng = random.Random(f"copy-detection-jpeg/{seed}")
-    bank = np.empty((len(arrays), 1 + cfg.jpeg_variants, *arrays.shape[1:]), dtype=np.uint8)
+    first = 1 + cfg.jpeg_variants
+    bank = np.empty((len(arrays), first + reposted.shape[1], *arrays.shape[1:]), dtype=np.uint8)
     bank[:, 0] = arrays
+    bank[:, first:] = reposted
     lo, hi = cfg.jpeg_quality
     for i in tqdm(range(len(arrays)), desc="copy-jpeg", unit="img", disable=not progress or not cfg.jpeg_variants):
         for j in range(cfg.jpeg_variants):
@@ -256,8 +279,10 @@ def train_copy_detector(
     cfg.validate()
     augment = cfg.augment
     start = time.perf_counter()
-    arrays, counts = _prepare(images, cfg.image_size, cfg.max_images, progress, holdout, cfg.fit.holdout)
-    bank = _jpeg_bank(arrays, augment, cfg.seed, progress)
+    arrays, reposted, counts = _prepare(
+        images, cfg.image_size, cfg.max_images, progress, holdout, cfg.fit.holdout, augment.reposts, cfg.seed
+    )
+    bank = _bank(arrays, reposted, augment, cfg.seed, progress)
     batch_size = min(cfg.batch_size, len(arrays))
     steps, temperature = cfg.steps, cfg.temperature
 

@@ -278,6 +278,7 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     paper's "separate high-quality image embedding model"), through the one dedup path."""
     import pyarrow.parquet as pq
 
+    from openalign.data.augment import AugmentConfig
     from openalign.data.sources import open_source
     from openalign.data.verification import VerifyConfig
     from openalign.pipeline.copy_detector import CopyDetectorTrainConfig, train_copy_detector_from_source
@@ -290,8 +291,13 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     test = ImageFiles([str(p.relative_to(root / "test")) for p in test_paths], test_paths)
     detector_dir = root / "copy_detector"
     if not (detector_dir / "config.json").is_file():
+        # Its planted copies are mild edits, which the batched views cover; reposted copies of 20,000 images
+        # (heavy edits: pages, captions, mirrors) would add about a minute of preparation for nothing.
         detector_cfg = CopyDetectorTrainConfig(
-            steps=cfg.copy_detector_steps, image_size=cfg.copy_detector_size, seed=cfg.seed
+            steps=cfg.copy_detector_steps,
+            image_size=cfg.copy_detector_size,
+            seed=cfg.seed,
+            augment=AugmentConfig(reposts=0),
         )
         train_copy_detector_from_source(train, detector_dir, detector_cfg, progress=True)
     settings = DedupRunConfig(
