@@ -82,14 +82,16 @@ def test_a_copy_matches_everywhere_and_one_changed_object_does_not(photos: dict[
         under = np.asarray(other.crop((x, y, x + 22, y + 22))).reshape(-1, 3).mean(0)
         ImageDraw.Draw(other).ellipse((x, y, x + 22, y + 22), fill=tuple(int(255 - v) for v in under))
         changed.append(other)
-    ref_arrays = aligned_arrays(refs, SIDE)
+    # Scored at the check's own size, registered at its smaller one.
+    cfg = VerifyConfig()
+    ref_arrays = aligned_arrays(refs, cfg.aligned_side)
     for queries, is_copy in ((copies, True), (changed, False)):
-        q = aligned_arrays(queries, SIDE)
-        scores = worst_region_residual(q, ref_arrays, register(q, ref_arrays))
-        assert ((scores <= VerifyConfig().max_residual) == is_copy).all(), scores
+        q = aligned_arrays(queries, cfg.aligned_side)
+        scores = worst_region_residual(q, ref_arrays, register(q, ref_arrays, side=cfg.register_side))
+        assert ((scores <= cfg.max_residual) == is_copy).all(), scores
     # Unregistered (the identity map), a re-crop of a few percent already fails: the registration is what
     # lets the copies through.
-    q = aligned_arrays(copies, SIDE)
+    q = aligned_arrays(copies, cfg.aligned_side)
     identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]).expand(len(q), 2, 3)
     assert (worst_region_residual(q, ref_arrays, identity) > VerifyConfig().max_residual).any()
 

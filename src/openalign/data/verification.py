@@ -72,7 +72,10 @@ class VerifyConfig:
     # the aligned check). Unrelated pictures score about 1; a 12 % re-crop of a photo 0.87, a 4 % one of the
     # synthetic world at most 0.71: lower it to spare registrations when copies are only mildly edited
     max_coarse_residual: float = 0.95
-    max_residual: float = 0.45  # aligned accepts when the worst region's residual / the query's variance is ≤ this
+    # aligned accepts when its worst window's residual, over that window's detail (worst_region_residual), is ≤
+    # this. Photos' re-crops and re-encodes score at most 0.18 at 64 px, one object of a tenth of the side painted
+    # over one 0.45 or more; pictures with texture at the pixel scale need more (the synthetic world: 0.8)
+    max_residual: float = 0.35
     # verify only each train image's this many highest-cosine pairs in the band (0: all); the rest are not
     # copies, since a copy's own original is what a copy detector ranks first (or nearly)
     nearest: int = 0
