@@ -43,7 +43,7 @@ __all__ = ["aligned_arrays", "coarse_residual", "register", "worst_region_residu
 # above to converge from the identity (more steps changed no decision on the synthetic world's copies); with all
 # six parameters free at half size too, a copy of a striped or periodic texture could slide into a shear that
 # lines the stripes up elsewhere, and was rejected.
-_STEPS = ((2, 8, 4), (1, 5, 6))
+_LEVELS = ((2, 8, 4), (1, 5, 6))
 _SHEARS = [1, 3]  # a12 and a21 of the row-major 2 × 3 map: held at their value by a 4-parameter level
 _MAX_STEP = 0.5  # no parameter moves further from the identity than this (a diverging fit stays bounded)
 _FLOOR = 0.1  # of the picture's variance, added to each window's own detail when its residual is scored
@@ -102,7 +102,6 @@ def register(
     queries: torch.Tensor | np.ndarray,
     references: torch.Tensor | np.ndarray,
     side: int | None = None,
-    init: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, 2, 3] affine maps, in ``affine_grid``'s convention, taking each query's pixels into its reference.
 
@@ -119,9 +118,9 @@ def register(
         q_full = F.interpolate(q_full, size=(side, side), mode="area")
         r_full = F.interpolate(r_full, size=(side, side), mode="area")
     b, c, side, _ = q_full.shape
-    start = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]) if init is None else init.float()
-    offset = torch.zeros(b, 2, 3)
-    for shrink, steps, free in _STEPS:
+    identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    affine = identity.expand(b, 2, 3)
+    for shrink, steps, free in _LEVELS:
         size = max(4, side // shrink)
         q = F.interpolate(q_full, size=(size, size), mode="area") if size != side else q_full
         r = F.interpolate(r_full, size=(size, size), mode="area") if size != side else r_full
@@ -130,7 +129,7 @@ def register(
         x, y, one = grid.unbind(1)
         products = torch.stack([x * x, x * y, x, y * y, y, one], 1)  # the 6 distinct entries of (x,y,1)(x,y,1)ᵀ
         for _ in range(steps):
-            sampled, m = _warp(stack, offset + start, grid)
+            sampled, m = _warp(stack, affine, grid)
             w, gx, gy = sampled[:, :c], sampled[:, c : 2 * c], sampled[:, 2 * c :]
             gain, mq, mw, _ = _fit(q, w, m)
             residual = ((q - mq) - gain * (w - mw)) * m
@@ -148,8 +147,8 @@ def register(
                 hessian[:, _SHEARS, _SHEARS] = 1.0
                 rhs[:, _SHEARS] = 0.0
             step = torch.linalg.solve(hessian, rhs.unsqueeze(-1)).view(b, 2, 3)
-            offset = (offset + step).clamp(-_MAX_STEP, _MAX_STEP)
-    return offset + start
+            affine = identity + (affine + step - identity).clamp(-_MAX_STEP, _MAX_STEP)
+    return affine
 
 
 def coarse_residual(
