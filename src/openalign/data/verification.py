@@ -261,13 +261,20 @@ def verify_pair(a: Features, b: Features, config: VerifyConfig | None = None) ->
 def aligned_check(queries: np.ndarray, references: np.ndarray, config: VerifyConfig | None = None) -> np.ndarray:
     """bool [B]: which pairs of uint8 [B, 3, S, S] thumbnails (``aligned_side``) the aligned check accepts: the
     coarse screen first, then registration at ``register_side`` and the worst region at full size."""
+    import torch
+
     from openalign.data.alignment import coarse_residual, register, worst_region_residual
 
     cfg = config or VerifyConfig()
-    ok: np.ndarray = coarse_residual(queries, references) <= cfg.max_coarse_residual
+    # To [0, 1] floats once: each step below would otherwise convert the same uint8 pixels again.
+    q, r = (torch.as_tensor(x) for x in (queries, references))
+    if q.dtype == torch.uint8:
+        q, r = q.float().div_(255.0), r.float().div_(255.0)
+    ok: np.ndarray = coarse_residual(q, r) <= cfg.max_coarse_residual
     if ok.any():  # only the pairs that pass the screen are registered
-        affine = register(queries[ok], references[ok], side=cfg.register_side)
-        ok[ok] = worst_region_residual(queries[ok], references[ok], affine) <= cfg.max_residual
+        picked = torch.from_numpy(ok)
+        q, r = q[picked], r[picked]
+        ok[ok] = worst_region_residual(q, r, register(q, r, side=cfg.register_side)) <= cfg.max_residual
     return ok
 
 
