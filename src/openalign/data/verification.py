@@ -263,13 +263,11 @@ def aligned_check(queries: np.ndarray, references: np.ndarray, config: VerifyCon
     coarse screen first, then registration at ``register_side`` and the worst region at full size."""
     import torch
 
-    from openalign.data.alignment import coarse_residual, register, worst_region_residual
+    from openalign.data.alignment import _as_float, coarse_residual, register, worst_region_residual
 
     cfg = config or VerifyConfig()
     # To [0, 1] floats once: each step below would otherwise convert the same uint8 pixels again.
-    q, r = (torch.as_tensor(x) for x in (queries, references))
-    if q.dtype == torch.uint8:
-        q, r = q.float().div_(255.0), r.float().div_(255.0)
+    q, r = _as_float(queries), _as_float(references)
     ok: np.ndarray = coarse_residual(q, r) <= cfg.max_coarse_residual
     if ok.any():  # only the pairs that pass the screen are registered
         picked = torch.from_numpy(ok)
