@@ -113,7 +113,7 @@ def test_registration_is_not_fooled_by_fine_stripes(monkeypatch: pytest.MonkeyPa
     # Re-crops of up to 4 % a side of striped pictures (a period is 0.19–0.22 of the [-1, 1] frame). At the
     # half-size level the stripes are 2–3 px apart, where shrinking aliases them into a false coarser pattern;
     # the level's low-pass leaves the rings to pull the fit, and the maps land on the true one, not on a
-    # neighbouring period (all but one of twelve here; without the low-pass, four to ten of them fail).
+    # neighbouring period (all but one of the twelve here; without the low-pass, seven of them fail).
     r = random.Random(0)
     refs, boxes = [], []
     for period in (18, 21) * 6:
