@@ -75,8 +75,8 @@ class VerifyConfig:
     # aligned accepts when its worst window's residual, over that window's detail (worst_region_residual), is ≤
     # this, both images low-passed by a Gaussian of aligned_blur pixels (at aligned_side) first: grain at the
     # pixel scale does not survive a repost. Photos' re-crops and re-encodes then score at most 0.16 at 64 px,
-    # one object of a tenth of the side painted over one 0.38 or more; the synthetic world's planted copies
-    # (grainy 64 px scenes) pass 95–96 of 100 a seed
+    # one object of a tenth of the side painted over one 0.38 or more; with it the demo's dedup finds 94–96 of
+    # its 100 planted copies a seed (grainy 64 px scenes)
     max_residual: float = 0.3
     aligned_blur: float = 1.0
     # verify only each train image's this many highest-cosine pairs in the band (0: all); the rest are not
