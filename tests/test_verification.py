@@ -79,6 +79,9 @@ def test_missing_opencv_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_
         DedupRunConfig(embedder="npy", verify=True).validate()
     with pytest.raises(ConfigError, match="verify_band"):
         DedupRunConfig(verify_band=1.5).validate()
+    for combo in (0, 11):
+        with pytest.raises(ConfigError, match="verify_combo"):
+            DedupRunConfig(verify_combo=combo).validate()
     with pytest.raises(ConfigError, match="min_inliers"):
         VerifyConfig(min_inliers=2).validate()
 
@@ -112,6 +115,7 @@ def test_dedup_reports_who_decided_each_pair(photos: dict[str, Image.Image], tmp
     pairs = set(zip(table["train_key"].to_pylist(), table["test_key"].to_pylist(), strict=True))
     assert pairs == {("a_copy", "astronaut")}
     assert run.dropped_keys == ["a_copy"]
+    assert run.result.stats["combo"] == min(cfg.verify_combo, run.result.stats["nearest"])  # the widened search's
     v = run.result.stats["verification"]
     train = np.load(tmp_path / "out" / "train_emb.npy")
     test = np.load(tmp_path / "out" / "test_emb.npy")
