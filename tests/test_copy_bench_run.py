@@ -13,7 +13,9 @@ import pytest
 from openalign.bench.copy_detection import (
     REFERENCES,
     CopyBenchSettings,
+    _FeatureCache,
     _verified,
+    _with_votes,
     installed_photos,
     recall_at_fpr,
     run_copy_detection_bench,
@@ -22,7 +24,7 @@ from openalign.config import ConfigError
 from openalign.data.reposting import TRANSFORMS, repost
 from openalign.data.verification import VerifyConfig
 
-METHODS = ["phash", "tiny-image", "detector-untrained", "detector", "detector+verify"]
+METHODS = ["phash", "tiny-image", "detector-untrained", "detector", "detector+verify", "detector+verify+votes"]
 
 pytest.importorskip("cv2")
 
@@ -68,6 +70,10 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # The band is centred on the detector's operating threshold, read at the false-positive rate.
     assert (v["band"][0] + v["band"][1]) / 2 == pytest.approx(results["detector"]["threshold"])
     assert v["images_described"] <= n_refs + n_queries
+    votes = results["votes"]
+    assert votes["pairs_voted"] == votes["aligned"] + votes["phash"] + votes["features"] + votes["rejected"]
+    assert votes["pairs_voted"] <= v["below"]  # only pairs the band left below it
+    assert votes["images_described"] == n_refs + n_queries  # votes need every image's descriptors
 
     lines = printed.splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("recall at"))) + 1 :]
@@ -140,3 +146,29 @@ def test_fixed_threshold_and_zero_band_leave_scores_alone(tmp_path: Path) -> Non
         "rejected": 0,
         "images_described": 0,
     }
+
+
+def test_votes_bring_a_picture_embedded_in_a_page_to_verification() -> None:
+    photos = installed_photos(REFERENCES, 256)
+    refs = [photos["astronaut"], photos["chelsea"], photos["coffee"]]
+    rng = random.Random(0)
+    queries = [repost(refs[2], [("embed", 1.0)], rng), photos["camera"]]
+    # The embedding ranks the page's copy below the band, as the bench's detector does, and the unrelated
+    # photo higher still.
+    cosine = np.array([[0.40, 0.50, 0.45], [0.55, 0.60, 0.58]])
+    s = CopyBenchSettings(verify_band=0.1)
+    cache = _FeatureCache(queries, refs, s.verify)
+    verified, counts = _verified(cosine, queries, refs, 0.9, s, cache)
+    assert counts["below"] == cosine.size and counts["images_described"] == 0
+    np.testing.assert_array_equal(verified, cosine)
+    out, voted = _with_votes(verified, cosine, 0.8, cache, s)
+    assert out[0, 2] == pytest.approx(2.45)  # voted for, then accepted by feature matching: above everything
+    assert voted["features"] == 1 and voted["pairs_voted"] == 1 + voted["rejected"]
+    decided = np.zeros_like(out, bool)
+    decided[0, 2] = True
+    assert np.all(
+        (out[~decided] == cosine[~decided]) | (out[~decided] == cosine[~decided] - 4)
+    )  # rejected or not voted
+    positive = np.zeros_like(out, bool)
+    positive[0, 2] = True
+    assert recall_at_fpr(out, positive, 0.0)[0] == 1.0 and recall_at_fpr(cosine, positive, 0.0)[0] == 0.0

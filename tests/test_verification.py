@@ -185,3 +185,51 @@ def test_each_reference_keypoint_is_matched_once() -> None:
         cv2, points_r[:30] * 3, reference[:30], points_r[:30] * 3 + 5, reference[:30], VerifyConfig()
     )
     assert inliers == 30 and transform is not None and np.allclose(transform[:, 2], 5, atol=0.5)
+
+
+def test_feature_votes_are_ratio_tested_nearest_descriptors_counted_by_hand(photos: dict[str, Image.Image]) -> None:
+    from openalign.data.verification import FeatureVotes
+
+    cfg = VerifyConfig(keypoints=200)
+    refs = [features(photos[name], cfg, mirror=True) for name in ("astronaut", "chelsea", "coffee")]
+    query = features(repost(photos["chelsea"], [("crop", 0.5), ("jpeg", 0.5)], random.Random(0)), cfg)
+    votes = FeatureVotes(refs, cfg).votes(query)
+    # By hand: every indexed descriptor's Hamming distance to every query descriptor, the two nearest, the ratio.
+    pool = np.concatenate([d for f in refs for d in (f.descriptors, f.mirror_descriptors)])
+    owner = np.concatenate(
+        [np.full(len(d), i) for i, f in enumerate(refs) for d in (f.descriptors, f.mirror_descriptors)]
+    )
+    bits = np.unpackbits(query.descriptors[:, None, :] ^ pool[None, :, :], axis=2).sum(2)
+    nearest = np.sort(bits, axis=1)[:, :2]
+    passed = nearest[:, 0] < cfg.ratio * nearest[:, 1]
+    # Ties for the nearest are left out of the comparison: which of two equal descriptors FAISS returns is its own.
+    unique = (bits == nearest[:, :1]).sum(1) == 1
+    expected = np.bincount(owner[bits.argmin(1)[passed & unique]], minlength=3)
+    assert (
+        votes.sum() == passed.sum()
+        and np.all(votes >= expected)
+        and votes.sum() - expected.sum() <= (passed & ~unique).sum()
+    )
+    assert votes.argmax() == 1 and votes[1] >= 10 * max(votes[0], votes[2], 1)
+
+
+def test_a_picture_embedded_in_a_page_draws_the_votes_of_its_original(photos: dict[str, Image.Image]) -> None:
+    from openalign.data.verification import FeatureVotes
+
+    cfg = VerifyConfig()
+    names = ["astronaut", "chelsea", "coffee", "camera", "coins"]
+    refs = [features(photos[n], cfg, mirror=True) for n in names]
+    votes = FeatureVotes(refs, cfg)
+    rng = random.Random(1)
+    for strength in (0.67, 1.0):  # the picture fills 60 % and 40 % of each side of the page
+        page = features(repost(photos["coffee"], [("embed", strength)], rng), cfg)
+        counted = votes.votes(page)
+        # Its original draws hundreds (297 and 206 when this was written), any other photo about as many as
+        # chance gives 1,000 keypoints (at most 11): a candidate or two more, which feature matching rejects.
+        assert counted.argmax() == 2 and counted[2] >= 10 * np.delete(counted, 2).max()
+        assert 2 in votes.candidates(page)
+        assert [verify_pair(page, r, cfg)[0] for r in refs] == [n == "coffee" for n in names]
+    # A photo that copies none of them draws no more than chance.
+    assert votes.votes(features(photos["rocket"], cfg)).max() < 3 * cfg.min_votes
+    with pytest.raises(ConfigError, match="min_votes"):
+        VerifyConfig(min_votes=0).validate()
