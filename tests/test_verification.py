@@ -233,3 +233,52 @@ def test_a_picture_embedded_in_a_page_draws_the_votes_of_its_original(photos: di
     assert votes.votes(features(photos["rocket"], cfg)).max() < 3 * cfg.min_votes
     with pytest.raises(ConfigError, match="min_votes"):
         VerifyConfig(min_votes=0).validate()
+
+
+def test_dedup_with_votes_finds_a_picture_pasted_into_a_page(photos: dict[str, Image.Image], tmp_path: Path) -> None:
+    from openalign.model.copy_detector import CopyDetector
+    from openalign.pipeline.dedup import DedupRunConfig, Embedder, EmbedderSpec, run_dedup
+
+    train_dir, test_dir = tmp_path / "train", tmp_path / "test"
+    train_dir.mkdir()
+    test_dir.mkdir()
+    repost(photos["astronaut"], [("embed", 1.0)], random.Random(0)).save(train_dir / "page.png")
+    repost(photos["chelsea"], [("resize", 1.0), ("jpeg", 0.5)], random.Random(0)).save(train_dir / "cat_copy.png")
+    photos["grace_hopper"].save(train_dir / "hopper.png")
+    for name in ("astronaut", "chelsea", "coffee"):
+        photos[name].save(test_dir / f"{name}.png")
+
+    class TinyImages(Embedder):
+        def embed(self, images: Iterable[Image.Image], *, batch_size: int = 64, progress: bool = False) -> np.ndarray:
+            return _tiny(list(images))
+
+    embedder = TinyImages(EmbedderSpec("copy-detector", tmp_path), CopyDetector())
+    runs = {}
+    for votes in (False, True):
+        cfg = DedupRunConfig(
+            embedder=f"copy-detector:{tmp_path}", verify=True, verify_band=0.9, verify_votes=votes, threshold=0.975
+        )
+        runs[votes] = run_dedup(train_dir, test_dir, tmp_path / f"out{votes}", cfg, embedder=embedder)
+    train = np.load(tmp_path / "outTrue" / "train_emb.npy")
+    test = np.load(tmp_path / "outTrue" / "test_emb.npy")
+    keys = runs[True].train_keys
+    page, cat = keys.index("page"), keys.index("cat_copy")
+    cos = train @ test.T
+    # The tiny image of a page holding the astronaut is as far from it as from the others, below the band.
+    astronaut = runs[True].test_keys.index("astronaut")
+    # The tiny image of a page holding the astronaut is far from it (the search's widened threshold is 0.075),
+    # while the thumbnail of the cat is close to its original.
+    assert cos[page, astronaut] <= 0.975 - 0.9 < cos[cat, runs[True].test_keys.index("chelsea")]
+    assert runs[False].dropped_keys == ["cat_copy"]
+    assert runs[True].dropped_keys == ["cat_copy", "page"]
+    v = runs[True].result.stats["verification"]
+    assert v["accepted_voted"] == 1 and v["pairs_voted"] >= 1
+    assert v["pairs_verified"] == runs[False].result.stats["verification"]["pairs_verified"]
+    table = runs[True].result.pairs_table(runs[True].train_keys, runs[True].test_keys)
+    row = table["train_key"].to_pylist().index("page")
+    assert table["test_key"][row].as_py() == "astronaut"
+    assert table["cosine"][row].as_py() == pytest.approx(
+        float(cos[page, runs[True].test_keys.index("astronaut")]), abs=1e-5
+    )
+    with pytest.raises(ConfigError, match="verify_votes"):
+        DedupRunConfig(verify_votes=True).validate()

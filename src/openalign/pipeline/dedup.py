@@ -102,6 +102,11 @@ class DedupRunConfig(DedupConfig):
     # paper's 3 of 10 is lossless near 0.975 only. On the demo's copy-detector embeddings it missed no pair above
     # 0.9 cosine, 0.5 % above 0.8 and 8.4 % above 0.7; 2 of 10 missed 0.06 % and 2.2 % for 1.7x the candidates.
     verify_combo: int = 2
+    # also verify the pairs that ORB descriptors vote for (verification.min_votes of a train image's nearest
+    # matches among all test images' descriptors), wherever their cosine is: a picture pasted into a page or
+    # collage, which a global embedding places far from its original. Reads every train image's features
+    # (ORB at verification.max_side, about 10 ms an image) and keeps every test image's (about 64 KB each).
+    verify_votes: bool = False
     verification: VerifyConfig = field(default_factory=VerifyConfig)
 
     def validate(self) -> None:
@@ -113,6 +118,8 @@ class DedupRunConfig(DedupConfig):
             raise ConfigError(f"dedup.verify_band must be in [0, 1), got {self.verify_band}")
         if not 1 <= self.verify_combo <= self.nearest:
             raise ConfigError(f"dedup.verify_combo must be in [1, nearest={self.nearest}], got {self.verify_combo}")
+        if self.verify_votes and not (self.verify and "features" in self.verification.checks):
+            raise ConfigError("dedup.verify_votes needs --verify and the features check in verification.checks")
         if self.verify and spec.kind == "npy":
             raise ConfigError("dedup.verify needs the images: use --embedder copy-detector:DIR or align:DIR")
         if self.batch_size < 1:
@@ -479,8 +486,21 @@ def run_dedup(
             pairs = _side_images(side, lambda reason, detail: None, cfg.image_root, limit, cfg.allow_outside_root)
             return (image for _, image in pairs)
 
+        def cosine(train_rows: np.ndarray, test_rows: np.ndarray) -> np.ndarray:
+            a, b = train_emb[train_rows], test_emb[test_rows]
+            out: np.ndarray = np.einsum("ij,ij->i", a, b) / (
+                np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12
+            )
+            return out
+
         result = verify_pairs(
-            found, images(train), images(test), threshold=cfg.threshold, band=cfg.verify_band, config=cfg.verification
+            found,
+            images(train),
+            images(test),
+            threshold=cfg.threshold,
+            band=cfg.verify_band,
+            config=cfg.verification,
+            votes=cosine if cfg.verify_votes else None,
         )
         n_train = len(train_emb)
     elif not on_files:

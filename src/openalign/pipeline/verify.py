@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from PIL import Image
 
+from openalign.config import ConfigError
 from openalign.data.augment import image_array
 from openalign.data.dedup import DedupResult
-from openalign.data.verification import Features, VerifyConfig, aligned_check, features, verify_pair
+from openalign.data.verification import Features, FeatureVotes, VerifyConfig, aligned_check, features, verify_pair
 
 __all__ = ["verify_pairs"]
 
@@ -67,11 +68,16 @@ def verify_pairs(
     threshold: float,
     band: float,
     config: VerifyConfig | None = None,
+    votes: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> DedupResult:
     """``result`` (pairs found above ``threshold - band``) with the uncertain pairs verified: those the
     verification rejects are dropped, and ``stats["verification"]`` says who decided how many pairs.
 
-    ``train_images`` / ``test_images`` yield the images in the row order of the embeddings.
+    ``train_images`` / ``test_images`` yield the images in the row order of the embeddings. With ``votes``
+    (``cosine(train_rows, test_rows)`` of the embeddings), every train image's ORB descriptors also vote among
+    all test images' (``FeatureVotes``), and the pairs they propose that the search did not find are verified
+    too: a picture embedded in a page, which a global embedding places far from its original. That reads every
+    image's features, both sides, and keeps the test side's (about 64 KB an image).
     """
     cfg = config or VerifyConfig()
     started = time.perf_counter()
@@ -82,39 +88,72 @@ def verify_pairs(
     for p in unsure.tolist():
         by_train[int(result.train_idx[p])].append(p)
     tests: dict[int, _Side] = {}
-    if len(unsure):
+    if len(unsure) or votes is not None:
         for row, image in enumerate(test_images):
-            if row in needed_test:
+            if row in needed_test or votes is not None:
                 tests[row] = _keep(image, cfg, mirror=True)
+    voter = None
+    known: set[tuple[int, int]] = set()  # pairs decided already: by the embedding, or in the band
+    if votes is not None:
+        if "features" not in cfg.checks:
+            raise ConfigError("dedup.verify_votes needs the features check in verification.checks")
+        voter = FeatureVotes([cast(Features, tests[row].feats) for row in range(len(tests))], cfg)
+        decided = np.flatnonzero(sure).tolist() + unsure.tolist()
+        known = set(zip(result.train_idx[decided].tolist(), result.test_idx[decided].tolist(), strict=True))
+    # Pairs the votes add: train row, test row, cosine; decided like the band's, their results kept apart.
+    added_train: list[int] = []
+    added_test: list[int] = []
+    added_accepted: list[bool] = []
     accepted = sure.copy()
     counts = {"aligned": 0, "phash": 0, "features": 0, "rejected": 0}
     pending: list[tuple[int, _Side]] = []  # (pair, the train image's side of it)
+
+    n_found = len(result.train_idx)
+
+    def test_row(p: int) -> int:  # pairs past the search's are the ones the votes added
+        return int(result.test_idx[p]) if p < n_found else added_test[p - n_found]
+
+    def settle(p: int, yes: bool) -> None:
+        if p < n_found:
+            accepted[p] = yes
+        else:
+            added_accepted[p - n_found] = yes
 
     def decide(batch: list[tuple[int, _Side]]) -> None:
         left = batch
         if "aligned" in cfg.checks:
             queries = np.stack([train.thumb for _, train in batch])  # type: ignore[misc]
-            refs = np.stack([tests[int(result.test_idx[p])].thumb for p, _ in batch])  # type: ignore[misc]
+            refs = np.stack([tests[test_row(p)].thumb for p, _ in batch])  # type: ignore[misc]
             ok = aligned_check(queries, refs, cfg)
             for (p, _), yes in zip(batch, ok.tolist(), strict=True):
-                accepted[p] = yes
+                settle(p, yes)
             counts["aligned"] += int(ok.sum())
             left = [item for item, yes in zip(batch, ok.tolist(), strict=True) if not yes]
         for p, train in left:
-            reference = tests[int(result.test_idx[p])].feats
+            reference = tests[test_row(p)].feats
             if train.feats is None or reference is None:
                 counts["rejected"] += 1
                 continue
             yes, how, _ = verify_pair(train.feats, reference, cfg)
             counts[how] += 1
-            accepted[p] = yes
+            settle(p, yes)
 
-    if len(unsure):
+    if len(unsure) or voter is not None:
         for row, image in enumerate(train_images):
-            pairs = by_train.get(row)
-            if not pairs:
+            pairs = by_train.get(row, [])
+            proposed: list[int] = []
+            if voter is not None:
+                mine = _keep(image, cfg, mirror=False)
+                proposed = [j for j in voter.candidates(cast(Features, mine.feats)).tolist() if (row, j) not in known]
+            if not pairs and not proposed:
                 continue
-            mine = _keep(image, cfg, mirror=False)
+            if voter is None:
+                mine = _keep(image, cfg, mirror=False)
+            for j in proposed:
+                pairs.append(n_found + len(added_test))
+                added_train.append(row)
+                added_test.append(j)
+                added_accepted.append(False)
             pending += [(p, mine) for p in pairs]
             if len(pending) >= _BATCH:
                 decide(pending)
@@ -123,6 +162,13 @@ def verify_pairs(
             decide(pending)
     keep = np.flatnonzero(accepted)
     train_idx, test_idx, cosine = result.train_idx[keep], result.test_idx[keep], result.cosine[keep]
+    if votes is not None and added_train:
+        yes = np.asarray(added_accepted)
+        extra_train, extra_test = np.asarray(added_train, np.int64)[yes], np.asarray(added_test, np.int64)[yes]
+        train_idx, test_idx = np.concatenate([train_idx, extra_train]), np.concatenate([test_idx, extra_test])
+        cosine = np.concatenate([cosine, votes(extra_train, extra_test).astype(cosine.dtype)])
+        order = np.lexsort((test_idx, train_idx))
+        train_idx, test_idx, cosine = train_idx[order], test_idx[order], cosine[order]
     stats: dict[str, Any] = {
         **result.stats,
         "threshold": threshold,
@@ -135,6 +181,8 @@ def verify_pairs(
             "pairs_by_embedding": int(sure.sum()),
             "pairs_verified": len(unsure),
             "pairs_beyond_nearest": len(beyond),
+            "pairs_voted": len(added_train),
+            "accepted_voted": int(sum(added_accepted)),
             "accepted_by_aligned_pixels": counts["aligned"],
             "accepted_by_phash": counts["phash"],
             "accepted_by_features": counts["features"],
