@@ -105,7 +105,7 @@ class DedupRunConfig(DedupConfig):
     # also verify the pairs that ORB descriptors vote for (verification.min_votes of a train image's nearest
     # matches among all test images' descriptors), wherever their cosine is: a picture pasted into a page or
     # collage, which a global embedding places far from its original. Reads every train image's features
-    # (ORB at verification.max_side, about 10 ms an image) and keeps every test image's (about 64 KB each).
+    # (ORB at verification.max_side, about 10 ms an image) and keeps every test image's (about 150 KB each).
     verify_votes: bool = False
     verification: VerifyConfig = field(default_factory=VerifyConfig)
 

@@ -7,10 +7,15 @@ copies. The checks (``VerifyConfig.checks``) run cheapest per pair first: the re
 at once (``openalign.data.alignment``), then, for the pairs those leave, the pHash shortcut and ORB matches with
 a RANSAC similarity fit (``openalign.data.verification``).
 
+With votes (``DedupRunConfig.verify_votes``), local features propose pairs too: every train image's ORB
+descriptors vote among all test images' (``FeatureVotes``), and a proposed pair the search did not decide is
+verified like the band's, wherever its cosine lies.
+
 The images are read a second time, test side first: what the checks need of the test images in some uncertain
-pair is kept (a ``side``² thumbnail, and about 40 KB of features when feature matching is on; at most one per
-test image). Then the train side streams past: each train image in an uncertain pair leaves the same, and
-every ``batch`` pairs are decided together, so memory holds at most ``batch`` train thumbnails.
+pair is kept (a ``side``² thumbnail, and about 80 KB of features, its mirror's included, when feature matching
+is on; at most one per test image). Then the train side streams past: each train image in an uncertain pair
+leaves the same, and every ``batch`` pairs are decided together, so memory holds at most ``batch`` train
+thumbnails.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def verify_pairs(
     (``cosine(train_rows, test_rows)`` of the embeddings), every train image's ORB descriptors also vote among
     all test images' (``FeatureVotes``), and the pairs they propose that the search did not find are verified
     too: a picture embedded in a page, which a global embedding places far from its original. That reads every
-    image's features, both sides, and keeps the test side's (about 64 KB an image).
+    image's features, both sides, and keeps the test side's (about 80 KB an image, and 64 KB in the index).
     """
     cfg = config or VerifyConfig()
     started = time.perf_counter()
@@ -100,7 +105,7 @@ def verify_pairs(
         voter = FeatureVotes([cast(Features, tests[row].feats) for row in range(len(tests))], cfg)
         decided = np.flatnonzero(sure).tolist() + unsure.tolist()
         known = set(zip(result.train_idx[decided].tolist(), result.test_idx[decided].tolist(), strict=True))
-    # Pairs the votes add: train row, test row, cosine; decided like the band's, their results kept apart.
+    # Pairs the votes add (train row, test row, verdict): decided like the band's, kept apart from the search's.
     added_train: list[int] = []
     added_test: list[int] = []
     added_accepted: list[bool] = []
@@ -141,19 +146,16 @@ def verify_pairs(
     if len(unsure) or voter is not None:
         for row, image in enumerate(train_images):
             pairs = by_train.get(row, [])
-            proposed: list[int] = []
-            if voter is not None:
-                mine = _keep(image, cfg, mirror=False)
-                proposed = [j for j in voter.candidates(cast(Features, mine.feats)).tolist() if (row, j) not in known]
-            if not pairs and not proposed:
+            if not pairs and voter is None:
                 continue
-            if voter is None:
-                mine = _keep(image, cfg, mirror=False)
-            for j in proposed:
-                pairs.append(n_found + len(added_test))
-                added_train.append(row)
-                added_test.append(j)
-                added_accepted.append(False)
+            mine = _keep(image, cfg, mirror=False)
+            if voter is not None:
+                for j in voter.candidates(cast(Features, mine.feats)).tolist():
+                    if (row, j) not in known:
+                        pairs.append(n_found + len(added_test))
+                        added_train.append(row)
+                        added_test.append(j)
+                        added_accepted.append(False)
             pending += [(p, mine) for p in pairs]
             if len(pending) >= _BATCH:
                 decide(pending)
