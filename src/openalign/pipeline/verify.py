@@ -85,6 +85,8 @@ def verify_pairs(
     image's features, both sides, and keeps the test side's (about 80 KB an image, and 64 KB in the index).
     """
     cfg = config or VerifyConfig()
+    if votes is not None and "features" not in cfg.checks:  # before any image is read
+        raise ConfigError("dedup.verify_votes needs the features check in verification.checks")
     started = time.perf_counter()
     sure = result.cosine > threshold + band
     unsure, beyond = _nearest_only(result, np.flatnonzero(~sure), cfg.nearest)
@@ -100,8 +102,6 @@ def verify_pairs(
     voter = None
     known: set[tuple[int, int]] = set()  # pairs decided already: by the embedding, or in the band
     if votes is not None:
-        if "features" not in cfg.checks:
-            raise ConfigError("dedup.verify_votes needs the features check in verification.checks")
         voter = FeatureVotes([cast(Features, tests[row].feats) for row in range(len(tests))], cfg)
         decided = np.flatnonzero(sure).tolist() + unsure.tolist()
         known = set(zip(result.train_idx[decided].tolist(), result.test_idx[decided].tolist(), strict=True))
