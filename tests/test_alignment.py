@@ -13,7 +13,7 @@ import torch
 from PIL import Image, ImageDraw, ImageEnhance
 
 from openalign.bench.copy_detection import REFERENCES, installed_photos
-from openalign.data.alignment import aligned_arrays, coarse_residual, register, worst_region_residual
+from openalign.data.alignment import _low_pass, aligned_arrays, coarse_residual, register, worst_region_residual
 from openalign.data.dedup import DedupResult
 from openalign.data.verification import VerifyConfig, aligned_check
 from openalign.pipeline.verify import _nearest_only, verify_pairs
@@ -169,6 +169,19 @@ def test_a_copy_of_a_grainy_picture_matches_once_both_are_low_passed() -> None:
     np.testing.assert_array_equal(aligned_check(q, ref_arrays, cfg), [True] * 8)
     changed_arrays = aligned_arrays(changed, cfg.aligned_side)
     np.testing.assert_array_equal(aligned_check(changed_arrays, ref_arrays, cfg), [False] * 8)
+
+
+@pytest.mark.parametrize("sigma", [0.7, 1.0, 2.0])
+def test_low_pass_is_scipys_gaussian_with_replicated_edges(sigma: float) -> None:
+    from scipy.ndimage import gaussian_filter1d
+
+    x = torch.rand(3, 2, 20, 28, generator=torch.Generator().manual_seed(0))
+    radius = max(1, int(np.ceil(2.5 * sigma)))  # the same taps as scipy's truncated kernel
+    want = x.double().numpy()
+    for axis in (2, 3):
+        want = gaussian_filter1d(want, sigma, axis=axis, mode="nearest", truncate=radius / sigma)
+    np.testing.assert_allclose(_low_pass(x, sigma).numpy(), want, atol=1e-6)
+    assert _low_pass(x, 0.0) is x
 
 
 def test_nearest_keeps_each_rows_best_cosines() -> None:

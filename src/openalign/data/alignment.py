@@ -30,6 +30,8 @@ Pure torch on small grids, many pairs at once: about 2 ms a pair on two CPU core
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -101,16 +103,28 @@ def _gradients(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gx, gy
 
 
+@functools.lru_cache(maxsize=16)
+def _blur_matrix(side: int, sigma: float) -> torch.Tensor:
+    """[side, side]: a separable Gaussian of ``sigma`` pixels along one axis as a matrix, edges replicated (a tap
+    that falls outside the image adds its weight to the nearest edge pixel)."""
+    radius = max(1, int(np.ceil(2.5 * sigma)))
+    taps = np.exp(-(np.arange(-radius, radius + 1) ** 2) / (2 * sigma**2))
+    taps /= taps.sum()
+    matrix = np.zeros((side, side))
+    rows = np.arange(side)
+    for offset, tap in zip(range(-radius, radius + 1), taps, strict=True):
+        np.add.at(matrix, (rows, np.clip(rows + offset, 0, side - 1)), tap)
+    return torch.from_numpy(matrix.astype(np.float32))
+
+
 def _low_pass(t: torch.Tensor, sigma: float) -> torch.Tensor:
-    """``t`` blurred by a Gaussian of ``sigma`` pixels (separable, edges replicated); ``t`` itself at 0."""
+    """``t`` [B, C, H, W] blurred by a Gaussian of ``sigma`` pixels (separable, edges replicated); ``t`` itself at
+    0. Two matrix products over the whole batch: on a CPU a depthwise convolution of the same taps took 13× as
+    long (0.23 s against 17 ms for 1,024 maps of 64²)."""
     if sigma <= 0:
         return t
-    radius = max(1, int(np.ceil(2.5 * sigma)))
-    taps = torch.exp(-(torch.arange(-radius, radius + 1, dtype=t.dtype) ** 2) / (2 * sigma**2))
-    taps = (taps / taps.sum()).repeat(t.shape[1], 1, 1, 1)
-    width, channels = 2 * radius + 1, t.shape[1]
-    t = F.conv2d(F.pad(t, (radius, radius, 0, 0), mode="replicate"), taps.view(-1, 1, 1, width), groups=channels)
-    return F.conv2d(F.pad(t, (0, 0, radius, radius), mode="replicate"), taps.view(-1, 1, width, 1), groups=channels)
+    rows, columns = (_blur_matrix(n, float(sigma)).to(t.dtype) for n in t.shape[-2:])
+    return rows @ t @ columns.T
 
 
 def register(
