@@ -543,3 +543,57 @@ def test_synthetic_endless_stream_resumes_at_its_position(world_tokenizer) -> No
     assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(straight[12:], after, strict=True))
     noisy = synthetic(tokenizer, batch_size=4, resampled=True, synthetic={"noise": 1.0})
     assert take(noisy, 2)[1]["pixel_values"].shape == (4, 3, 16, 16)
+
+
+# ----------------------------------------------------------------------------------------------- decoded cache
+
+
+@pytest.mark.parametrize(
+    ("options", "epochs_decoded"),
+    [
+        ({"flip": True}, 1),  # random crops of the cached resize, flipped half the time
+        ({"crop": "center"}, 1),  # the centre crop itself is kept
+        ({"cache_mb": 20 * 3 * 20 * 20 / 2**20}, None),  # room for 20 of 36 images: the rest decoded every epoch
+        ({"workers": 1, "shuffle_buffer": 8}, 1),  # a DataLoader worker keeps its own
+    ],
+)
+def test_cached_decodes_give_the_batches_of_decoding_every_epoch(
+    tmp_path: Path, tokenizer, monkeypatch, options: dict, epochs_decoded: int | None
+) -> None:
+    from openalign.train.data import _Reader
+
+    shards = write_dataset(tmp_path, 36, 12)
+    kw = {"batch_size": 9, "workers": 0, **options}
+    plain = rows(take(stream(shards, tokenizer, **kw), 12))  # three epochs
+    decodes: list[int] = []
+    decode = _Reader._decode
+
+    def counting(self: _Reader, record: tuple) -> object:
+        decodes.append(1)
+        return decode(self, record)
+
+    monkeypatch.setattr(_Reader, "_decode", counting)
+    cached_stream = stream(shards, tokenizer, **{"cache_mb": 64.0, **kw})
+    cached = rows(take(cached_stream, 12))
+    assert len(cached) == len(plain) == 108
+    assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(plain, cached, strict=True))
+    if kw["workers"] == 0:  # a worker process counts in its own memory
+        assert len(decodes) == (36 if epochs_decoded == 1 else 20 + 3 * 16)
+    if options.get("crop") != "center":
+        assert len({r[0].numpy().tobytes() for r in cached}) > 100  # crops still differ from epoch to epoch
+
+
+def test_the_cache_holds_at_most_its_size_and_keys_samples_by_where_they_lie(tmp_path: Path, tokenizer) -> None:
+    from openalign.data.tar_index import MemberRef
+    from openalign.train.data import _cache_key, _Reader
+
+    shards = write_dataset(tmp_path, 36, 12)
+    plan = stream(shards, tokenizer, batch_size=9, cache_mb=10 * 3 * 20 * 20 / 2**20)._plan
+    reader = _Reader(plan, 0, 1, in_main_process=True)
+    list(itertools.islice(iter(reader), 8))
+    assert len(reader.cache) == 10 and reader.cache_bytes == 10 * 3 * 20 * 20
+    ref = MemberRef("a.tar", 512, 100)
+    assert _cache_key(("a caption", ref)) is ref and _cache_key(7) == 7
+    assert _cache_key(("a caption", b"\xff\xd8")) is None  # bytes from a stream: no stable identity
+    with pytest.raises(ConfigError, match="cache_mb"):
+        from_dict(DataConfig, {"shards": shards, "cache_mb": -1}).validate()

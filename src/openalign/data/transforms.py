@@ -270,11 +270,11 @@ def _resize(image: Image.Image, size: int) -> Image.Image:
     return image.resize((size, size), Image.Resampling.BICUBIC, reducing_gap=REDUCING_GAP)
 
 
-def _resized_crop(image: Image.Image | np.ndarray, size: int, box: tuple[int, int, int, int]) -> torch.Tensor:
-    """``to_uint8(_resize(image, size).crop(box))`` by torch's antialiased bicubic resize of uint8 pixels: PIL's
-    filter (the same kernel, a = -0.5, widened by the scale when shrinking), to within 2 levels of 255 (a mean
-    difference under 0.01), in vectorised kernels that take a third of PIL's time on a 768 px photo. The
-    decoded pixels (height × width × RGB, or ``decode_jpeg_pixels``'s array as it is) are already the
+def resized_pixels(image: Image.Image | np.ndarray, size: int) -> torch.Tensor:
+    """uint8 [3, size, size]: ``to_uint8(_resize(image, size))`` by torch's antialiased bicubic resize of uint8
+    pixels: PIL's filter (the same kernel, a = -0.5, widened by the scale when shrinking), to within 2 levels of
+    255 (a mean difference under 0.01), in vectorised kernels that take a third of PIL's time on a 768 px photo.
+    The decoded pixels (height × width × RGB, or ``decode_jpeg_pixels``'s array as it is) are already the
     channels-last layout those kernels read."""
     if isinstance(image, np.ndarray):
         x = torch.from_numpy(image)
@@ -283,8 +283,15 @@ def _resized_crop(image: Image.Image | np.ndarray, size: int, box: tuple[int, in
     x = x.permute(2, 0, 1).unsqueeze(0)
     if x.shape[-2:] != (size, size):
         x = torch.nn.functional.interpolate(x, size=(size, size), mode="bicubic", antialias=True)
-    left, top, right, bottom = box
-    return x[0, :, top:bottom, left:right]
+    return x[0]
+
+
+def random_crop_pixels(pixels: torch.Tensor, image_size: int, flip: bool = True) -> torch.Tensor:
+    """``train_transform``'s crop of ``resized_pixels``: a random ``image_size`` square, flipped half the time with
+    ``flip``, drawn from torch's generator (``random_crop``)."""
+    (left, top, right, bottom), flipped = random_crop(image_size, pixels.shape[-1], flip)
+    crop = pixels[:, top:bottom, left:right]
+    return crop.flip(-1) if flipped else crop.contiguous()
 
 
 def train_transform(
@@ -304,9 +311,7 @@ def train_transform(
     _check_sizes(image_size, resize)
 
     def apply(image: Image.Image | np.ndarray) -> torch.Tensor:
-        box, flipped = random_crop(image_size, resize, flip)
-        pixels = _resized_crop(image, resize, box)
-        pixels = pixels.flip(-1) if flipped else pixels.contiguous()
+        pixels = random_crop_pixels(resized_pixels(image, resize), image_size, flip)
         return _to_float(pixels, mean, std) if normalize else pixels
 
     return apply

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from openalign.text.tokenizer import TextTokenizer
 
 # Settings that change how batches are produced, never which.
-_EXECUTION = ("workers", "piece_size", "prefetch_gb", "pin_memory")
+_EXECUTION = ("workers", "piece_size", "prefetch_gb", "pin_memory", "cache_mb")
 _BATCH = "{:07d}.pt"
 
 

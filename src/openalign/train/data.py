@@ -131,6 +131,10 @@ class DataConfig:
     workers: int = 2  # DataLoader processes decoding per rank; 0 decodes in the training process
     piece_size: int = 256  # samples a worker decodes and hands over at once (at most the per-rank batch)
     prefetch_gb: float = 8.0  # host memory for decoded pieces in flight, all workers together; holds ≥ one batch
+    # Decoded images each reader keeps, resized but not yet cropped, in MB: later epochs of a dataset that fits
+    # skip the decode and resize and only crop (the same pixels). Pays with one reader per rank (workers 0 or 1):
+    # with more, a sample's reader changes from epoch to epoch. 0 = off; with decode: cuda it is not used.
+    cache_mb: float = 0.0
     pin_memory: bool = False  # assemble batches in page-locked memory for faster host-to-GPU copies
     draft: bool = True  # decode JPEGs ≥ 2× the resize at 1/2, 1/4 or 1/8 scale (PIL draft mode), then resize
     # cuda: workers read JPEG headers and draw crops; the training process decodes, crops, resizes and flips on its
@@ -157,6 +161,8 @@ class DataConfig:
             raise ConfigError(f"data.max_text_length must leave room for [CLS] and [SEP], got {self.max_text_length}")
         if not self.prefetch_gb > 0:
             raise ConfigError(f"data.prefetch_gb must be positive, got {self.prefetch_gb}")
+        if not 0 <= self.cache_mb < math.inf:
+            raise ConfigError(f"data.cache_mb must be finite and not negative, got {self.cache_mb}")
         if self.workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.workers and data.shuffle_buffer must not be negative")
         if self.image_size is not None and self.image_size < 8:
@@ -618,6 +624,16 @@ def _encode_rows(rows: list[Any], image_size: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _cache_key(payload: Any) -> Any:
+    """What identifies a sample across epochs, for the reader's cache: a synthetic row's index, or where a shard
+    member's bytes lie; None for a sample read as bytes from a stream (not cached)."""
+    if isinstance(payload, int):
+        return payload
+    if isinstance(payload, tuple) and len(payload) == 2 and isinstance(payload[1], MemberRef):
+        return payload[1]
+    return None
+
+
 class _Reader:
     """Builds this (rank, worker)'s pieces, in the order the training process assembles them."""
 
@@ -631,6 +647,11 @@ class _Reader:
         self.transform: Callable[[Image.Image | np.ndarray], torch.Tensor] = (
             train_transform(**image, flip=plan.cfg.flip) if random_crop else eval_transform(**image)
         )
+        # Decoded images by sample (``_cache_key``): resized and uncropped for random crops, the crop itself for
+        # centre crops. Filled until ``cache_mb`` is reached, never evicted: a dataset that fits stays whole.
+        self.cache: dict[Any, tuple[str, torch.Tensor]] = {}
+        self.cache_bytes = 0
+        self.cache_limit = int(plan.cfg.cache_mb * 2**20) if plan.cfg.decode == "cpu" else 0
 
     # ------------------------------------------------------------------ the global sequence
 
@@ -704,9 +725,9 @@ class _Reader:
             sample_seed, payload = draw
             try:
                 with torch.random.fork_rng(devices=[]) if in_main else contextlib.nullcontext():
-                    record = p.source.materialize(payload)
-                    pixels.append(self._row(record, sample_seed))
-                captions.append(record[0])
+                    caption, row = self._sample(payload, sample_seed)
+                pixels.append(row)
+                captions.append(caption)
             except BadImage as err:
                 # Nothing to keep exact here: the next sample simply takes the place.
                 skipped[err.reason] += 1
@@ -716,6 +737,28 @@ class _Reader:
                 want = next(sizes)
 
     # ------------------------------------------------------------------ decoding
+
+    def _sample(self, payload: Any, sample_seed: int) -> tuple[str, torch.Tensor | Encoded]:
+        """(caption, ``_row``) of one sample; a sample the cache holds is only cropped, with the same draws."""
+        from openalign.data.transforms import random_crop_pixels, resized_pixels
+
+        key = _cache_key(payload) if self.cache_limit else None
+        kept = None if key is None else self.cache.get(key)
+        if kept is None:
+            record = self.p.source.materialize(payload)
+            if key is None:
+                return record[0], self._row(record, sample_seed)
+            image = self._decode(record)
+            pixels = resized_pixels(image, self.p.image["resize"]) if self.random_crop else self.transform(image)
+            kept = record[0], pixels
+            if self.cache_bytes + pixels.nbytes <= self.cache_limit:
+                self.cache[key] = kept
+                self.cache_bytes += pixels.nbytes
+        caption, pixels = kept
+        if not self.random_crop:
+            return caption, pixels
+        torch.default_generator.manual_seed(sample_seed)
+        return caption, random_crop_pixels(pixels, self.p.image["image_size"], self.p.cfg.flip)
 
     def _row(self, record: Record, sample_seed: int) -> torch.Tensor | Encoded:
         """A sample's uint8 crop, or with ``decode: cuda`` its encoded JPEG with the crop box and flip that the
@@ -739,6 +782,12 @@ class _Reader:
         return self._pixels(record, sample_seed)
 
     def _pixels(self, record: Record, sample_seed: int) -> torch.Tensor:
+        image = self._decode(record)
+        torch.default_generator.manual_seed(sample_seed)  # torch.manual_seed would also seed (slowly) every accelerator
+        return self.transform(image)
+
+    def _decode(self, record: Record) -> Image.Image | np.ndarray:
+        """The record's image as RGB pixels (an array, or a PIL image where the fast JPEG path does not apply)."""
         from openalign.data.transforms import decode_image, decode_jpeg_pixels
 
         image: Image.Image | np.ndarray | bytes | bytearray = record[1]
@@ -754,8 +803,7 @@ class _Reader:
             image = pixels if pixels is not None else decode_image(data, **limits, draft=draft)
         elif isinstance(image, Image.Image) and image.mode != "RGB":
             image = image.convert("RGB")
-        torch.default_generator.manual_seed(sample_seed)  # torch.manual_seed would also seed (slowly) every accelerator
-        return self.transform(image)
+        return image
 
     def _piece(self, own: list[tuple[int, Any]], pool: list[tuple[int, Any]], skipped: Counter[str]) -> Piece:
         from openalign.data.transforms import BadImage
@@ -769,9 +817,9 @@ class _Reader:
         with guard:
             for pos, payload in own:
                 try:
-                    record = p.source.materialize(payload)
-                    pixels.append(self._row(record, _mix(p.seed, _TAG_AUGMENT, pos)))
-                    captions.append(record[0])
+                    caption, row = self._sample(payload, _mix(p.seed, _TAG_AUGMENT, pos))
+                    pixels.append(row)
+                    captions.append(caption)
                 except BadImage as err:
                     skipped[err.reason] += 1
                     pixels.append(None)
@@ -781,9 +829,7 @@ class _Reader:
             for i in holes:
                 for pos, payload in refills:
                     try:
-                        record = p.source.materialize(payload)
-                        pixels[i] = self._row(record, _mix(p.seed, _TAG_REFILL, pos))
-                        captions[i] = record[0]
+                        captions[i], pixels[i] = self._sample(payload, _mix(p.seed, _TAG_REFILL, pos))
                         break
                     except BadImage:
                         continue  # its owner counted it already
