@@ -64,6 +64,9 @@ class FixedImageSource:
     def materialize(self, payload: int) -> tuple[str, Any]:
         return f"a purple square number {payload % 97}", self.image
 
+    def cache_key(self, payload: int) -> None:
+        return None  # measured as decoded every time
+
 
 def main(workers: int, prefetch_gb: float, cap_gb: float) -> None:
     from openalign.text import train_wordpiece

@@ -583,9 +583,11 @@ def test_cached_decodes_give_the_batches_of_decoding_every_epoch(
         assert len({r[0].numpy().tobytes() for r in cached}) > 100  # crops still differ from epoch to epoch
 
 
-def test_the_cache_holds_at_most_its_size_and_keys_samples_by_where_they_lie(tmp_path: Path, tokenizer) -> None:
+def test_the_cache_holds_at_most_its_size_and_keys_samples_by_where_they_lie(
+    tmp_path: Path, tokenizer, world_tokenizer
+) -> None:
     from openalign.data.tar_index import MemberRef
-    from openalign.train.data import _cache_key, _Reader
+    from openalign.train.data import _Reader
 
     shards = write_dataset(tmp_path, 36, 12)
     plan = stream(shards, tokenizer, batch_size=9, cache_mb=10 * 3 * 20 * 20 / 2**20)._plan
@@ -593,7 +595,8 @@ def test_the_cache_holds_at_most_its_size_and_keys_samples_by_where_they_lie(tmp
     list(itertools.islice(iter(reader), 8))
     assert len(reader.cache) == 10 and reader.cache_bytes == 10 * 3 * 20 * 20
     ref = MemberRef("a.tar", 512, 100)
-    assert _cache_key(("a caption", ref)) is ref and _cache_key(7) == 7
-    assert _cache_key(("a caption", b"\xff\xd8")) is None  # bytes from a stream: no stable identity
+    assert plan.source.cache_key(("a caption", ref)) is ref
+    assert plan.source.cache_key(("a caption", b"\xff\xd8")) is None  # bytes from a stream: no stable identity
+    assert synthetic(world_tokenizer, synthetic={"size": 10})._plan.source.cache_key(7) == 7
     with pytest.raises(ConfigError, match="cache_mb"):
         from_dict(DataConfig, {"shards": shards, "cache_mb": -1}).validate()

@@ -333,6 +333,11 @@ class TrainSource(Protocol):
         """The (caption, image) record of a payload from ``sequence`` or ``draws``."""
         ...
 
+    def cache_key(self, payload: Any) -> Any:
+        """What identifies a payload's sample from epoch to epoch (hashable), for a reader's cache of decoded
+        images (``data.cache_mb``); None where nothing does, and the sample is decoded every time."""
+        ...
+
 
 class _ShardSource:
     """WebDataset shards (read by ``openalign.data.sources``), in a seeded shard order per epoch through a
@@ -493,6 +498,10 @@ class _ShardSource:
                 usable += 1
                 yield _mix(seed, _TAG_AUGMENT, usable), record
 
+    def cache_key(self, payload: Record) -> MemberRef | None:
+        """Where a member's bytes lie in a local tar; a sample read as bytes from a stream has no such place."""
+        return payload[1] if isinstance(payload[1], MemberRef) else None
+
     def materialize(self, payload: Record) -> Record:
         caption, image = payload
         if isinstance(image, MemberRef):
@@ -554,6 +563,9 @@ class _SyntheticSource:
         for n in itertools.count():
             for i in range(batch):
                 yield _mix(run_seed, _TAG_AUGMENT, _mix(seed, n, i)), self.random_index(rng)
+
+    def cache_key(self, payload: int) -> int:
+        return payload  # the row's index: its caption and image follow from it
 
     def materialize(self, payload: int) -> Record:
         row = self.world.row(payload, self.cfg.synthetic.noise, n_rows=self.size)
@@ -624,16 +636,6 @@ def _encode_rows(rows: list[Any], image_size: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _cache_key(payload: Any) -> Any:
-    """What identifies a sample across epochs, for the reader's cache: a synthetic row's index, or where a shard
-    member's bytes lie; None for a sample read as bytes from a stream (not cached)."""
-    if isinstance(payload, int):
-        return payload
-    if isinstance(payload, tuple) and len(payload) == 2 and isinstance(payload[1], MemberRef):
-        return payload[1]
-    return None
-
-
 class _Reader:
     """Builds this (rank, worker)'s pieces, in the order the training process assembles them."""
 
@@ -647,8 +649,9 @@ class _Reader:
         self.transform: Callable[[Image.Image | np.ndarray], torch.Tensor] = (
             train_transform(**image, flip=plan.cfg.flip) if random_crop else eval_transform(**image)
         )
-        # Decoded images by sample (``_cache_key``): resized and uncropped for random crops, the crop itself for
-        # centre crops. Filled until ``cache_mb`` is reached, never evicted: a dataset that fits stays whole.
+        # Decoded images by sample (the source's ``cache_key``): resized and uncropped for random crops, the crop
+        # itself for centre crops. Filled until ``cache_mb`` is reached, never evicted: a dataset that fits stays
+        # whole.
         self.cache: dict[Any, tuple[str, torch.Tensor]] = {}
         self.cache_bytes = 0
         self.cache_limit = int(plan.cfg.cache_mb * 2**20) if plan.cfg.decode == "cpu" else 0
@@ -742,7 +745,7 @@ class _Reader:
         """(caption, ``_row``) of one sample; a sample the cache holds is only cropped, with the same draws."""
         from openalign.data.transforms import random_crop_pixels, resized_pixels
 
-        key = _cache_key(payload) if self.cache_limit else None
+        key = self.p.source.cache_key(payload) if self.cache_limit else None
         kept = None if key is None else self.cache.get(key)
         if kept is None:
             record = self.p.source.materialize(payload)
