@@ -70,10 +70,13 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     run_dir, mode = Path(argv[0]), argv[1]
     if mode == "node":
+        threads = len(os.listdir("/proc/self/task"))
         result = train(ddp_config(run_dir), stream_factory=factory(blocked=True))
         rank = int(os.environ["RANK"])
+        # Threads the run left behind: the process group's must be joined before the interpreter exits.
+        left = len(os.listdir("/proc/self/task")) - threads
         (run_dir / f"node{rank}.json").write_text(
-            json.dumps({"world_size": int(os.environ["WORLD_SIZE"]), "step": result.step})
+            json.dumps({"world_size": int(os.environ["WORLD_SIZE"]), "step": result.step, "threads_left": left})
         )
         return
     make = factory(block_after=11) if mode == "killable" else factory()
@@ -243,7 +246,7 @@ def test_two_torchrun_nodes_train_like_one_process(tmp_path: Path) -> None:
             break
     assert codes == [0, 0], _tails(logs)
     nodes = [json.loads((run_dir / f"node{r}.json").read_text()) for r in (0, 1)]
-    assert all(n == {"world_size": 2, "step": 3} for n in nodes)
+    assert all(n == {"world_size": 2, "step": 3, "threads_left": 0} for n in nodes)
 
     torch.set_num_threads(1)
     # Each node's contiguous half of the global batch is one ghost-BN group of the single process's batch.

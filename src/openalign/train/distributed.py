@@ -8,6 +8,8 @@ with NCCL on GPUs and gloo on CPUs. Without them training runs in one process.
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,6 +82,10 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
     else:
         dev = _pick_device(device, local_rank)
         if world > 1:
+            # Before the group exists: importing torch._dynamo while a group exists (DDP's constructor does, when
+            # nothing did before) keeps that group alive for good, so destroying it no longer joins gloo's
+            # worker threads, and a process that exits just after its last collective can abort (see cleanup).
+            importlib.import_module("torch._dynamo")
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
             backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -94,8 +100,16 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
 
 
 def cleanup() -> None:
+    """Destroys the default process group and frees it while the interpreter still runs.
+
+    The data-parallel wrapper holds the group and can sit in reference cycles that only the cyclic collector
+    frees. Left to the collector at exit, gloo's worker threads still run while the interpreter finalizes: one
+    that drops a finished collective's tensors then needs the GIL, a finalizing interpreter ends that thread
+    instead, and the process aborts ("terminate called without an active exception") after its work is done.
+    Collecting here lets the group's destructor join those threads first."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:

@@ -40,6 +40,7 @@ from openalign.train.distributed import (
     all_gather_object,
     average_replicated_grads,
     broadcast_object,
+    cleanup,
     fsdp_no_sync,
     grad_norm,
     init_distributed,
@@ -113,8 +114,8 @@ def train(
             raise
     finally:
         run.close()
-        if owns_group and is_distributed():
-            dist.destroy_process_group()
+        if owns_group:
+            cleanup()
 
 
 def _warn(message: str) -> None:
