@@ -15,13 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from openalign.train.distributed import open_group
+
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
     # A rank that dies on a signal prints where it was.
     faulthandler.enable()
     # Several ranks share few cores; intra-op threads would only fight each other.
     torch.set_num_threads(1)
-    dist.init_process_group(
+    open_group(
         "gloo",
         init_method=f"file://{workdir}/store",
         rank=rank,

@@ -7,6 +7,7 @@ Run as a script, this file is the training process the tests start, kill and res
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import re
@@ -70,6 +71,9 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     run_dir, mode = Path(argv[0]), argv[1]
     if mode == "node":
+        # torchrun starts its worker in a session of its own, which killing the node does not reach: a worker that
+        # hangs prints where it is and leaves, within the test's limit.
+        faulthandler.dump_traceback_later(180, exit=True)
         threads = len(os.listdir("/proc/self/task"))
         result = train(ddp_config(run_dir), stream_factory=factory(blocked=True))
         rank = int(os.environ["RANK"])

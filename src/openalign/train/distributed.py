@@ -32,6 +32,7 @@ __all__ = [
     "grad_norm",
     "init_distributed",
     "is_distributed",
+    "open_group",
     "replicated_params",
     "unwrap",
     "wrap_model",
@@ -82,34 +83,41 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
     else:
         dev = _pick_device(device, local_rank)
         if world > 1:
-            # Before the group exists: importing torch._dynamo while a group exists (DDP's constructor does, when
-            # nothing did before) keeps that group alive for good, so destroying it no longer joins gloo's
-            # worker threads, and a process that exits just after its last collective can abort (see cleanup).
-            importlib.import_module("torch._dynamo")
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            backend = "nccl" if dev.type == "cuda" else "gloo"
             timeout = timedelta(minutes=timeout_minutes)
             if dev.type == "cuda":
-                dist.init_process_group(backend, timeout=timeout, device_id=dev)
+                open_group("nccl", timeout=timeout, device_id=dev)
             else:
-                dist.init_process_group(backend, timeout=timeout)
+                open_group("gloo", timeout=timeout)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
 
 
-def cleanup() -> None:
-    """Destroys the default process group and frees it while the interpreter still runs.
+def open_group(backend: str, **kwargs: Any) -> None:
+    """``dist.init_process_group(backend, **kwargs)``, with ``torch._dynamo`` imported first.
 
-    The data-parallel wrapper holds the group and can sit in reference cycles that only the cyclic collector
-    frees. Left to the collector at exit, gloo's worker threads still run while the interpreter finalizes: one
-    that drops a finished collective's tensors then needs the GIL, a finalizing interpreter ends that thread
-    instead, and the process aborts ("terminate called without an active exception") after its work is done.
-    Collecting here lets the group's destructor join those threads first."""
+    Importing ``torch._dynamo`` while a group exists (DDP's constructor does, when nothing did before) keeps
+    that group alive for good: destroying it no longer joins gloo's worker threads, which then still run while
+    the interpreter finalizes. One that drops a finished collective's tensors needs the GIL, a finalizing
+    interpreter ends that thread instead, and the process aborts ("terminate called without an active
+    exception") after its work is done."""
+    importlib.import_module("torch._dynamo")
+    dist.init_process_group(backend, **kwargs)
+
+
+def cleanup() -> None:
+    """Destroys the default process group, which must then be held by nothing else.
+
+    A DDP reducer holds the group from C++ and keeps the GIL while it is destroyed. If it drops the group's last
+    reference, the group's destructor joins gloo's worker threads with the GIL held, while one of them, dropping
+    the tensors of the collective that just finished, waits for the GIL: the process hangs. The Python handle
+    ``destroy_process_group`` drops releases the GIL before destroying the group, so callers let go of their
+    wrappers first; collecting here frees any that only the cyclic collector would, while that handle lives."""
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
         gc.collect()
+        dist.destroy_process_group()
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:

@@ -587,8 +587,11 @@ class _Run:
         return self.seconds_before + time.monotonic() - self.started
 
     def close(self) -> None:
+        """Closes the logger and lets go of the data-parallel wrapper, whose reducer must not outlive the process
+        group's Python handle (``distributed.cleanup`` says why)."""
         if self.logger is not None:
             self.logger.close()
+        self.wrapped = self.model
 
 
 # ---------------------------------------------------------------------------------------------- helpers

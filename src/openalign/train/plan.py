@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -1056,15 +1055,12 @@ def measured_ranks(cfg: TrainConfig, world_size: int, bf16: bool) -> list[tuple[
 
 
 def _measured_rank(rank: int, world_size: int, cfg: TrainConfig, bf16: bool, tmp: str) -> None:
-    import torch.distributed as dist
-
-    from openalign.train.distributed import cleanup
+    from openalign.train.distributed import cleanup, open_group
 
     # One thread per rank: the ranks share the cores, and kernels' scratch should not depend on their count.
     torch.set_num_threads(1)
     store = f"file://{os.path.join(tmp, 'store')}"
-    importlib.import_module("torch._dynamo")  # before the group exists: init_distributed says why
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+    open_group("gloo", init_method=store, rank=rank, world_size=world_size)
     try:
         result = measured_step(cfg, cfg.per_rank_batch(world_size), bf16)
     finally:
