@@ -171,6 +171,13 @@ def test_export_refuses_an_image_projection(tmp_path, tiny_model: openalign.Dual
         export_hf_align(tiny_model, tmp_path)
 
 
+def test_export_refuses_symmetric_padding(tmp_path) -> None:
+    from openalign.model.hf import export_hf_align
+
+    with pytest.raises(ConfigError, match=r"image\.padding symmetric cannot be exported"):
+        export_hf_align(_exportable(image_size=64, image={"padding": "symmetric"}), tmp_path)
+
+
 def test_export_refuses_a_residual_transformers_cannot_express(tmp_path) -> None:
     from openalign.model.hf import export_hf_align
 

@@ -63,6 +63,46 @@ def test_conv_same_padding_is_tf_same(size: int, kernel: int) -> None:
     assert same_padding(size, kernel, 2) == (before, after)
 
 
+class _Ops(TorchDispatchMode):
+    """Records the name of every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padding", ["symmetric", "same"])
+def test_symmetric_padding_pads_by_half_the_kernel_without_a_padded_copy(padding: str) -> None:
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(model_config("nano", **tiny_overrides()).image, padding=padding)
+    net = EfficientNet(cfg).eval()
+    torch_padding: list[bool] = []  # per convolution: does it give what torch's padding=kernel//2 gives?
+
+    def check(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        assert isinstance(module, Conv2dSame)
+        k, s = module.kernel_size[0], module.stride[0]
+        ref = F.conv2d(inputs[0], module.weight, None, s, k // 2, 1, module.groups)
+        torch_padding.append(ref.shape == output.shape and torch.allclose(ref, output, atol=1e-5))
+
+    for module in net.modules():
+        if isinstance(module, Conv2dSame):
+            module.register_forward_hook(check)
+    with torch.no_grad(), _Ops() as ops:
+        net(torch.randn(2, 3, 32, 32))
+    strided = sum(m.stride[0] == 2 for m in net.modules() if isinstance(m, Conv2dSame))
+    assert len(torch_padding) == sum(isinstance(m, Conv2dSame) for m in net.modules()) and strided >= 3
+    if padding == "symmetric":
+        assert all(torch_padding)
+        assert "aten.constant_pad_nd.default" not in ops.names
+    else:  # TF SAME at even sizes pads a stride-2 convolution after the image only: a padded copy, other outputs
+        assert sum(not ok for ok in torch_padding) == strided
+        assert "aten.constant_pad_nd.default" in ops.names
+
+
 def test_batchnorm_uses_tf_momentum() -> None:
     # The paper's TF decay 0.99 is the tower default (nano opts out of it for short runs).
     model = EfficientNet(dataclasses.replace(model_config("nano", **tiny_overrides()).image, bn_momentum=0.99))

@@ -64,8 +64,10 @@ class ImageTowerConfig:
     bn_eps: float = 1e-3
     bn_momentum: float = 0.99  # TF convention (running = m·running + (1-m)·batch); torch gets 1 - m
     # "same": TF SAME at any input size; "hf": transformers' port (fixed paddings, and no residual on
-    # a stage's first block even where its input and output widths agree)
-    padding: Literal["same", "hf"] = "same"
+    # a stage's first block even where its input and output widths agree); "symmetric": kernel // 2 on every
+    # side, as torchvision and timm's non-TF EfficientNets pad (a stride-2 conv then needs no padded copy of
+    # its input: the nano image tower's step on a CPU is ~9 % faster). Checkpoints keep the padding they learnt with.
+    padding: Literal["same", "hf", "symmetric"] = "same"
     hf_depthwise_padding: tuple[int, ...] = ()  # with padding="hf": blocks whose stride-2 pad is symmetric
     gradient_checkpointing: bool = False
     # NHWC convolutions: oneDNN on CPU runs EfficientNet's depthwise convolutions ~3x faster in this layout,

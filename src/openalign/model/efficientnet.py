@@ -226,8 +226,9 @@ class EfficientNet(nn.Module):
         self.cfg = cfg
         width, div = cfg.width_coefficient, cfg.depth_divisor
         hf = cfg.padding == "hf"
+        symmetric = cfg.padding == "symmetric"
         stem = round_filters(cfg.stem_channels, width, div)
-        self.stem = ConvBN(3, stem, 3, cfg, stride=2, pad=(0, 1, 0, 1) if hf else None)
+        self.stem = ConvBN(3, stem, 3, cfg, stride=2, pad=(0, 1, 0, 1) if hf else (1, 1, 1, 1) if symmetric else None)
 
         stages = list(
             zip(
@@ -248,10 +249,12 @@ class EfficientNet(nn.Module):
                 idx = len(blocks)
                 s = stride if j == 0 else 1
                 pad = None
+                half = kernel // 2
                 if hf and s == 2:
-                    half = kernel // 2
-                    symmetric = idx in cfg.hf_depthwise_padding
-                    pad = (half, half, half, half) if symmetric else (half - 1, half, half - 1, half)
+                    even = idx in cfg.hf_depthwise_padding
+                    pad = (half, half, half, half) if even else (half - 1, half, half - 1, half)
+                elif symmetric:
+                    pad = (half, half, half, half)
                 rate = cfg.drop_connect_rate * idx / total
                 block = MBConv(cin if j == 0 else cout, cout, kernel, s, expand, rate, cfg, pad)
                 if hf and j == 0:

@@ -288,6 +288,11 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         raise ConfigError(
             "transformers' AlignModel takes the [CLS] vector as the text feature; text.pooling must be cls"
         )
+    if im.padding == "symmetric":
+        raise ConfigError(
+            "transformers' AlignVision pads its stem convolution on the right and bottom only, "
+            "so a model with image.padding symmetric cannot be exported"
+        )
     first_residual = [i for i, b in enumerate(model_blocks(cfg)) if b]
     if first_residual and im.padding != "hf":
         raise ConfigError(
