@@ -323,7 +323,7 @@ for n, (batch, workers) in enumerate([(2, 0), (2, 1), (int(sys.argv[4]), 0)]):
 def test_memory_is_bounded_by_the_batch_not_the_part(tmp_path: Path) -> None:
     """One shard of 24 smooth 1600x1600 JPEGs (under 200 kB each, 7.7 MB each decoded: 184 MB for the part)
     through the copy detector, which takes decoded images a batch at a time: embedded 2 at a time, the process
-    grows by far less than the decoded part, with or without a worker; 24 at a time, it holds the part."""
+    grows by well under half the decoded part, with or without a worker; 24 at a time, it holds the part."""
     from openalign.model.copy_detector import CopyDetector, CopyDetectorConfig
     from openalign.model.io import save_model
 
@@ -348,7 +348,10 @@ def test_memory_is_bounded_by_the_batch_not_the_part(tmp_path: Path) -> None:
         map(int, line.split()) for line in done.stdout.splitlines()
     ]
     assert rows0 == rows1 == rows_all == count
-    assert grown0 < decoded / 3 and grown1 < decoded / 3, (grown0 / 2**20, grown1 / 2**20, grown_all / 2**20)
+    # With a worker the process also holds the chunks fetched ahead (two per worker) and one arriving, pickled and
+    # unpickled at once: ~4 batches of 15 MB, 50-67 MB measured (the most on a loaded machine, where the worker
+    # runs ahead), against 227 MB for the part at once.
+    assert grown0 < decoded / 2 and grown1 < decoded / 2, (grown0 / 2**20, grown1 / 2**20, grown_all / 2**20)
     assert grown_all > decoded * 3 / 4, (grown0 / 2**20, grown1 / 2**20, grown_all / 2**20)  # a whole part held shows
 
 
