@@ -233,3 +233,10 @@ def test_convert_cli_both_ways(tmp_path) -> None:
     inputs = _inputs(64)
     for a, b in zip(_hf_embeddings(back, *inputs), _our_embeddings(ours, *inputs), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_export_refuses_a_convnet_image_tower(tmp_path) -> None:
+    from openalign.model.hf import export_hf_align
+
+    with pytest.raises(ConfigError, match=r"AlignVision is an EfficientNet"):
+        export_hf_align(_exportable(image_size=64, image={"family": "convnet"}), tmp_path)

@@ -15,6 +15,7 @@ from torch import nn
 
 from openalign.config import ModelConfig
 from openalign.model.bert import Bert
+from openalign.model.convnet import ConvNet
 from openalign.model.efficientnet import EfficientNet
 from openalign.model.layers import has_values, host_readable
 
@@ -41,7 +42,7 @@ class DualEncoder(nn.Module):
         self.fixed_text_width = False
         # ``compile_towers``' functions, by grad mode: (image, text).
         self.compiled_towers: dict[bool, tuple[Callable[..., torch.Tensor], ...]] | None = None
-        self.image = EfficientNet(config.image)
+        self.image = ConvNet(config.image) if config.image.family == "convnet" else EfficientNet(config.image)
         self.text = Bert(config.text)
         d = config.embed_dim
         self.image_proj = nn.Linear(self.image.num_features, d) if self.image.num_features != d else None

@@ -276,6 +276,10 @@ def model_blocks(cfg: ModelConfig) -> list[bool]:
 
 def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     im, tx = cfg.image, cfg.text
+    if im.family != "efficientnet":
+        raise ConfigError(
+            f"transformers' AlignVision is an EfficientNet; an image.family {im.family} model cannot be exported"
+        )
     width = round_filters(im.out_channels[-1], im.width_coefficient, im.depth_divisor)
     if width != cfg.embed_dim:
         raise ConfigError(

@@ -124,6 +124,9 @@ def record(rows: list[Measurement], path: str | Path | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------- matching
 
 _IMAGE_ARCH = (
+    "family",
+    "conv_channels",
+    "conv_strides",
     "width_coefficient",
     "depth_coefficient",
     "depth_divisor",
