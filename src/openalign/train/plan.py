@@ -923,7 +923,8 @@ def time_rows(p: Plan) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- validation
 
 # Small steps the CPU runs for real: presets, batches and chunk sizes, checkpointing and precision varied.
-# (label, overrides of nano_cpu, processes: several run FSDP2 over gloo, and each rank's peak is compared)
+# (label, overrides of nano_cpu with the EfficientNet image tower the plans are for, processes: several run FSDP2
+# over gloo, and each rank's peak is compared)
 VALIDATION_CASES: tuple[tuple[str, dict[str, Any], int], ...] = (
     ("nano b32", {"train.batch_size": 32}, 1),
     ("nano b32 chunk 8", {"train.batch_size": 32, "train.chunk_size": 8}, 1),
@@ -1026,7 +1027,9 @@ def validate(cases: tuple[tuple[str, dict[str, Any], int], ...] = VALIDATION_CAS
     cpu = device_spec("cpu")
     out = []
     for label, overrides, world in cases:
-        cfg = load_train_config("nano_cpu", {"train.precision": "fp32", **overrides})
+        cfg = load_train_config(
+            "nano_cpu", {"train.precision": "fp32", "model.image.family": "efficientnet", **overrides}
+        )
         p = plan(cfg, cpu, world)
         bf16 = p.precision == "bf16"
         if world == 1:
