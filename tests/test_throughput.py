@@ -107,7 +107,8 @@ def test_family_is_the_towers_architecture() -> None:
     assert T.family(P.load_plan_config("nano_cpu", {}).model.resolve())[0] == "custom"
 
 
-B0 = ["--config", "nano_cpu", "--model.preset", "b0-tiny", "--model.image_size", "32", "--data.max_text_length", "8"]
+B0 = ["--config", "nano_cpu", "--model.preset", "b0-tiny", "--model.image.family", "efficientnet"]
+B0 += ["--model.image_size", "32", "--data.max_text_length", "8"]
 
 
 def test_plan_time_is_the_measured_rate_scaled_to_the_batch_and_world(tmp_path: Path) -> None:
@@ -117,7 +118,8 @@ def test_plan_time_is_the_measured_rate_scaled_to_the_batch_and_world(tmp_path: 
         "nano_cpu",
         {
             "model.preset": "b0-tiny",
-            "model.image.strides": [1, 2, 2, 2, 1, 2, 1],  # B0's own (nano_cpu changes them)
+            "model.image.family": "efficientnet",  # B0's own tower and strides (nano_cpu changes both)
+            "model.image.strides": [1, 2, 2, 2, 1, 2, 1],
             "model.image_size": 32,
             "data.max_text_length": 8,
             "train.batch_size": 32,
