@@ -23,8 +23,7 @@ class ConvBNReLU(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, cfg: ImageTowerConfig):
         super().__init__()
         self.conv = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        virtual = cfg.virtual_batch_size if cfg.batch_norm == "virtual" else None
-        self.bn = BatchNorm2d(cout, eps=cfg.bn_eps, momentum=1.0 - cfg.bn_momentum, virtual_batch_size=virtual)
+        self.bn = BatchNorm2d.for_tower(cout, cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.bn(self.conv(x)))

@@ -164,8 +164,7 @@ class ConvBN(nn.Module):
     ):
         super().__init__()
         self.conv = Conv2dSame(cin, cout, kernel, stride, groups, pad)
-        virtual = cfg.virtual_batch_size if cfg.batch_norm == "virtual" else None
-        self.bn = BatchNorm2d(cout, eps=cfg.bn_eps, momentum=1.0 - cfg.bn_momentum, virtual_batch_size=virtual)
+        self.bn = BatchNorm2d.for_tower(cout, cfg)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

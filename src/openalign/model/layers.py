@@ -13,6 +13,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
+from openalign.config import ImageTowerConfig
+
 
 class BatchNorm2d(nn.BatchNorm2d):
     """BatchNorm2d that can normalise each group of ``virtual_batch_size`` samples with its own statistics.
@@ -25,6 +27,13 @@ class BatchNorm2d(nn.BatchNorm2d):
     def __init__(self, num_features: int, eps: float, momentum: float, virtual_batch_size: int | None = None):
         super().__init__(num_features, eps=eps, momentum=momentum)
         self.virtual_batch_size = virtual_batch_size
+
+    @classmethod
+    def for_tower(cls, num_features: int, cfg: ImageTowerConfig) -> BatchNorm2d:
+        """A batch norm with an image tower's settings: its eps, its TF-style momentum (weight of the old running
+        statistics, so PyTorch's is one minus it) and ghost batches when ``batch_norm`` is ``virtual``."""
+        virtual = cfg.virtual_batch_size if cfg.batch_norm == "virtual" else None
+        return cls(num_features, eps=cfg.bn_eps, momentum=1.0 - cfg.bn_momentum, virtual_batch_size=virtual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         vb = self.virtual_batch_size
