@@ -7,6 +7,7 @@ recorded with the end of its output, and the next part starts):
   DDP and FSDP2 over NCCL); skipped with a note where the tests are not installed (a wheel);
 - ``bench``: ``bench train --recipe`` (data, forward, loss, backward, optimizer), ours against transformers'
   AlignModel, eager, the real training loop beside that bare step, and the input pipeline against webdataset's;
+  each of the three steps profiled too (``OUT/profile/``: per-op tables, kernels per step, host synchronisations);
 - ``compiled``: ``bench model --compile``, ours against transformers, both compiled;
 - ``towers``: ``bench towers``, each tower alone (forward + backward) against its peer: the text tower against
   transformers' ``BertModel``, the image tower against timm's EfficientNets;
@@ -161,14 +162,15 @@ def _train_overrides(
 
 def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
     cuda = s.device == "cuda"
+    profile = str(Path(s.out).resolve() / "profile")  # per-op tables and host synchronisations of each step
     if which == "bench":
         if s.tiny:
             return {"preset": "nano", "image_size": 32, "batch_size": 16, "steps": 1, "warmup": 1, "rounds": 1,
                     "workers": 0, "device": s.device, "bf16": cuda, "shard_samples": 32,
-                    "pipeline_samples": 32, "recipe": True}  # fmt: skip
+                    "pipeline_samples": 32, "recipe": True, "profile": profile}  # fmt: skip
         return {"preset": "b7-base", "batch_size": 64, "steps": 5, "warmup": 2, "rounds": 1, "workers": s.workers,
                 "device": s.device, "bf16": cuda, "shard_samples": 512, "pipeline_samples": 512,
-                "recipe": True}  # fmt: skip
+                "recipe": True, "profile": profile}  # fmt: skip
     if which == "towers":
         if s.tiny:
             return {"preset": "nano", "image_size": 32, "batch_size": 8, "steps": 1, "warmup": 1, "rounds": 1,

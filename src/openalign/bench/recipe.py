@@ -5,14 +5,17 @@ record every step, TensorBoard when installed), on the model ``bench train`` bui
 (the same preset, image size, embedding width, text pooling and vocabulary), fed by the same stream over the
 same synthetic shards. The stream is wrapped so that the loop's own requests for the next batch are timed: a
 step is the time from one request to the next, and the part of it spent waiting for the batch is reported
-apart, as the bare step's ``data`` part is.
+apart, as the bare step's ``data`` part is. With ``--profile`` the loop runs three steps more: one with its
+host synchronisations counted, then two under the profiler (``openalign.bench.profile``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,24 +28,42 @@ if TYPE_CHECKING:
 class TimedStream:
     """A training stream whose batches are timed as the loop asks for them; everything else is the stream's."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, profile: tuple[int, torch.device, Path] | None = None) -> None:
         self.stream = stream
         self.asked: list[float] = []  # when the loop asked for each batch
         self.got: list[float] = []  # when it had it
+        self.profile = profile  # (the step to count synchronisations in, device, file): the profile's steps follow
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        from openalign.bench.profile import StepProfiler, count_syncs
+
         batches = iter(self.stream)
+        first, device, path = self.profile or (-1, torch.device("cpu"), Path())
+        profiler = StepProfiler(device, 2)
+        counting = contextlib.ExitStack()
         while True:
+            # The loop asks for step i's batch when step i - 1 has ended.
+            step = len(self.asked)
+            if step == first:
+                profiler.syncs = counting.enter_context(count_syncs(device))
+            elif step == first + 1:
+                counting.close()
+                profiler.__enter__()
+            elif step == first + 3:
+                profiler.__exit__(None, None, None)
+                profiler.write(path, "openalign train: the loop's step (bench train --recipe)")
             self.asked.append(time.perf_counter())
             batch = next(batches)
             self.got.append(time.perf_counter())
             yield batch
 
 
-def recipe_config(s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_dir: str) -> TrainConfig:
+def recipe_config(
+    s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_dir: str, extra_steps: int = 0
+) -> TrainConfig:
     """The training run the recipe mode times: the bare step's model and batch, the paper's loop settings."""
     from openalign.bench.train import model_cfg
     from openalign.config import to_dict
@@ -62,7 +83,8 @@ def recipe_config(s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_di
         "optim.schedule": "warmup_linear_decay",
         "train.run_dir": run_dir,
         "train.batch_size": s.batch_size,
-        "train.steps": s.warmup + s.steps + 1,  # the last step's end is never asked for a batch: untimed
+        # The last step's end is never asked for a batch: untimed.
+        "train.steps": s.warmup + s.steps + 1 + extra_steps,
         "train.device": s.device,
         "train.precision": "bf16" if s.bf16 else "fp32",
         "train.grad_clip": s.grad_clip,
@@ -77,9 +99,11 @@ def recipe_config(s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_di
     return train_cfg
 
 
-def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
+def measure_loop(
+    s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile: str | None = None
+) -> dict[str, Any]:
     """The real loop's step (median of the timed steps, as the bare step's), its data wait, pairs/s and peak
-    memory, measured in the calling process."""
+    memory, measured in the calling process; with ``profile`` (a directory), three steps more profiled."""
     from openalign.bench.model import peak_memory_mb
     from openalign.bench.train import _stream, model_cfg
     from openalign.text import load_tokenizer
@@ -92,11 +116,13 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict
 
     def factory(*_: Any, **__: Any) -> TimedStream:
         # The bare step's stream, not one rebuilt from the run's data section: the same batches, the same work.
-        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers)))
+        where = (s.warmup + s.steps, device, Path(profile) / "recipe.txt") if profile else None
+        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), where))
         return timed[0]
 
     with tempfile.TemporaryDirectory(prefix="openalign-bench-recipe-") as run_dir:
-        result = train(recipe_config(s, shards, tokenizer_dir, run_dir), stream_factory=factory, tokenizer=tokenizer)
+        config = recipe_config(s, shards, tokenizer_dir, run_dir, 3 if profile else 0)
+        result = train(config, stream_factory=factory, tokenizer=tokenizer)
     stream = timed[0]
     first = s.warmup
     steps = [stream.asked[i + 1] - stream.asked[i] for i in range(first, first + s.steps)]

@@ -69,6 +69,8 @@ class TrainBenchSettings:
     recipe: bool = False
     grad_clip: float | None = None  # --recipe: the loop clips the gradient norm to this (None: no clipping, the paper)
     json_path: str | None = None  # also write the results to this JSON file
+    # Also write each contender's per-op profile and host synchronisations of a step here (openalign.bench.profile).
+    profile: str | None = None
 
     def validate(self) -> None:
         for name in ("batch_size", "steps", "rounds", "shard_samples", "pipeline_samples"):
@@ -175,8 +177,11 @@ def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module,
     return model, hf_forward, hf_loss, optimizer
 
 
-def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
-    """One contender's step times by part, pairs/s and peak memory, measured in the calling process."""
+def measure_training(
+    which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile: str | None = None
+) -> dict[str, Any]:
+    """One contender's step times by part, pairs/s and peak memory, measured in the calling process; with
+    ``profile`` (a directory), then two more steps profiled, without the timing's synchronisations."""
     from openalign.text import load_tokenizer
 
     torch.manual_seed(0)
@@ -191,14 +196,18 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def next_batch() -> dict[str, torch.Tensor]:
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+        batch["pixel_values"] = pixels(batch["pixel_values"])
+        return batch
+
     flops = 0
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     for step in range(s.warmup + s.steps):
         if step == s.warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
-        batch["pixel_values"] = pixels(batch["pixel_values"])
+        batch = next_batch()
         sync()
         t1 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
@@ -220,6 +229,18 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
                 times[part].append(dt)
         if which == "transformers" and step == 0:
             flops = forward_flops(forward, batch, device=device, bf16=s.bf16) * 3
+    if profile:
+        from openalign.bench.profile import profile_steps
+
+        def whole_step() -> None:
+            batch = next_batch()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
+                step_loss = loss_fn(forward(batch))
+            step_loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        profile_steps(whole_step, device, 2, Path(profile) / f"{which}.txt", f"bench train: {which}'s bare step")
     totals = [sum(parts) for parts in zip(*(times[p] for p in PARTS), strict=True)]
     median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     step_s = totals[median]
@@ -235,11 +256,13 @@ def measure_training(which: str, s: TrainBenchSettings, shards: str, tokenizer_d
     }
 
 
-def measure_recipe(which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str) -> dict[str, Any]:
+def measure_recipe(
+    which: str, s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile: str | None = None
+) -> dict[str, Any]:
     """The real training loop's step on the bare step's model, batch and shards (``openalign.bench.recipe``)."""
     from openalign.bench.recipe import measure_loop
 
-    return measure_loop(s, shards, tokenizer_dir)
+    return measure_loop(s, shards, tokenizer_dir, profile)
 
 
 def measure_pipeline(
@@ -349,7 +372,8 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         for r in range(s.rounds):
             for which in contenders if r % 2 == 0 else contenders[::-1]:
                 measure = "measure_recipe" if which == "recipe" else "measure_training"
-                res = _in_subprocess(measure, which, s, shards, str(tok))
+                # The first round also profiles, after its timed steps.
+                res = _in_subprocess(measure, which, s, shards, str(tok), s.profile if r == 0 else None)
                 print(f"  round {r + 1} {which:>12}: {res['pairs_per_s']:.2f} pairs/s", flush=True)
                 if which not in best or res["step_s"] < best[which]["step_s"]:
                     best[which] = res
