@@ -110,9 +110,7 @@ class StepProfiler:
         return totals
 
 
-def profile_steps(
-    step: Callable[[], Any], device: torch.device, steps: int, path: Path, title: str
-) -> dict[str, Any]:
+def profile_steps(step: Callable[[], Any], device: torch.device, steps: int, path: Path, title: str) -> dict[str, Any]:
     """One step with its host synchronisations counted, then ``steps`` steps under the profiler, written to
     ``path``; ``step`` runs one whole training step (warm already)."""
     profiler = StepProfiler(device, steps)

@@ -99,9 +99,7 @@ def recipe_config(
     return train_cfg
 
 
-def measure_loop(
-    s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile: str | None = None
-) -> dict[str, Any]:
+def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile: str | None = None) -> dict[str, Any]:
     """The real loop's step (median of the timed steps, as the bare step's), its data wait, pairs/s and peak
     memory, measured in the calling process; with ``profile`` (a directory), three steps more profiled."""
     from openalign.bench.model import peak_memory_mb
