@@ -448,6 +448,45 @@ def test_gpu_jpeg_decoding_matches_the_cpu_path(tmp_path: Path) -> None:
     check_device_decode(CUDA, tmp_path)
 
 
+# ------------------------------------------------------------------------------------------ (g) text attention
+
+
+def check_text_attention(device: torch.device) -> dict[str, float]:
+    """The text tower's masked attention in an eager step on ``device`` keeps off cuDNN's attention (whose host
+    time per call bounded the eager step, ``openalign.model.bert.attention``) and gives the CPU's embeddings and
+    gradients in fp32."""
+    torch.manual_seed(0)
+    model = openalign.create_model("b0-tiny", text={"hidden_dropout": 0.0, "attention_dropout": 0.0}).train()
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 24, (16,), generator=gen)
+    mask = (torch.arange(24)[None] < lengths[:, None]).long()
+    ids = torch.randint(5, model.config.text.vocab_size, (16, 24), generator=gen) * mask
+
+    def run(m: torch.nn.Module, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        out = m.text_features(ids.to(on), mask.to(on))
+        (grad,) = torch.autograd.grad(out.square().sum(), m.text.layers[0].qkv.weight)
+        return out.detach().cpu(), grad.cpu()
+
+    want = run(model, torch.device("cpu"))
+    on_device = copy.deepcopy(model).to(device)
+    with exact_fp32(), torch.profiler.profile() as prof:
+        got = run(on_device, device)
+    with (
+        torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
+        torch.profiler.profile() as p16,
+    ):
+        run(on_device, device)
+    names = {e.name for e in [*prof.events(), *p16.events()]}
+    assert not [n for n in names if "cudnn_attention" in n], sorted(n for n in names if "attention" in n)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-3)
+    return {"max_abs_diff": float((got[0] - want[0]).abs().max())}
+
+
+def test_text_attention_keeps_off_cudnn_and_matches_the_cpu() -> None:
+    check_text_attention(CUDA)
+
+
 # ------------------------------------------------------------------------------------------ by hand
 
 
@@ -469,6 +508,7 @@ def main(argv: list[str]) -> None:
         "ddp": lambda tmp: check_wrapped_steps(device, "ddp", tmp / "store"),
         "fsdp": lambda tmp: check_wrapped_steps(device, "fsdp", tmp / "store"),
         "decode": lambda tmp: check_device_decode(device, tmp),
+        "attention": lambda tmp: check_text_attention(device),
     }
     for name, check in checks.items():
         if argv[1:] and name not in argv[1:]:

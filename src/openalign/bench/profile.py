@@ -4,7 +4,8 @@
 loop with ``--recipe``), ``DIR/<contender>.txt``: a header with the step's wall time, the device time its
 kernels took and how many kernels it launched (on a GPU: a step whose kernels cover little of its wall time
 is waiting on the host, launching or synchronising), the host synchronisations one step made with the Python
-line that made each, and PyTorch's per-op table sorted by self time on the device (the CPU's on a CPU).
+line that made each, and PyTorch's per-op table sorted by self time on the device (the CPU's on a CPU; on a
+GPU a second table sorted by the host's self time follows).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class StepProfiler:
             "",
             events.table(sort_by=sort, row_limit=50, max_name_column_width=60),
         ]
+        if cuda:  # the host's side of a step the host bounds: where launching and dispatching go
+            lines += ["", "by self CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=40)]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines))
         return totals
