@@ -15,13 +15,19 @@ def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pyt
     out = tmp_path / "bench.json"
     argv = ["bench", "train", "--preset", "nano", "--image-size", "32", "--batch-size", "8", "--steps", "1",
             "--warmup", "1", "--rounds", "1", "--workers", "0", "--shard-samples", "16", "--pipeline-samples", "8",
-            "--no-baseline", "--recipe", "--grad-clip", "1.0", "--json", str(out)]  # fmt: skip
+            "--no-baseline", "--recipe", "--grad-clip", "1.0", "--json", str(out),
+            "--profile", str(tmp_path / "profile")]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     line = next(x for x in printed.splitlines() if x.startswith("loop (recipe)"))
     assert " pairs/s vs bare step " in line and "x; step " in line and "data wait" in line
     summary = json.loads(out.read_text())
     loop, bare = summary["training"]["recipe"], summary["training"]["openalign"]
+    # Each step profiled after its timing: the bare step and the loop's (which runs its optimizer, LAMB, in it).
+    for name in ("openalign", "recipe"):
+        table = (tmp_path / "profile" / f"{name}.txt").read_text()
+        assert "2 steps profiled on cpu" in table and "host synchronisations in one step: 0" in table
+        assert "aten::convolution_backward" in table and "Optimizer.step#Lamb.step" in table
     assert loop["skipped_steps"] == 0 and loop["pairs_per_s"] > 0 and bare["pairs_per_s"] > 0
     assert 0 <= loop["parts_s"]["data"] <= loop["step_s"]
     assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])
@@ -40,6 +46,7 @@ def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:
     assert model_cfg(dataclasses.replace(s, virtual_batch_size=None)) == bench_config(_model_settings(s))
     assert cfg.data.max_text_length == model.text.max_length
     assert cfg.train.batch_size == 8 and cfg.train.steps == s.warmup + s.steps + 1
+    assert cfg.train.compile is False  # eager on every device, as the bare step
 
 
 def test_grad_clip_must_be_positive() -> None:

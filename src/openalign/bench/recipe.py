@@ -41,13 +41,15 @@ class TimedStream:
         from openalign.bench.profile import StepProfiler, count_syncs
 
         batches = iter(self.stream)
-        first, device, path = self.profile or (-1, torch.device("cpu"), Path())
+        first, device, path = self.profile or (None, torch.device("cpu"), Path())
         profiler = StepProfiler(device, 2)
         counting = contextlib.ExitStack()
         while True:
             # The loop asks for step i's batch when step i - 1 has ended.
             step = len(self.asked)
-            if step == first:
+            if first is None:
+                pass
+            elif step == first:
                 profiler.syncs = counting.enter_context(count_syncs(device))
             elif step == first + 1:
                 counting.close()
@@ -87,6 +89,9 @@ def recipe_config(
         "train.steps": s.warmup + s.steps + 1 + extra_steps,
         "train.device": s.device,
         "train.precision": "bf16" if s.bf16 else "fp32",
+        # Eager, as the bare step: on CUDA the loop would otherwise compile its towers (minutes at the first step)
+        # and time compiled steps against eager ones.
+        "train.compile": False,
         "train.grad_clip": s.grad_clip,
         "train.checkpoint_every": 0,
         "train.checkpoint_minutes": 0,
