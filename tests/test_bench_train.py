@@ -47,6 +47,8 @@ def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:
     assert cfg.data.max_text_length == model.text.max_length
     assert cfg.train.batch_size == 8 and cfg.train.steps == s.warmup + s.steps + 1
     assert cfg.train.compile is False  # eager on every device, as the bare step
+    compiled = recipe_config(dataclasses.replace(s, compile=True), "a.tar", "tok", str(tmp_path))
+    assert compiled.train.compile is True
 
 
 def test_grad_clip_must_be_positive() -> None:

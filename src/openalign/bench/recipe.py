@@ -89,9 +89,8 @@ def recipe_config(
         "train.steps": s.warmup + s.steps + 1 + extra_steps,
         "train.device": s.device,
         "train.precision": "bf16" if s.bf16 else "fp32",
-        # Eager, as the bare step: on CUDA the loop would otherwise compile its towers (minutes at the first step)
-        # and time compiled steps against eager ones.
-        "train.compile": False,
+        # Compiled or eager as the bare step (on CUDA the loop would otherwise always compile its towers).
+        "train.compile": s.compile,
         "train.grad_clip": s.grad_clip,
         "train.checkpoint_every": 0,
         "train.checkpoint_minutes": 0,

@@ -57,6 +57,8 @@ class TrainBenchSettings:
     workers: int = 2  # DataLoader workers feeding each contender
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast (GPU)
+    # torch.compile: our towers as training compiles them (train.compile), the loop too; transformers' whole model.
+    compile: bool = False
     decode: Literal["cpu", "cuda"] = "cpu"  # where our stream decodes JPEGs (data.decode; cuda needs torchvision)
     shard_samples: int = 512  # synthetic pairs written once and cycled through
     # Longer side of the shards' JPEGs, 4:3 (img2dataset writes 256 border-resized, 384–1024 keep-ratio);
@@ -139,14 +141,19 @@ def _stream(
     return build_train_stream(data, tokenizer, seed=0, model_config=cfg)
 
 
-def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer]:
-    """(module, forward(batch) -> output, loss(output) -> scalar, optimizer) for one contender."""
+def _build(
+    which: str, cfg: Any, device: torch.device, compiled: bool = False
+) -> tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer]:
+    """(module, forward(batch) -> output, loss(output) -> scalar, optimizer) for one contender; ``compiled``: our
+    towers as training compiles them, transformers' model whole."""
     if which == "openalign":
         from openalign.loss import contrastive_loss
         from openalign.model import DualEncoder
         from openalign.optim import OptimConfig, build_optimizer
 
         model = DualEncoder(cfg).to(device).train()
+        if compiled:
+            model.compile_towers()
         optimizer = build_optimizer(model, OptimConfig(name="lamb", lr=1e-3, weight_decay=1e-5))
 
         def forward(b: dict[str, torch.Tensor]) -> Any:
@@ -167,9 +174,10 @@ def _build(which: str, cfg: Any, device: torch.device) -> tuple[torch.nn.Module,
     )
     model = transformers.AlignModel(config).to(device).train()  # type: ignore[arg-type]  # transformers' stub
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-5)
+    call = torch.compile(model) if compiled else model
 
     def hf_forward(b: dict[str, torch.Tensor]) -> Any:
-        return model(pixel_values=b["pixel_values"], input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        return call(pixel_values=b["pixel_values"], input_ids=b["input_ids"], attention_mask=b["attention_mask"])
 
     def hf_loss(out: Any) -> torch.Tensor:
         return align_loss(out.logits_per_text.float())
@@ -188,7 +196,7 @@ def measure_training(
     device = torch.device(s.device)
     cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
-    _, forward, loss_fn, optimizer = _build(which, cfg, device)
+    _, forward, loss_fn, optimizer = _build(which, cfg, device, s.compile)
     train_stream = _stream(s, shards, tokenizer, cfg, s.workers)
     pixels, stream = train_stream.pixels, iter(train_stream)
 
@@ -395,7 +403,7 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
     print(
         f"\nbench train: {s.preset} at {cfg.image_size} px, batch {s.batch_size}, {s.workers} data workers"
         f"{' (JPEGs decoded on the GPU)' if s.decode == 'cuda' else ''}, "
-        f"{s.device}{' bf16' if s.bf16 else ''}, {torch.get_num_threads()} threads"
+        f"{s.device}{' bf16' if s.bf16 else ''}{' compiled' if s.compile else ''}, {torch.get_num_threads()} threads"
     )
     if nominal:
         per_pair = nominal / s.batch_size / 1e9
