@@ -477,6 +477,10 @@ def check_text_attention(device: torch.device) -> dict[str, float]:
     ):
         run(on_device, device)
     names = {e.name for e in [*prof.events(), *p16.events()]}
+    if device.type == "cuda":  # rows 16 elements apart, as memory-efficient attention takes a mask uncopied
+        from openalign.model.bert import additive_mask
+
+        assert additive_mask(mask.to(device), torch.float32).stride(0) == 32
     assert not [n for n in names if "cudnn_attention" in n], sorted(n for n in names if "attention" in n)
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-3)

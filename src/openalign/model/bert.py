@@ -161,9 +161,11 @@ def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     """A 1/0 (or boolean) mask [B, L] as the additive bias [B, 1, 1, L] ``scaled_dot_product_attention`` takes:
     0 for keys to attend, -inf for padding. SDPA turns a boolean mask into exactly this, but inside every call:
     three kernels per layer per forward; built once here, in the query's dtype so autocast has nothing to cast.
-    Its rows lie 16 elements apart (the mask is a view of a wider buffer), as memory-efficient attention needs
-    them: it would otherwise copy the mask into such a buffer in every call."""
+    On CUDA its rows lie 16 elements apart (the mask is a view of a wider buffer), as memory-efficient attention
+    needs them: it would otherwise copy the mask into such a buffer in every call. Elsewhere it is contiguous, as
+    the CPU's kernels take it."""
     keep = attention_mask.bool()[:, None, None, :]
     width = keep.shape[-1]
-    padded = torch.zeros((*keep.shape[:-1], -(-width // 16) * 16), dtype=dtype, device=keep.device)
+    stride = -(-width // 16) * 16 if keep.is_cuda else width
+    padded = torch.zeros((*keep.shape[:-1], stride), dtype=dtype, device=keep.device)
     return padded[..., :width].masked_fill_(~keep, float("-inf"))
