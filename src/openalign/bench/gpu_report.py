@@ -113,6 +113,16 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"data wait (peer: its own `bench train`) | {_num(rate)} | {_num((ours or {}).get('pairs_per_s'))} | "
             f"{_ratio(rate, (ours or {}).get('pairs_per_s'))} |"
         )
+    compiled_loop = _figures(summary, "compiled_loop")
+    timed = (compiled_loop.get("training") or {}).get("recipe")
+    if timed:
+        how = "compiled" if (compiled_loop.get("settings") or {}).get("compile") else "eager (not compiled here)"
+        share = compiled_loop.get("recipe_data_share")
+        lines.append(
+            f"| `openalign train`'s loop, {how}, from JPEG shards (`bench train --recipe --compile`; ratio: the "
+            f"share of its step spent waiting for data) | {_steps(timed)} | – | "
+            f"{_num(None if share is None else 100 * share, '.1f', ' %')} |"
+        )
     return lines if len(lines) > 2 else []
 
 
