@@ -45,16 +45,14 @@ class TimedStream:
         profiler = StepProfiler(device, 2)
         counting = contextlib.ExitStack()
         while True:
-            # The loop asks for step i's batch when step i - 1 has ended.
-            step = len(self.asked)
-            if first is None:
-                pass
-            elif step == first:
+            # The loop asks for step i's batch when step i - 1 has ended: steps counted from the first profiled one.
+            step = -1 if first is None else len(self.asked) - first
+            if step == 0:
                 profiler.syncs = counting.enter_context(count_syncs(device))
-            elif step == first + 1:
+            elif step == 1:
                 counting.close()
                 profiler.__enter__()
-            elif step == first + 3:
+            elif step == 3:
                 profiler.__exit__(None, None, None)
                 profiler.write(path, "openalign train: the loop's step (bench train --recipe)")
             self.asked.append(time.perf_counter())

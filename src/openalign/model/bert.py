@@ -123,8 +123,9 @@ class Bert(nn.Module):
 
 
 # Every backend but cuDNN's. On an H200 (torch 2.11) cuDNN's attention took 4.7 ms of host time per eager call,
-# with the same shapes layer after layer, against microseconds of kernel time: in an eager step, whose host
-# work is what bounds it, a tenth of the step. Flash takes the calls without a mask, memory-efficient the rest.
+# with the same shapes layer after layer, against microseconds of kernel time, in a step its host work bounds
+# (B7 + BERT-Base, batch 64: 51 ms of a 336 ms step in the forward alone). Off it, that step ran 2.2x as fast
+# (149.7 -> 325.1 pairs/s). Flash takes the calls without a mask, memory-efficient the rest.
 _EAGER_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
