@@ -203,6 +203,22 @@ def test_save_load_round_trip(tmp_path, scenes: list[Image.Image], trained: Copy
     assert np.array_equal(loaded.embed(scenes[:8]), trained.embed(scenes[:8]))
 
 
+def test_a_convolutional_detector_learns_saves_and_loads(tmp_path, scenes: list[Image.Image]) -> None:
+    from openalign.model.convnet import ConvNet
+
+    cfg = _cfg(steps=40, batch_size=24, warmup_steps=4, seed=0, family="convnet")
+    detector = train_copy_detector(scenes, cfg)
+    assert isinstance(detector.backbone, ConvNet) and detector.config.image.family == "convnet"
+    losses = detector.train_stats["losses"]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    copies = [augment_near_duplicate(im, random.Random(i)) for i, im in enumerate(scenes)]
+    sim = detector.embed(copies) @ detector.embed(scenes).T
+    assert (sim.argmax(axis=1) == np.arange(len(scenes))).mean() >= 0.4  # chance: 2 %
+    loaded = load_copy_detector(save_model(detector, tmp_path / "detector"))
+    assert isinstance(loaded.backbone, ConvNet) and loaded.config == detector.config
+    assert np.array_equal(loaded.embed(scenes[:8]), detector.embed(scenes[:8]))
+
+
 def test_detectors_saved_in_the_first_layout_still_load(tmp_path, scenes: list[Image.Image], trained) -> None:
     path = save_model(trained, tmp_path / "detector")
     meta = json.loads((path / "config.json").read_text())

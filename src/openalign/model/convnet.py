@@ -54,7 +54,11 @@ class ConvNet(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.feature_map(pixel_values).mean((2, 3))
+
+    def feature_map(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The last layer's output [B, num_features, h, w], before the pool."""
         x = pixel_values.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else pixel_values
         for layer in self.layers:
             x = maybe_checkpointed(self.gradient_checkpointing and self.training, layer)(x)
-        return x.mean((2, 3))
+        return x

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from openalign.config import ConfigError, ImageTowerConfig, model_config
 from openalign.data.augment import image_array, to_pixels
+from openalign.model.convnet import ConvNet
 from openalign.model.efficientnet import EfficientNet
 
 __all__ = ["CopyDetector", "CopyDetectorConfig"]
@@ -67,7 +68,8 @@ class CopyDetector(nn.Module):
         super().__init__()
         self.config = config or CopyDetectorConfig()
         self.config.validate()
-        self.backbone = EfficientNet(self.config.image)
+        image = self.config.image
+        self.backbone: ConvNet | EfficientNet = ConvNet(image) if image.family == "convnet" else EfficientNet(image)
         self.projection = nn.Linear(self.backbone.num_features * self.config.grid**2, self.config.embed_dim)
         # How it was trained (steps, image counts, per-step losses); saved in config.json without the losses.
         self.train_stats: dict[str, Any] = {}
@@ -78,12 +80,7 @@ class CopyDetector(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 3, S, S] pixels in [-1, 1] → [B, embed_dim] L2-normalised embeddings."""
-        net = self.backbone
-        x = pixel_values.contiguous(memory_format=torch.channels_last) if net.cfg.channels_last else pixel_values
-        x = net.stem(x)
-        for block in net.blocks:
-            x = block(x)
-        x = F.adaptive_avg_pool2d(x, self.config.grid).flatten(1)
+        x = F.adaptive_avg_pool2d(self.backbone.feature_map(pixel_values), self.config.grid).flatten(1)
         return F.normalize(self.projection(x), dim=-1)
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:

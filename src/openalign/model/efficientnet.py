@@ -277,9 +277,13 @@ class EfficientNet(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.feature_map(pixel_values).mean((2, 3))
+
+    def feature_map(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The last block's output [B, num_features, h, w], before the pool."""
         if self.cfg.channels_last:
             pixel_values = pixel_values.contiguous(memory_format=torch.channels_last)
         x: torch.Tensor = self.stem(pixel_values)
         for block in self.blocks:
             x = maybe_checkpointed(self.gradient_checkpointing and self.training, block)(x)
-        return x.mean((2, 3))
+        return x

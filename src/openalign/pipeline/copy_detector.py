@@ -29,6 +29,7 @@ image folder, a table or WebDataset shards through ``openalign.data.sources`` an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -68,6 +69,8 @@ class CopyDetectorTrainConfig:
     """How the copy detector is built and trained (``openalign copy-detector train``)."""
 
     image_size: int = 64  # every image is resized (whole, no crop) to this square before embedding
+    # The network: the nano EfficientNet, or the plain stack of 3x3 convolutions (openalign.model.convnet).
+    family: Literal["efficientnet", "convnet"] = "efficientnet"
     embed_dim: int = 128  # width of the L2-normalised embedding
     grid: int = 2  # the last feature map is pooled to grid × grid cells (where things are) before the projection
     steps: int = 300  # training steps
@@ -90,8 +93,13 @@ class CopyDetectorTrainConfig:
 
     def detector(self) -> CopyDetectorConfig:
         """The network these settings build."""
+        image = dataclasses.replace(CopyDetectorConfig().image, family=self.family)
         return CopyDetectorConfig(
-            image_size=self.image_size, embed_dim=self.embed_dim, grid=self.grid, temperature=self.temperature
+            image=image,
+            image_size=self.image_size,
+            embed_dim=self.embed_dim,
+            grid=self.grid,
+            temperature=self.temperature,
         )
 
     def validate(self) -> None:
