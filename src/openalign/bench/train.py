@@ -20,6 +20,7 @@ with the same transform and tokenizer) on the same shards.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -212,44 +213,46 @@ def measure_training(
         batch["pixel_values"] = pixels(batch["pixel_values"])
         return batch
 
+    def one_step(batch: dict[str, torch.Tensor], mark: Any) -> torch.Tensor:
+        """A training step on ``batch``, calling ``mark()`` after each of its parts but the data."""
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
+            out = forward(batch)
+            mark()
+            step_loss: torch.Tensor = loss_fn(out)
+            mark()
+        step_loss.backward()
+        mark()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mark()
+        return step_loss
+
+    stamps: list[float] = []
+
+    def stamp() -> None:
+        sync()
+        stamps.append(time.perf_counter())
+
     flops = 0
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     for step in range(s.warmup + s.steps):
         if step == s.warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
+        stamps[:] = [time.perf_counter()]
         batch = next_batch()
-        sync()
-        t1 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
-            out = forward(batch)
-            sync()
-            t2 = time.perf_counter()
-            loss = loss_fn(out)
-            sync()
-        t3 = time.perf_counter()
-        loss.backward()
-        sync()
-        t4 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync()
-        t5 = time.perf_counter()
+        stamp()
+        loss = one_step(batch, stamp)
         if step >= s.warmup:
-            for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
-                times[part].append(dt)
+            for part, (start, end) in zip(PARTS, itertools.pairwise(stamps), strict=True):
+                times[part].append(end - start)
         if which == "transformers" and step == 0:
             flops = forward_flops(forward, batch, device=device, bf16=s.bf16) * 3
     if profile:
         from openalign.bench.profile import profile_steps
 
+        # Without the timing's synchronisations, which would keep the host from running ahead of the device.
         def whole_step() -> None:
-            batch = next_batch()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
-                step_loss = loss_fn(forward(batch))
-            step_loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            one_step(next_batch(), lambda: None)
 
         profile_steps(whole_step, device, 2, Path(profile) / f"{which}.txt", f"bench train: {which}'s bare step")
     totals = [sum(parts) for parts in zip(*(times[p] for p in PARTS), strict=True)]

@@ -8,6 +8,8 @@ the raw [CLS] vector, and an unused parameter would force DDP's find_unused_para
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,10 +136,9 @@ def attention(
 ) -> torch.Tensor:
     """``scaled_dot_product_attention``, kept off cuDNN's backend in eager CUDA calls (above); compiled graphs
     and other devices choose as PyTorch does."""
-    if q.is_cuda and not torch.compiler.is_compiling():
-        with sdpa_kernel(_EAGER_CUDA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
+    with sdpa_kernel(_EAGER_CUDA_BACKENDS) if eager_cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
 def needs_mask(attention_mask: torch.Tensor) -> bool:

@@ -5,8 +5,9 @@ high-quality image embedding model" and a cosine threshold of 0.975 (``openalign
 image embedding is the wrong tool for that threshold: it maps two *different* photos of the same kind of
 scene close together, while what must come out close is the *same* photo after the web has re-cropped,
 resized, colour-corrected and re-compressed it. This network is trained for exactly that
-(``openalign.pipeline.copy_detector``): the nano EfficientNet image tower, its last feature map pooled to a
-coarse grid (layout is what tells two scenes of the same kind apart), linearly projected and L2-normalised.
+(``openalign.pipeline.copy_detector``): the nano image tower (its EfficientNet, or the plain convolutional
+stack with ``image.family: convnet``), its last feature map pooled to a coarse grid (layout is what tells two
+scenes of the same kind apart), linearly projected and L2-normalised.
 
 It saves and loads like every openalign model, through ``openalign.model.io`` (``save_model``,
 ``load_copy_detector``): ``config.json`` with this config, plus ``model.safetensors``.
@@ -27,8 +28,7 @@ from tqdm import tqdm
 
 from openalign.config import ConfigError, ImageTowerConfig, model_config
 from openalign.data.augment import image_array, to_pixels
-from openalign.model.convnet import ConvNet
-from openalign.model.efficientnet import EfficientNet
+from openalign.model.dual_encoder import image_tower
 
 __all__ = ["CopyDetector", "CopyDetectorConfig"]
 
@@ -39,7 +39,8 @@ def _nano_image_tower() -> ImageTowerConfig:
 
 @dataclass
 class CopyDetectorConfig:
-    """The detector's network: an EfficientNet image tower, a linear projection, L2 normalisation."""
+    """The detector's network: an image tower (the nano EfficientNet unless ``image.family`` says convnet), a linear
+    projection, L2 normalisation."""
 
     image: ImageTowerConfig = field(default_factory=_nano_image_tower)
     image_size: int = 64  # every image is resized (whole, no crop) to this square before embedding
@@ -68,8 +69,7 @@ class CopyDetector(nn.Module):
         super().__init__()
         self.config = config or CopyDetectorConfig()
         self.config.validate()
-        image = self.config.image
-        self.backbone: ConvNet | EfficientNet = ConvNet(image) if image.family == "convnet" else EfficientNet(image)
+        self.backbone = image_tower(self.config.image)
         self.projection = nn.Linear(self.backbone.num_features * self.config.grid**2, self.config.embed_dim)
         # How it was trained (steps, image counts, per-step losses); saved in config.json without the losses.
         self.train_stats: dict[str, Any] = {}

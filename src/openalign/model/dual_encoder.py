@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openalign.config import ModelConfig
+from openalign.config import ImageTowerConfig, ModelConfig
 from openalign.model.bert import Bert
 from openalign.model.convnet import ConvNet
 from openalign.model.efficientnet import EfficientNet
@@ -42,7 +42,7 @@ class DualEncoder(nn.Module):
         self.fixed_text_width = False
         # ``compile_towers``' functions, by grad mode: (image, text).
         self.compiled_towers: dict[bool, tuple[Callable[..., torch.Tensor], ...]] | None = None
-        self.image = ConvNet(config.image) if config.image.family == "convnet" else EfficientNet(config.image)
+        self.image = image_tower(config.image)
         self.text = Bert(config.text)
         d = config.embed_dim
         self.image_proj = nn.Linear(self.image.num_features, d) if self.image.num_features != d else None
@@ -286,6 +286,11 @@ class DualEncoder(nn.Module):
             attention_mask = padding_mask(input_ids, self.config.text.pad_token_id)
         image = F.normalize(self.image_features(pixel_values), dim=-1)
         return image, F.normalize(self.text_features(input_ids, attention_mask, width), dim=-1)
+
+
+def image_tower(cfg: ImageTowerConfig) -> ConvNet | EfficientNet:
+    """The image tower ``cfg.family`` names: the plain convolutional stack or the EfficientNet."""
+    return ConvNet(cfg) if cfg.family == "convnet" else EfficientNet(cfg)
 
 
 # The compiled towers' entry points, one per tower and grad mode. Dynamo keeps its graphs per code object, guarded
