@@ -55,16 +55,22 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     assert "--no-such-option needs a value" in text
 
 
-def test_the_gpu_defaults_fit_one_call() -> None:
-    """The command the GPU holder runs: every foreground part's limit together within the budget, and the budget
-    within one call of a GPU lent for minutes (ten at most)."""
+def test_the_gpu_check_fits_two_calls_of_a_short_lease() -> None:
+    """The command the GPU holder runs: by default every part gets its whole share (at least what it took on a
+    freshly started H200); the eager parts and the compiled ones each fit one call of a GPU lent for minutes (ten
+    at most), and a budget given scales the shares down to fit it."""
     s = gpu.GpuCheckSettings()
     parts = gpu.build_parts(s, Path("out"), Path("work"), "h200-141gb", Path("vocab"))
     limits = gpu._limits(s, parts)
     assert set(limits) == {"tests", "bench", "compiled", "towers", "compiled_loop", "loop"}
-    assert sum(limits.values()) <= s.budget_s - gpu.RESERVE_S <= 560
-    # Each default part gets at least the time it took on an H200.
-    assert limits["compiled_loop"] >= 170 and limits["bench"] >= 115 and limits["tests"] >= 100
+    assert limits == {name: gpu.WEIGHTS[name] for name in limits}
+    assert limits["compiled_loop"] >= 175 and limits["bench"] >= 120 and limits["tests"] >= 78
+    eager = gpu.GpuCheckSettings(compiled=False, compiled_loop=False)
+    compiled = gpu.GpuCheckSettings(tests=False, bench=False, towers=False, loop=False)
+    assert eager.budget() + compiled.budget() == s.budget() + gpu.RESERVE_S
+    assert max(eager.budget(), compiled.budget()) <= 420
+    short = gpu.GpuCheckSettings(budget_s=300)
+    assert sum(gpu._limits(short, parts).values()) == pytest.approx(300 - gpu.RESERVE_S)
     s = gpu.GpuCheckSettings(paper=True)
     parts = gpu.build_parts(s, Path("out"), Path("work"), "h200-141gb", Path("vocab"))
     paper = next(p for p in parts if p.name == "paper")

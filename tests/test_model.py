@@ -174,6 +174,30 @@ def test_virtual_batch_norm_of_whole_groups_returns_its_own_tensor() -> None:
         torch.testing.assert_close(yg, F.batch_norm(g, None, None, bn.weight, bn.bias, True, 0.0, 1e-3))
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_virtual_batch_norm_gradients_match_a_loop_over_groups(layout: torch.memory_format) -> None:
+    # The groups become channels of one batch norm (one copy each way): output, input and affine gradients must be
+    # those of a batch norm per group, and the output and input gradient keep the input's layout.
+    torch.manual_seed(0)
+    bn = BatchNorm2d(6, eps=1e-3, momentum=0.1, virtual_batch_size=4).train()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    x = (torch.randn(12, 6, 5, 7) * 2 + 1).contiguous(memory_format=layout).requires_grad_()
+    upstream = torch.randn(12, 6, 5, 7).contiguous(memory_format=layout)
+    y = bn(x)
+    y.backward(upstream)
+    got = (y.detach(), x.grad, bn.weight.grad, bn.bias.grad)
+    xr = x.detach().clone().requires_grad_()
+    weight, bias = (t.detach().clone().requires_grad_() for t in (bn.weight, bn.bias))
+    ref = torch.cat([F.batch_norm(g, None, None, weight, bias, True, 0.0, 1e-3) for g in xr.split(4)])
+    ref.backward(upstream)
+    for a, b in zip(got, (ref.detach(), xr.grad, weight.grad, bias.grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert y.is_contiguous(memory_format=layout) and x.grad is not None
+    assert x.grad.is_contiguous(memory_format=layout)
+
+
 @pytest.mark.parametrize("virtual", [None, 4])
 def test_batch_norm_with_bf16_parameters_keeps_fp32_statistics(virtual: int | None) -> None:
     # FSDP2's bf16 policy hands the layer bf16 copies of weight and bias but leaves the running buffers
