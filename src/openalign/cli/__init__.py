@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from openalign.cli import bench, convert, copy_detector, data, demo, embed, eval, plan, search, train
+from openalign.cli.allocator import retain_freed_memory
 from openalign.cli.options import Parser
 from openalign.config import ConfigError
 
@@ -59,6 +60,10 @@ def one_line(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command ``argv`` names; without ``argv``, the process's own command line, in a process whose
+    allocator keeps freed memory for reuse (``openalign.cli.allocator``)."""
+    if argv is None:
+        retain_freed_memory()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     try:
