@@ -7,7 +7,8 @@ touched its pages anew: the demo's 900 training steps took 26.5 million page fau
 766 s of user time on two cores. Raising both thresholds for the command's own process keeps the freed blocks
 for reuse: 80 steps of the demo's training (set-up included) took 0.933x the wall time (median of 3 pairs), 1.3
 million page faults fell to 0.38 million and system time from 6.2 to 1.9 s, for 3 % more peak memory (818
-against 792 MiB), which the step's own peak still bounds.
+against 792 MiB), which the step's own peak still bounds. `openalign demo --seeds 3`: stages of 510 / 499 / 489 s
+against 521 / 518 / 518, the same held-out figures.
 
 Only the command's process (and the data workers it forks) is changed: ``openalign.cli.main`` called with an
 argument list, as a library or a test does, leaves the caller's allocator alone. Elsewhere than glibc (macOS,
