@@ -18,7 +18,6 @@ musl) nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 __all__ = ["retain_freed_memory"]
@@ -34,8 +33,7 @@ def retain_freed_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on (no ldconfig subprocess)
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
