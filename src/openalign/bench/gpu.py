@@ -57,6 +57,7 @@ from typing import Any
 
 from openalign.bench import gpu_memory
 from openalign.bench.gpu_report import markdown
+from openalign.config import ImageTowerConfig
 
 __all__ = ["GpuCheckSettings", "run_gpu_check"]
 
@@ -79,6 +80,9 @@ WEIGHTS = {
     "paper": 150.0,
     "l2": 55.0,
 }
+# The recipes' ghost batch norm groups (pretrain_align*.yaml), which bench and the compiled loop time as the loop
+# part and `openalign train` run them.
+RECIPE_GHOST_GROUP = ImageTowerConfig().virtual_batch_size
 RESERVE_S = 15.0  # probing the device, writing the results
 GPU_KEYS = {"H200": "h200-141gb", "H100": "h100-80gb", "A100-SXM4-80GB": "a100-80gb", "A100-SXM4-40GB": "a100-40gb"}
 
@@ -194,10 +198,9 @@ def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
             return {"preset": "nano", "image_size": 32, "batch_size": 16, "steps": 1, "warmup": 1, "rounds": 1,
                     "workers": 0, "device": s.device, "bf16": cuda, "shard_samples": 32,
                     "pipeline_samples": 32, "recipe": True, "profile": profile}  # fmt: skip
-        # The recipes' ghost batch norm (groups of 16), as the loop part and `openalign train` run it.
         return {"preset": "b7-base", "batch_size": 64, "steps": 5, "warmup": 2, "rounds": 1, "workers": s.workers,
                 "device": s.device, "bf16": cuda, "shard_samples": 512, "pipeline_samples": 512,
-                "recipe": True, "profile": profile, "virtual_batch_size": 16}  # fmt: skip
+                "recipe": True, "profile": profile, "virtual_batch_size": RECIPE_GHOST_GROUP}  # fmt: skip
     if which == "compiled_loop":
         # The loop alone (--no-bare: one compilation, not two), fed from JPEG shards by the check's workers.
         loop = {"recipe": True, "bare": False, "baseline": False, "bf16": cuda, "device": s.device, "rounds": 1}
@@ -205,7 +208,8 @@ def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
             return {**loop, "preset": "nano", "image_size": 32, "batch_size": 16, "steps": 1, "warmup": 1,
                     "workers": 1, "shard_samples": 32, "pipeline_samples": 32, "compile": cuda}  # fmt: skip
         return {**loop, "preset": "b7-base", "batch_size": 64, "steps": 8, "warmup": 3, "workers": s.workers,
-                "shard_samples": 512, "pipeline_samples": 256, "compile": True, "virtual_batch_size": 16}  # fmt: skip
+                "shard_samples": 512, "pipeline_samples": 256, "compile": True,
+                "virtual_batch_size": RECIPE_GHOST_GROUP}  # fmt: skip
     if which == "towers":
         if s.tiny:
             return {"preset": "nano", "image_size": 32, "batch_size": 8, "steps": 1, "warmup": 1, "rounds": 1,
