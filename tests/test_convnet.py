@@ -90,3 +90,45 @@ def test_virtual_batch_norm_reaches_the_convnet_layers() -> None:
 def test_bad_convnet_layers_are_refused(image: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         model_config("nano", **tiny_overrides(image={**CONV, **image}))
+
+
+def test_image_autocast_runs_the_image_tower_alone_in_bf16_while_training() -> None:
+    torch.manual_seed(0)
+    model = DualEncoder(model_config("nano", **tiny_overrides(image=CONV))).train()
+    pixels, ids = torch.randn(8, 3, 32, 32), torch.randint(5, 101, (8, 7))
+    mask = torch.ones_like(ids)
+    dtypes: dict[str, set[torch.dtype]] = {"conv": set(), "text": set()}
+    for m in model.image.modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_hook(lambda _m, _i, out: dtypes["conv"].add(out.dtype))
+    for m in model.text.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda _m, _i, out: dtypes["text"].add(out.dtype))
+
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        image, text = model(pixels, ids, mask)
+        (image @ text.T).logsumexp(1).sum().backward()
+        grads = [p.grad.flatten() for p in model.image.parameters() if p.grad is not None]
+        return image.detach(), text.detach(), torch.cat(grads)
+
+    ref_image, ref_text, ref_grad = step()
+    assert dtypes == {"conv": {torch.float32}, "text": {torch.float32}}
+    model.image_autocast = torch.bfloat16
+    dtypes["conv"].clear()
+    image, text, grad = step()
+    assert dtypes == {"conv": {torch.bfloat16}, "text": {torch.float32}}
+    # The embeddings leave the tower as fp32 and the master weights' gradients stay fp32, near the fp32 ones
+    # (bf16 keeps ~3 significant digits; a tiny net's gradients cancel, so only their direction is compared);
+    # the text tower computed exactly what it did before.
+    assert image.dtype == torch.float32 and grad.dtype == torch.float32
+    torch.testing.assert_close(text, ref_text, rtol=0, atol=0)
+    torch.testing.assert_close(image, ref_image, rtol=0, atol=3e-2)
+    assert torch.nn.functional.cosine_similarity(grad, ref_grad, dim=0) > 0.95
+    assert not torch.equal(image, ref_image)
+    # Evaluation and serving keep the weights' precision.
+    model.eval()
+    dtypes["conv"].clear()
+    with torch.no_grad():
+        model.encode_image(pixels)
+    assert dtypes["conv"] == {torch.float32}

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import openalign
@@ -188,3 +189,39 @@ def test_train_with_an_infinite_lr_exits_with_one_line(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert out.stderr.strip() == "openalign train: error: optim.lr: expected a finite number, got inf"
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("precision", "device", "family", "amx", "expected"),
+    [
+        ("auto", "cuda", "convnet", False, "bf16"),
+        ("auto", "cuda:1", "efficientnet", True, "bf16"),
+        ("auto", "cpu", "convnet", True, "bf16-image"),
+        ("auto", "cpu", "convnet", False, "fp32"),
+        # the EfficientNet's depthwise convolutions ran slower in bf16 on an AMX CPU too
+        ("auto", "cpu", "efficientnet", True, "fp32"),
+        ("fp32", "cpu", "convnet", True, "fp32"),
+        ("bf16", "cpu", "convnet", False, "bf16"),
+        ("bf16-image", "cpu", "efficientnet", False, "bf16-image"),
+    ],
+)
+def test_precision_auto_is_bf16_on_a_gpu_and_the_image_tower_in_bf16_on_an_amx_cpu(
+    monkeypatch: pytest.MonkeyPatch, precision: str, device: str, family: str, amx: bool, expected: str
+) -> None:
+    import openalign.train.config as train_config
+
+    monkeypatch.setattr(train_config, "cpu_has_amx", lambda: amx)
+    assert train_config.resolve_precision(precision, device, family) == expected
+    assert train_config.resolve_precision(precision, torch.device(device), family) == expected
+
+
+def test_cpu_features_come_from_the_kernels_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    import openalign.hardware as hardware
+
+    for flags, bf16_dot, amx in [
+        (set(), False, False),
+        ({"avx512f", "avx512_bf16"}, True, False),
+        ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, True, True),
+    ]:
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert (hardware.cpu_has_bfloat16_dot(), hardware.cpu_has_amx()) == (bf16_dot, amx)

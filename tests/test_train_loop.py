@@ -269,6 +269,20 @@ def test_bf16_autocast_runs_on_cpu_when_asked(tmp_path: Path) -> None:
     assert all(v.dtype in (torch.float32, torch.int64) for v in weights(result.final_dir).values())
 
 
+def test_bf16_image_trains_the_image_tower_under_autocast_and_the_text_tower_in_fp32(tmp_path: Path) -> None:
+    runs = {}
+    for p in ("fp32", "bf16-image"):
+        result = train(tiny_config(tmp_path / p, train={"precision": p, "steps": 2}), stream_factory=factory())
+        runs[p] = weights(result.final_dir)
+    fp32, mixed = runs["fp32"], runs["bf16-image"]
+    assert all(v.dtype in (torch.float32, torch.int64) for v in mixed.values())
+    # The first step's text-tower gradients depend on the image embeddings, so every weight moves a little
+    # otherwise; a precision the loop ignored would leave them equal.
+    conv = next(k for k in fp32 if k.startswith("image.") and k.endswith("weight") and fp32[k].dim() == 4)
+    assert not torch.equal(mixed[conv], fp32[conv])
+    torch.testing.assert_close(mixed[conv], fp32[conv], rtol=0, atol=2e-2)
+
+
 def test_bf16_autocast_with_ghost_batch_norm_and_gradient_caching(tmp_path: Path) -> None:
     # pretrain_align_b7's combination on a GPU: ghost batch norm's group statistics arrive in bf16 and must
     # still update the fp32 running buffers (this raised on the first step before).

@@ -29,7 +29,6 @@ extended positives, text→text and image→image retrieval).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from openalign.eval.tasks import Option, Task, register
+from openalign.hardware import cpu_has_bfloat16_dot
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
@@ -257,18 +257,7 @@ _BF16_MIN_WORK = 1 << 30  # multiply-adds below which float32 is fast enough not
 
 def _bfloat16_pays(x: torch.Tensor, y: torch.Tensor) -> bool:
     big = x.shape[0] * y.shape[0] * x.shape[1] >= _BF16_MIN_WORK
-    return x.dtype == torch.float32 and big and _cpu_has_bfloat16_dot()
-
-
-@functools.cache
-def _cpu_has_bfloat16_dot() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere it is emulated, slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return x.dtype == torch.float32 and big and cpu_has_bfloat16_dot()
 
 
 class _Bracket:

@@ -42,6 +42,10 @@ class DualEncoder(nn.Module):
         self.fixed_text_width = False
         # ``compile_towers``' functions, by grad mode: (image, text).
         self.compiled_towers: dict[bool, tuple[Callable[..., torch.Tensor], ...]] | None = None
+        # Training with precision bf16-image sets this: the image tower runs under autocast to this dtype while
+        # the model trains (its backward follows); the projection, the text tower, evaluation and serving keep
+        # the weights' precision.
+        self.image_autocast: torch.dtype | None = None
         self.image = image_tower(config.image)
         self.text = Bert(config.text)
         d = config.embed_dim
@@ -231,7 +235,12 @@ class DualEncoder(nn.Module):
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Unnormalised image embeddings [B, embed_dim]."""
-        x = self._tower(0)(pixel_values)
+        if self.image_autocast is not None and self.training:
+            with torch.autocast(pixel_values.device.type, dtype=self.image_autocast):
+                x = self._tower(0)(pixel_values)
+            x = x.float()
+        else:
+            x = self._tower(0)(pixel_values)
         return self.image_proj(x) if self.image_proj is not None else x
 
     def text_features(

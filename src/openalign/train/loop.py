@@ -34,7 +34,7 @@ from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
 from openalign.outputs import check_writable
 from openalign.train import checkpoint as ckpt
-from openalign.train.config import TrainConfig, compile_enabled
+from openalign.train.config import TrainConfig, compile_enabled, resolve_precision
 from openalign.train.distributed import (
     DistInfo,
     all_gather_object,
@@ -190,7 +190,8 @@ class _Run:
         self.total_steps = cfg.total_steps
         self.per_rank = cfg.per_rank_batch(info.world_size)
         self.global_batch = self.per_rank * info.world_size
-        self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
+        self.precision = resolve_precision(t.precision, info.device, self.model_config.image.family)
+        self.bf16 = self.precision == "bf16"
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         model = DualEncoder(self.model_config)
@@ -205,6 +206,15 @@ class _Run:
                 model.lock_tower(tower)
         if t.grad_checkpointing:
             model.set_grad_checkpointing(True)
+        if self.precision == "bf16-image":
+            model.image_autocast = torch.bfloat16
+            if t.precision == "auto" and info.is_main:
+                # Said once: the same seed's figures differ from an fp32 run's (within the spread of seeds).
+                print(
+                    "precision auto: the image tower computes in bf16 on this AMX CPU (train.precision fp32 "
+                    "keeps it in fp32)",
+                    file=sys.stderr,
+                )
         model.to(info.device).train()
         self.compiled = compile_enabled(cfg, info.device)
         if self.compiled:

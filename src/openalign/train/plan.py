@@ -661,6 +661,8 @@ def capacity_bytes(device: Device) -> int:
 
 
 def resolve_bf16(cfg: TrainConfig, device: Device) -> bool:
+    """Whether the plan's step runs under bf16 autocast. bf16-image (and what auto picks on an AMX CPU) is
+    planned as fp32: its activations are no larger than fp32's, so the plan's memory is an upper bound."""
     p = cfg.train.precision
     return p == "bf16" or (p == "auto" and device.cuda)
 

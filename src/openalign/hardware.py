@@ -1,0 +1,31 @@
+"""What this machine's CPU can do, from the flags the Linux kernel lists in ``/proc/cpuinfo``.
+
+Where the file cannot be read (another system), no flag is known and every caller takes its portable path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first processor's feature flags (``avx512_bf16``, ``amx_bf16``, …); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_bfloat16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere it is emulated, slower."""
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 tile multiply (Xeon Sapphire Rapids and later), where oneDNN runs
+    bfloat16 convolutions and their backward several times faster than float32; with AVX512-BF16 alone they
+    run slower than float32."""
+    return "amx_bf16" in cpu_flags()
