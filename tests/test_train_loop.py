@@ -273,6 +273,7 @@ def test_bf16_image_trains_the_image_tower_under_autocast_and_the_text_tower_in_
     runs = {}
     for p in ("fp32", "bf16-image"):
         result = train(tiny_config(tmp_path / p, train={"precision": p, "steps": 2}), stream_factory=factory())
+        assert result.precision == p
         runs[p] = weights(result.final_dir)
     fp32, mixed = runs["fp32"], runs["bf16-image"]
     assert all(v.dtype in (torch.float32, torch.int64) for v in mixed.values())

@@ -67,8 +67,9 @@ class DemoConfig:
     workers: int = 1  # DataLoader processes decoding training images
     # Compute threads for every stage. Kernels split their sums by thread count, so a machine with more cores
     # would round differently and learn other weights; pinned, one seed gives one result on any machine whose CPU
-    # runs the same kernels. The kernels themselves follow the instruction set (oneDNN's AVX-512 convolutions sum
-    # in another order than its AVX2 ones): seed 1 reached 84.86 % on an AVX-512 machine, 85.08 % on an AVX2 one.
+    # runs the same kernels. The kernels themselves follow the CPU (oneDNN's AVX-512 convolutions sum in another
+    # order than its AVX2 ones, an AMX Xeon's than an older AVX-512 one's, where precision auto is bf16-image too):
+    # seed 1 reached 84.86 % on an AVX-512 machine, 85.08 % on an AVX2 one, 84.94 % on an AMX one (84.36 in fp32).
     threads: int = 2
     index_shards: int = 5  # training shards (1,000 pairs each) in the search index; 0 = all
 
@@ -358,6 +359,13 @@ def _shards(root: Path) -> dict[str, Any]:
     return {"shards": totals.shards, "samples": totals.successes, "skipped": totals.failures}
 
 
+# How the report names a run's precision when it is not plain fp32 (``train.precision`` auto picks by device).
+_PRECISION_NOTES = {
+    "bf16-image": " (the image tower in bf16, as `train.precision` auto does on a CPU with AMX)",
+    "bf16": " (under bf16 autocast)",
+}
+
+
 def _train(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     from openalign.train.config import load_train_config
     from openalign.train.loop import train
@@ -386,6 +394,7 @@ def _train(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     if result.final_dir is None:
         raise RuntimeError(f"training stopped at step {result.step} without a final model")
     return {
+        "precision": result.precision,  # auto differs by CPU, and a seed's figures follow it
         "steps": result.step,
         "final": str(result.final_dir),
         "skipped_steps": result.skipped_steps,
@@ -579,7 +588,9 @@ def _report(cfg: DemoConfig, root: Path, summaries: dict[str, dict[str, Any]]) -
     lines += [
         "## Training (`nano`)",
         "",
-        f"{train['steps']} steps of batch {cfg.batch_size} in {train['seconds']:.0f} s. The learned temperature "
+        f"{train['steps']} steps of batch {cfg.batch_size} in {train['seconds']:.0f} s"
+        + _PRECISION_NOTES.get(train.get("precision", "fp32"), "")
+        + ". The learned temperature "
         f"went from its initial value to {temperature:.4f} (the paper's converges near 1/64 = 0.0156; with label "
         "smoothing 0.1 and at this scale it settles higher).",
         "",

@@ -76,6 +76,7 @@ class TrainResult:
     # Wall time of the whole run: this process's, plus what earlier processes spent up to the checkpoint it
     # resumed from (work lost after that checkpoint is counted once, when it is done again).
     seconds: float = 0.0
+    precision: str = "fp32"  # what train.precision resolved to on this device (``resolve_precision``)
 
 
 def train(
@@ -591,7 +592,9 @@ class _Run:
                 f"samples skipped: {dict(stats) or 'none'}",
                 file=sys.stderr,
             )
-        return TrainResult(self.step, self.run_dir, final, self.skipped_steps, dict(stats), metrics, self.seconds())
+        return TrainResult(
+            self.step, self.run_dir, final, self.skipped_steps, dict(stats), metrics, self.seconds(), self.precision
+        )
 
     def seconds(self) -> float:
         return self.seconds_before + time.monotonic() - self.started
