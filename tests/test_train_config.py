@@ -224,4 +224,8 @@ def test_cpu_features_come_from_the_kernels_flags(monkeypatch: pytest.MonkeyPatc
         ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, True, True),
     ]:
         monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(torch.cpu, "_init_amx", lambda: True, raising=False)
         assert (hardware.cpu_has_bfloat16_dot(), hardware.cpu_has_amx()) == (bf16_dot, amx)
+    # A kernel that refuses this process AMX's tile registers leaves it without AMX, whatever the flags say.
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False, raising=False)
+    assert hardware.cpu_has_bfloat16_dot() and not hardware.cpu_has_amx()

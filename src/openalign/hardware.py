@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
@@ -25,7 +27,12 @@ def cpu_has_bfloat16_dot() -> bool:
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX's bfloat16 tile multiply (Xeon Sapphire Rapids and later), where oneDNN runs
-    bfloat16 convolutions and their backward several times faster than float32; with AVX512-BF16 alone they
-    run slower than float32."""
-    return "amx_bf16" in cpu_flags()
+    """Whether this process can use AMX's bfloat16 tile multiply (Xeon Sapphire Rapids and later), where oneDNN
+    runs bfloat16 convolutions and their backward several times faster than float32; with AVX512-BF16 alone they
+    run slower than float32. The CPU must have it and the kernel must grant this process the tile registers
+    (Linux does on request since 5.16; PyTorch asks as oneDNN would): where it refuses, oneDNN falls back to
+    AVX512-BF16 kernels."""
+    if "amx_bf16" not in cpu_flags():
+        return False
+    request = getattr(torch.cpu, "_init_amx", None)
+    return bool(request()) if request is not None else True
