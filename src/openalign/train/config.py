@@ -199,8 +199,12 @@ def compile_enabled(cfg: TrainConfig, device: Any) -> bool:
     gains little, so eager is the default there."""
     if cfg.train.compile is not None:
         return cfg.train.compile
-    kind = getattr(device, "type", None) or str(device).partition(":")[0]
-    return bool(kind == "cuda")
+    return _device_kind(device) == "cuda"
+
+
+def _device_kind(device: Any) -> str:
+    """The kind ("cuda", "cpu") of a ``torch.device`` or of its name ("cuda:1")."""
+    return str(getattr(device, "type", None) or str(device).partition(":")[0])
 
 
 Precision = Literal["fp32", "bf16", "bf16-image"]
@@ -217,7 +221,7 @@ def resolve_precision(precision: str, device: Any, image_family: str) -> Precisi
     than fp32 too, so everywhere else auto is fp32."""
     if precision != "auto":
         return cast(Precision, precision)
-    kind = getattr(device, "type", None) or str(device).partition(":")[0]
+    kind = _device_kind(device)
     if kind == "cuda":
         return "bf16"
     if kind == "cpu" and image_family == "convnet" and cpu_has_amx():
