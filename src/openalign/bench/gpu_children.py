@@ -135,7 +135,7 @@ def train_run(argv: list[str], report: Path) -> int:
 
     from openalign.model.dual_encoder import DualEncoder
     from openalign.train import throughput
-    from openalign.train.config import compile_enabled, load_train_config, parse_overrides
+    from openalign.train.config import compile_enabled, load_train_config, parse_overrides, resolve_precision
     from openalign.train.data import build_train_stream
     from openalign.train.loop import train
 
@@ -152,7 +152,7 @@ def train_run(argv: list[str], report: Path) -> int:
     DualEncoder.forward = counted  # type: ignore[method-assign,assignment]  # counts rows; the loop is untouched
     model = cfg.model.resolve()
     image, text = throughput.family(model)
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cfg.train.device == "cuda")
+    bf16 = resolve_precision(cfg.train.precision, cfg.train.device, model.image.family) == "bf16"
     static: dict[str, Any] = {
         "config": argv[0],
         "measurement": {

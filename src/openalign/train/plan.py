@@ -52,7 +52,7 @@ from openalign.model.dual_encoder import DualEncoder
 from openalign.model.efficientnet import direct_depthwise
 from openalign.optim import build_optimizer
 from openalign.train import flops as flop_formulas
-from openalign.train.config import TrainConfig
+from openalign.train.config import TrainConfig, resolve_precision
 from openalign.train.grad_cache import cached_step, plain_step
 from openalign.train.throughput import Measurement, differences, family, load_measurements, lookup, measured_devices
 
@@ -663,8 +663,8 @@ def capacity_bytes(device: Device) -> int:
 def resolve_bf16(cfg: TrainConfig, device: Device) -> bool:
     """Whether the plan's step runs under bf16 autocast. bf16-image (and what auto picks on an AMX CPU) is
     planned as fp32: its activations are no larger than fp32's, so the plan's memory is an upper bound."""
-    p = cfg.train.precision
-    return p == "bf16" or (p == "auto" and device.cuda)
+    kind = "cuda" if device.cuda else "cpu"
+    return resolve_precision(cfg.train.precision, kind, cfg.model.resolve().image.family) == "bf16"
 
 
 def plan(
