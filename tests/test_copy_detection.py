@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import random
 
@@ -160,6 +161,26 @@ def test_views_start_from_the_image_its_jpeg_round_trips_and_its_reposted_copies
     again = _prepare(scenes[:5], SIZE, 5, False, reposts=cfg.reposts, seed=0)[1]
     np.testing.assert_array_equal(again, reposted)
     assert _prepare(scenes[:5], SIZE, 5, False)[1].shape == (5, 0, 3, SIZE, SIZE)
+
+
+def test_jpeg_round_trip_is_a_4_2_0_jpeg_at_its_quality(scenes: list[Image.Image]) -> None:
+    from openalign.data.augment import image_array, jpeg_round_trip
+
+    array = image_array(scenes[0], 48)
+    errors = []
+    for quality in (95, 60, 20):
+        out = jpeg_round_trip(array, quality)
+        assert out.shape == array.shape and out.dtype == np.uint8
+        # Artefacts as large as those of PIL's JPEG at that quality with halved chroma (its default), the
+        # same library behind another interface: a setting (quality scale, chroma) would change their size.
+        buf = io.BytesIO()
+        Image.fromarray(array.transpose(1, 2, 0)).save(buf, format="JPEG", quality=quality, subsampling=2)
+        pil = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB")).transpose(2, 0, 1)
+        error, pil_error = (np.abs(x.astype(int) - array).mean() for x in (out, pil))
+        assert abs(error - pil_error) < 0.15 * pil_error, (quality, error, pil_error)
+        assert np.abs(out.astype(int) - pil).mean() < 0.6 * pil_error, quality
+        errors.append(error)
+    assert 0 < errors[0] < errors[1] < errors[2], errors  # lower quality, larger artefacts
 
 
 def test_seconds_budget_stops_training() -> None:

@@ -16,6 +16,7 @@ from openalign.data.transforms import (
     jpeg_size,
     model_resize,
     model_transform,
+    pil_decode,
     random_crop,
     to_tensor,
     train_transform,
@@ -231,9 +232,11 @@ def test_decode_jpeg_pixels_are_pils_pixels_or_left_to_pil() -> None:
                 continue
             fast += 1
             # Equal, not close: the stream's batches must not depend on whether simplejpeg is installed.
-            reference = np.asarray(decode_image(data, draft=draft))
+            reference = np.asarray(pil_decode(data, draft=draft))
             assert pixels.dtype == np.uint8 and pixels.shape == reference.shape, (name, draft)
             assert np.array_equal(pixels, reference), (name, draft, np.abs(pixels - reference.astype(int)).max())
+            decoded = decode_image(data, draft=draft)
+            assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), reference), (name, draft)
     assert fast >= 5 * (len(photos) + 6), "every plain layout, at every draft scale, takes the fast path"
     cmyk = dict(_jpegs())["cmyk"]
     assert decode_jpeg_pixels(cmyk) is None, "Adobe CMYK is PIL's (its inverted ink)"
@@ -247,8 +250,23 @@ def test_decode_jpeg_pixels_are_pils_pixels_or_left_to_pil() -> None:
 def test_without_simplejpeg_everything_is_left_to_pil(monkeypatch: pytest.MonkeyPatch) -> None:
     from openalign.data import transforms
 
+    data = encode(_photo(64, 48), "JPEG")
+    fast = np.asarray(decode_image(data))
     monkeypatch.setattr(transforms, "_simplejpeg", lambda: None)
-    assert decode_jpeg_pixels(encode(_photo(64, 48), "JPEG")) is None
+    assert decode_jpeg_pixels(data) is None
+    assert np.array_equal(np.asarray(decode_image(data)), fast)
+
+
+def test_decode_image_takes_plain_jpegs_past_pil(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("simplejpeg")
+    from openalign.data import transforms
+
+    data, png = encode(_photo(64, 48), "JPEG"), encode(gradient(), "PNG")
+    reference = np.asarray(pil_decode(data))
+    monkeypatch.setattr(transforms, "open_image", lambda *a, **k: pytest.fail("a plain JPEG reached PIL"))
+    assert np.array_equal(np.asarray(decode_image(data)), reference)
+    with pytest.raises(pytest.fail.Exception):
+        decode_image(png)  # anything else still goes through PIL
 
 
 @pytest.mark.parametrize("size", [(256, 192), (200, 300), (768, 576), (1500, 1000), (30, 20), (346, 346)])

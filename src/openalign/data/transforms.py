@@ -42,7 +42,20 @@ def decode_image(
     (a small file declaring 20000×20000 pixels) costs nothing. Alpha is composited on white, as a
     browser would show a transparent alt-text image; 16-bit and float images are rescaled to 8 bits.
     ``draft``: a JPEG at least twice this size in both sides decodes at 1/2, 1/4 or 1/8 scale (``open_image``).
+
+    A plain JPEG goes through ``decode_jpeg_pixels``: the same pixels without PIL's parsing of the file, which
+    for the small pictures of a crawl's thumbnails is most of the time (a 64 px JPEG: 0.05 ms against 0.17).
     """
+    pixels = decode_jpeg_pixels(data, max_pixels=max_pixels, min_side=min_side, draft=draft)
+    if pixels is not None:
+        return Image.fromarray(pixels)
+    return pil_decode(data, max_pixels=max_pixels, min_side=min_side, draft=draft)
+
+
+def pil_decode(
+    data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2, draft: tuple[int, int] | None = None
+) -> Image.Image:
+    """``decode_image`` by PIL alone: every format, and the reference the fast JPEG path is held to."""
     return to_rgb(load_pixels(open_image(data, max_pixels=max_pixels, min_side=min_side, draft=draft)))
 
 
@@ -154,12 +167,12 @@ def decode_jpeg_pixels(
     data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2, draft: tuple[int, int] | None = None
 ) -> np.ndarray | None:
     """A plain JPEG (8-bit grey or YCbCr, no Adobe marker) decoded straight to RGB pixels (height × width × 3,
-    uint8) by libjpeg-turbo through simplejpeg, with ``decode_image``'s draft scale: the very pixels
-    ``decode_image`` returns, because PIL decodes with the same library and the same settings (the accurate
+    uint8) by libjpeg-turbo through simplejpeg, with ``decode_image``'s draft scale: the very pixels PIL
+    returns (``pil_decode``), because PIL decodes with the same library and the same settings (the accurate
     integer IDCT, fancy upsampling; tested), in about three quarters of the time and with no PIL image in
     between. None whenever that equality is not certain (simplejpeg missing, another kind of image, a size
     ``decode_image`` would refuse, any warning or error from the decoder), so that the caller uses
-    ``decode_image``, which also names what is wrong."""
+    ``decode_image``, which then decodes by PIL and also names what is wrong."""
     codec = _simplejpeg()
     frame = jpeg_frame(data) if codec is not None else None
     if frame is None or frame.components == 4 or frame.adobe:
