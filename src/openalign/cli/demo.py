@@ -15,7 +15,7 @@ EXPERIMENTS = "openalign.pipeline.experiments:ExperimentSettings"
 def register(sub: argparse._SubParsersAction) -> None:
     sub.add_parser(
         "demo",
-        help="the whole pipeline on the built-in synthetic corpus (under ten minutes on two AVX-512 CPU cores)",
+        help="the whole pipeline on the built-in synthetic corpus (about ten minutes on two AVX-512 CPU cores)",
         build=_demo,
     )
     sub.add_parser(
