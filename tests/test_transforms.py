@@ -16,7 +16,7 @@ from openalign.data.transforms import (
     jpeg_size,
     model_resize,
     model_transform,
-    pil_decode,
+    pil_decode_image,
     random_crop,
     to_tensor,
     train_transform,
@@ -232,7 +232,7 @@ def test_decode_jpeg_pixels_are_pils_pixels_or_left_to_pil() -> None:
                 continue
             fast += 1
             # Equal, not close: the stream's batches must not depend on whether simplejpeg is installed.
-            reference = np.asarray(pil_decode(data, draft=draft))
+            reference = np.asarray(pil_decode_image(data, draft=draft))
             assert pixels.dtype == np.uint8 and pixels.shape == reference.shape, (name, draft)
             assert np.array_equal(pixels, reference), (name, draft, np.abs(pixels - reference.astype(int)).max())
             decoded = decode_image(data, draft=draft)
@@ -262,7 +262,7 @@ def test_decode_image_takes_plain_jpegs_past_pil(monkeypatch: pytest.MonkeyPatch
     from openalign.data import transforms
 
     data, png = encode(_photo(64, 48), "JPEG"), encode(gradient(), "PNG")
-    reference = np.asarray(pil_decode(data))
+    reference = np.asarray(pil_decode_image(data))
     monkeypatch.setattr(transforms, "open_image", lambda *a, **k: pytest.fail("a plain JPEG reached PIL"))
     assert np.array_equal(np.asarray(decode_image(data)), reference)
     with pytest.raises(pytest.fail.Exception):

@@ -49,10 +49,10 @@ def decode_image(
     pixels = decode_jpeg_pixels(data, max_pixels=max_pixels, min_side=min_side, draft=draft)
     if pixels is not None:
         return Image.fromarray(pixels)
-    return pil_decode(data, max_pixels=max_pixels, min_side=min_side, draft=draft)
+    return pil_decode_image(data, max_pixels=max_pixels, min_side=min_side, draft=draft)
 
 
-def pil_decode(
+def pil_decode_image(
     data: bytes, *, max_pixels: int = 64_000_000, min_side: int = 2, draft: tuple[int, int] | None = None
 ) -> Image.Image:
     """``decode_image`` by PIL alone: every format, and the reference the fast JPEG path is held to."""
@@ -168,7 +168,7 @@ def decode_jpeg_pixels(
 ) -> np.ndarray | None:
     """A plain JPEG (8-bit grey or YCbCr, no Adobe marker) decoded straight to RGB pixels (height × width × 3,
     uint8) by libjpeg-turbo through simplejpeg, with ``decode_image``'s draft scale: the very pixels PIL
-    returns (``pil_decode``), because PIL decodes with the same library and the same settings (the accurate
+    returns (``pil_decode_image``), because PIL decodes with the same library and the same settings (the accurate
     integer IDCT, fancy upsampling; tested), in about three quarters of the time and with no PIL image in
     between. None whenever that equality is not certain (simplejpeg missing, another kind of image, a size
     ``decode_image`` would refuse, any warning or error from the decoder), so that the caller uses

@@ -791,7 +791,7 @@ class _Reader:
 
     def _decode(self, record: Record) -> Image.Image | np.ndarray:
         """The record's image as RGB pixels (an array, or a PIL image where the fast JPEG path does not apply)."""
-        from openalign.data.transforms import decode_image, decode_jpeg_pixels
+        from openalign.data.transforms import decode_jpeg_pixels, pil_decode_image
 
         image: Image.Image | np.ndarray | bytes | bytearray = record[1]
         cfg = self.p.cfg
@@ -802,8 +802,9 @@ class _Reader:
             draft = (side, side) if side else None
             data, limits = bytes(image), {"max_pixels": cfg.max_pixels, "min_side": cfg.min_side}
             # Most web images are plain JPEGs: libjpeg-turbo's pixels straight into an array, PIL's very pixels.
+            # Where it does not apply, PIL decodes (and names what is wrong) without the fast path tried again.
             pixels = decode_jpeg_pixels(data, **limits, draft=draft)
-            image = pixels if pixels is not None else decode_image(data, **limits, draft=draft)
+            image = pixels if pixels is not None else pil_decode_image(data, **limits, draft=draft)
         elif isinstance(image, Image.Image) and image.mode != "RGB":
             image = image.convert("RGB")
         return image
