@@ -200,9 +200,10 @@ def test_every_kind_of_bad_input_is_skipped_and_counted_once(tmp_path: Path, tok
         shard_missing=1,
     )
     good_rows = {tuple(r) for r in tokenizer([caption(i) for i in range(6)], max_length=8)["input_ids"].tolist()}
-    # Seven places per epoch: six good samples and the truncated one, whose slot is refilled.
-    for workers in (0, 2):
-        s = stream(shards, tokenizer, batch_size=7, workers=workers, shuffle_buffer=4)
+    # Seven places per epoch: six good samples and the truncated one, whose slot is refilled. With the cache on,
+    # later epochs replay the shards' records, skips included, and count them again.
+    for workers, cache_mb in [(0, 0.0), (2, 0.0), (0, 64.0), (2, 64.0)]:
+        s = stream(shards, tokenizer, batch_size=7, workers=workers, shuffle_buffer=4, cache_mb=cache_mb)
         batches = take(s, 2)
         assert all(b["pixel_values"].shape == (7, 3, 16, 16) for b in batches)
         assert all(torch.isfinite(b["pixel_values"]).all() for b in batches)
@@ -549,36 +550,58 @@ def test_synthetic_endless_stream_resumes_at_its_position(world_tokenizer) -> No
 
 
 @pytest.mark.parametrize(
-    ("options", "epochs_decoded"),
+    ("options", "all_kept"),
     [
-        ({"flip": True}, 1),  # random crops of the cached resize, flipped half the time
-        ({"crop": "center"}, 1),  # the centre crop itself is kept
-        ({"cache_mb": 20 * 3 * 20 * 20 / 2**20}, None),  # room for 20 of 36 images: the rest decoded every epoch
-        ({"workers": 1, "shuffle_buffer": 8}, 1),  # a DataLoader worker keeps its own
+        ({"flip": True}, True),  # random crops of the cached resize, flipped half the time
+        ({"crop": "center"}, True),  # the centre crop itself is kept
+        ({"cache_mb": 20 * 3 * 20 * 20 / 2**20}, False),  # room for fewer than 20 of 36: the rest decoded every epoch
+        ({"workers": 1, "shuffle_buffer": 8}, True),  # a DataLoader worker keeps its own
     ],
 )
 def test_cached_decodes_give_the_batches_of_decoding_every_epoch(
-    tmp_path: Path, tokenizer, monkeypatch, options: dict, epochs_decoded: int | None
+    tmp_path: Path, tokenizer, monkeypatch, options: dict, all_kept: bool
 ) -> None:
+    import openalign.train.data as train_data
     from openalign.train.data import _Reader
 
     shards = write_dataset(tmp_path, 36, 12)
     kw = {"batch_size": 9, "workers": 0, **options}
     plain = rows(take(stream(shards, tokenizer, **kw), 12))  # three epochs
     decodes: list[int] = []
-    decode = _Reader._decode
+    readers: set[_Reader] = set()
+    tokenised: list[str] = []
+    indexed: list[str] = []
+    decode, index_samples = _Reader._decode, train_data.index_samples
 
     def counting(self: _Reader, record: tuple) -> object:
         decodes.append(1)
+        readers.add(self)
         return decode(self, record)
 
+    def counting_tokenizer(texts: list[str], **kw: object) -> dict[str, torch.Tensor]:
+        tokenised.extend(texts)
+        return tokenizer(texts, **kw)
+
+    def counting_index(url: str, limit: int) -> object:
+        indexed.append(url)
+        return index_samples(url, limit)
+
     monkeypatch.setattr(_Reader, "_decode", counting)
-    cached_stream = stream(shards, tokenizer, **{"cache_mb": 64.0, **kw})
+    monkeypatch.setattr(train_data, "index_samples", counting_index)
+    cached_stream = stream(shards, counting_tokenizer, **{"cache_mb": 64.0, **kw})
     cached = rows(take(cached_stream, 12))
     assert len(cached) == len(plain) == 108
     assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(plain, cached, strict=True))
     if kw["workers"] == 0:  # a worker process counts in its own memory
-        assert len(decodes) == (36 if epochs_decoded == 1 else 20 + 3 * 16)
+        (reader,) = readers
+        kept = len(reader.cache)
+        assert kept == 36 if all_kept else 0 < kept < 20
+        assert len(decodes) == kept + 3 * (36 - kept)
+        if all_kept:  # each shard's headers are read once and each caption tokenised once, however many epochs
+            assert sorted(indexed) == sorted(set(indexed)) and len(indexed) == 3
+            assert sorted(tokenised) == sorted(caption(i) for i in range(36))
+        else:  # no room for a shard's records: read every epoch
+            assert len(indexed) >= 9
     if options.get("crop") != "center":
         assert len({r[0].numpy().tobytes() for r in cached}) > 100  # crops still differ from epoch to epoch
 
@@ -590,10 +613,16 @@ def test_the_cache_holds_at_most_its_size_and_keys_samples_by_where_they_lie(
     from openalign.train.data import _Reader
 
     shards = write_dataset(tmp_path, 36, 12)
-    plan = stream(shards, tokenizer, batch_size=9, cache_mb=10 * 3 * 20 * 20 / 2**20)._plan
+    cache_mb = 20 * 3 * 20 * 20 / 2**20
+    plan = stream(shards, tokenizer, batch_size=9, cache_mb=cache_mb)._plan
     reader = _Reader(plan, 0, 1, in_main_process=True)
     list(itertools.islice(iter(reader), 8))
-    assert len(reader.cache) == 10 and reader.cache_bytes == 10 * 3 * 20 * 20
+    # Images and their captions' token rows share the room; the shards' records have a 32nd of cache_mb.
+    images = sum(pixels.nbytes for _, pixels in reader.cache.values())
+    token_rows = sum(len(c) + 49 + ids.nbytes + mask.nbytes for c, (ids, mask) in reader.tokens.items())
+    assert 0 < len(reader.cache) < 36 and images == len(reader.cache) * 3 * 20 * 20
+    assert reader.cache_bytes == images + token_rows <= reader.cache_limit == int(cache_mb * 2**20 * 31 / 32)
+    assert plan.source._records == {}  # a shard's 12 records take more than a 32nd of room for 20 small images
     ref = MemberRef("a.tar", 512, 100)
     assert plan.source.cache_key(("a caption", ref)) is ref
     assert plan.source.cache_key(("a caption", b"\xff\xd8")) is None  # bytes from a stream: no stable identity
