@@ -65,7 +65,7 @@ class DemoConfig:
     # more pairs to verify.
     dedup_verify_band: float = 0.275
     dedup_verify_nearest: int = 5
-    workers: int = 1  # DataLoader processes decoding training images
+    workers: int = 0  # DataLoader processes decoding training images; 0: in the training process (nano_cpu says why)
     # Compute threads for every stage. Kernels split their sums by thread count, so a machine with more cores
     # would round differently and learn other weights; pinned, one seed gives one result on any machine whose CPU
     # runs the same kernels. The kernels themselves follow the CPU (oneDNN's AVX-512 convolutions sum in another
@@ -113,7 +113,6 @@ def quick_config(out: str) -> DemoConfig:
         batch_size=64,
         checks=2,
         copy_detector_steps=20,
-        workers=0,
         target_r1=None,
         target_minutes=None,
     )
