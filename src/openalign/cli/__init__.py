@@ -15,6 +15,7 @@ import sys
 from openalign.cli import bench, convert, copy_detector, data, demo, embed, eval, plan, search, train
 from openalign.cli.allocator import retain_freed_memory
 from openalign.cli.options import Parser
+from openalign.cli.threads import sleep_when_idle
 from openalign.config import ConfigError
 
 GROUPS = (data, copy_detector, train, plan, eval, search, embed, convert, bench, demo)
@@ -61,9 +62,11 @@ def one_line(err: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command ``argv`` names; without ``argv``, the process's own command line, in a process whose
-    allocator keeps freed memory for reuse (``openalign.cli.allocator``)."""
+    allocator keeps freed memory for reuse (``openalign.cli.allocator``) and whose idle compute threads sleep
+    rather than spin (``openalign.cli.threads``)."""
     if argv is None:
         retain_freed_memory()
+        sleep_when_idle()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     try:
