@@ -64,18 +64,3 @@ def test_the_environment_and_a_loaded_torch_win(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setitem(sys.modules, "torch", object())  # loaded: libgomp has read its settings already
     assert not sleep_when_idle() and "GOMP_SPINCOUNT" not in os.environ
-
-
-def test_only_the_process_command_line_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    import openalign.cli as cli
-
-    calls: list[bool] = []
-    monkeypatch.setattr(cli, "sleep_when_idle", lambda: calls.append(True) or True)
-    monkeypatch.setattr(cli, "retain_freed_memory", lambda: True)
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "--help"])  # as a library or a test calls it
-    assert calls == []
-    monkeypatch.setattr(sys, "argv", ["openalign", "plan", "--help"])
-    with pytest.raises(SystemExit):
-        cli.main()  # as the openalign command and python -m openalign call it
-    assert calls == [True]
