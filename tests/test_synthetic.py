@@ -255,12 +255,18 @@ def test_write_corpus(tmp_path: Path) -> None:
         diff = np.abs(copy - original).mean()
         assert 0.5 < diff < 40, diff  # changed, yet the same picture
         assert p["noise"] == "clean" and p["caption"]
-    again = syn.write_corpus(tmp_path / "b", 1200, seed=1, test_duplicates=10)
+    # Two processes drawing the rows write the very same files: every image (hubs once) and the table.
+    again = syn.write_corpus(tmp_path / "b", 1200, seed=1, test_duplicates=10, workers=2)
     assert pq.read_table(again).to_pylist() == table
+    files = {p.relative_to(tmp_path / "a"): p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    assert {p.relative_to(tmp_path / "b"): p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()} == files
+    assert len(files) == 1 + len({r["image_path"] for r in table}) < 1 + len(table)
     clean = pq.read_table(syn.write_corpus(tmp_path / "c", 50, noise=0.0)).to_pylist()
     assert {r["noise"] for r in clean} == {"clean"} and not any(r["planted_duplicate_of"] for r in clean)
     with pytest.raises(ValueError, match="test_duplicates"):
         syn.write_corpus(tmp_path / "d", 10, test_duplicates=11)
+    with pytest.raises(ValueError, match="workers"):
+        syn.write_corpus(tmp_path / "d", 10, workers=0)
 
 
 def test_write_retrieval_set_karpathy_format(tmp_path: Path) -> None:

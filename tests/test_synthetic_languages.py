@@ -124,6 +124,8 @@ def test_corpus_in_several_languages(tmp_path: Path) -> None:
     assert {row["language"] for row in table} == set(FOUR)
     world = syn.SyntheticWorld(3, 32, FOUR)
     assert [row["language"] for row in table] == [world.language(i) for i in range(120)]
+    again = syn.write_corpus(tmp_path / "w", 120, seed=3, image_size=32, languages=FOUR, test_duplicates=2, workers=2)
+    assert pq.read_table(again).to_pylist() == table  # worker processes draw in the same languages
     english = syn.write_corpus(tmp_path / "e", 20, seed=3, image_size=32)
     assert "language" not in pq.read_schema(english).names
 

@@ -785,6 +785,95 @@ def _jpeg(image: Image.Image, quality: int = 95) -> bytes:
     return buf.getvalue()
 
 
+@dataclass(frozen=True)
+class _CorpusPlan:
+    """What ``write_corpus`` draws a row from besides its index: every process that renders rows rebuilds its
+    worlds from this, so a row is the same whichever process drew it."""
+
+    seed: int
+    noise: float
+    image_size: int
+    languages: tuple[str, ...]
+    test_seed: int
+    n: int
+    planted: dict[int, str]  # row index -> the held-out image ("retrieval/12") it is a copy of
+
+
+class _CorpusRenderer:
+    """Row ``index`` of a corpus and its JPEG bytes (a hub's image again at every row that shows it)."""
+
+    def __init__(self, plan: _CorpusPlan) -> None:
+        self.plan = plan
+        self.world = SyntheticWorld(plan.seed, plan.image_size, plan.languages)
+        self.test_world = SyntheticWorld(plan.test_seed, plan.image_size)
+
+    def __call__(self, index: int) -> tuple[Row, bytes]:
+        plan = self.plan
+        row = self.world.row(index, plan.noise, n_rows=plan.n)
+        source = plan.planted.get(index)
+        if source is None:
+            return row, _jpeg(self.world.render(row.scene))
+        # A test image reposted on the web with its own alt-text and crawl metadata.
+        r = _rng(plan.seed, "plant", index + 1)
+        split, _, number = source.partition("/")
+        scene = (
+            self.test_world.retrieval_item(int(number), 1)[0]
+            if split == "retrieval"
+            else self.test_world.class_scene(int(number))[0]
+        )
+        width, height = _web_size(r, None)
+        planted = Row(
+            index=index,
+            scene=scene,
+            caption=caption_scene(scene, r, row.language),
+            noise="clean",
+            image_noise=None,
+            image_id=f"planted/{index}",
+            width=width,
+            height=height,
+            punsafe=round(r.betavariate(1, 40), 4),
+            planted_duplicate_of=source,
+            language=row.language,
+        )
+        return planted, _jpeg(self.test_world.planted_duplicate(source))
+
+
+_RENDERER: _CorpusRenderer | None = None  # a worker process's own
+
+
+def _start_renderer(plan: _CorpusPlan) -> None:
+    global _RENDERER
+    _RENDERER = _CorpusRenderer(plan)
+
+
+def _render_row(index: int) -> tuple[Row, bytes]:
+    assert _RENDERER is not None, "worker started without _start_renderer"
+    return _RENDERER(index)
+
+
+def _add_corpus_row(
+    out: Path, row: Row, data: bytes, hub_files: dict[str, tuple[str, str]], columns: dict[str, list]
+) -> None:
+    """Write a row's image (a hub's only at its first row) and append its metadata to ``columns``."""
+    key = f"{row.index:09d}"
+    if row.image_id in hub_files:
+        rel, digest = hub_files[row.image_id]
+        url = f"https://img.example/static/{row.image_id.replace('/', '_')}.jpg"
+    else:
+        digest = hashlib.sha256(data).hexdigest()
+        rel = f"images/{key[:6]}/{key}.jpg"
+        (out / rel).parent.mkdir(exist_ok=True)
+        (out / rel).write_bytes(data)
+        if row.image_id.startswith("hub/"):
+            hub_files[row.image_id] = (rel, digest)
+            url = f"https://img.example/static/{row.image_id.replace('/', '_')}.jpg"
+        else:
+            url = f"https://img.example/{digest[:2]}/{digest[2:14]}.jpg"
+    values = (key, url, row.caption, row.width, row.height, digest, row.punsafe, rel, row.noise, row.image_noise)
+    for name, value in zip(columns, (*values, row.planted_duplicate_of), strict=True):
+        columns[name].append(value)
+
+
 def write_corpus(
     out_dir: str | Path,
     n: int,
@@ -798,6 +887,7 @@ def write_corpus(
     classification_per_class: int = 10,
     progress: bool = False,
     languages: Sequence[str] = ("en",),
+    workers: int = 1,
 ) -> Path:
     """Write a crawl-like training corpus: ``images/`` (JPEG files) and ``metadata.parquet``.
 
@@ -808,12 +898,16 @@ def write_corpus(
     ``retrieval_images`` retrieval images and half from the classification set of
     ``classification_per_class`` per class. Returns the metadata path. The same arguments give the same files.
     With several ``languages`` each row's caption is in one of them and a ``language`` column says which.
+    ``workers`` processes draw and encode the rows (this process writes them, in order): the files are the same
+    for any number.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     if test_duplicates is None:
         test_duplicates = 0 if noise == 0 else min(100, n // 100)
     n_cls = classification_per_class * len(SyntheticWorld.class_names())
@@ -822,7 +916,6 @@ def write_corpus(
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     world = SyntheticWorld(seed, image_size, languages)
-    test_world = SyntheticWorld(test_seed, image_size)
     plant_rng = _rng(seed, "plant", 0)
     positions = plant_rng.sample(range(n), test_duplicates)
     n_ret = (test_duplicates + 1) // 2
@@ -848,59 +941,27 @@ def write_corpus(
     }
     hub_files: dict[str, tuple[str, str]] = {}
     languages_seen: list[str] = []
-    rows: Iterable[Row] = world.iter_rows(n, noise)
+    plan = _CorpusPlan(seed, noise, image_size, world.languages, test_seed, n, planted)
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        # spawn: the caller may hold threads (torch's) that a forked child would inherit mid-lock
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_renderer, initargs=(plan,))
+        items: Iterable[tuple[Row, bytes]] = pool.imap(_render_row, range(n), chunksize=64)
+    else:
+        items = map(_CorpusRenderer(plan), range(n))
     if progress:
         from tqdm import tqdm
 
-        rows = tqdm(rows, total=n, desc="corpus", unit="img", dynamic_ncols=True)
-    for row in rows:
-        key = f"{row.index:09d}"
-        source = planted.get(row.index)
-        if source is not None:
-            # A test image reposted on the web with its own alt-text and crawl metadata.
-            r = _rng(seed, "plant", row.index + 1)
-            split, _, number = source.partition("/")
-            scene = (
-                test_world.retrieval_item(int(number), 1)[0]
-                if split == "retrieval"
-                else test_world.class_scene(int(number))[0]
-            )
-            width, height = _web_size(r, None)
-            row = Row(
-                index=row.index,
-                scene=scene,
-                caption=caption_scene(scene, r, row.language),
-                noise="clean",
-                image_noise=None,
-                image_id=f"planted/{row.index}",
-                width=width,
-                height=height,
-                punsafe=round(r.betavariate(1, 40), 4),
-                planted_duplicate_of=source,
-                language=row.language,
-            )
-            data = _jpeg(test_world.planted_duplicate(source))
-        elif row.image_id in hub_files:
-            data = b""
-        else:
-            data = _jpeg(world.render(row.scene))
-        if row.image_id in hub_files:
-            rel, digest = hub_files[row.image_id]
-            url = f"https://img.example/static/{row.image_id.replace('/', '_')}.jpg"
-        else:
-            digest = hashlib.sha256(data).hexdigest()
-            rel = f"images/{key[:6]}/{key}.jpg"
-            (out / rel).parent.mkdir(exist_ok=True)
-            (out / rel).write_bytes(data)
-            if row.image_id.startswith("hub/"):
-                hub_files[row.image_id] = (rel, digest)
-                url = f"https://img.example/static/{row.image_id.replace('/', '_')}.jpg"
-            else:
-                url = f"https://img.example/{digest[:2]}/{digest[2:14]}.jpg"
-        values = (key, url, row.caption, row.width, row.height, digest, row.punsafe, rel, row.noise, row.image_noise)
-        for name, value in zip(columns, (*values, row.planted_duplicate_of), strict=True):
-            columns[name].append(value)
-        languages_seen.append(row.language)
+        items = tqdm(items, total=n, desc="corpus", unit="img", dynamic_ncols=True)
+    try:
+        for row, data in items:
+            _add_corpus_row(out, row, data, hub_files, columns)
+            languages_seen.append(row.language)
+    finally:
+        if pool is not None:
+            pool.terminate()
     table = pa.table(
         {
             **{k: pa.array(v, pa.string()) for k, v in columns.items() if k not in ("width", "height", "punsafe")},

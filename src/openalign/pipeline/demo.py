@@ -255,6 +255,7 @@ def _world(cfg: DemoConfig, root: Path) -> dict[str, Any]:
         retrieval_images=cfg.retrieval_images,
         classification_per_class=cfg.classification_per_class,
         progress=True,
+        workers=cfg.threads,  # one process per core draws and encodes rows; the files are the same for any number
     )
     retrieval = write_retrieval_set(
         root / "test" / "retrieval", cfg.retrieval_images, seed=TEST_SEED, image_size=cfg.image_size
