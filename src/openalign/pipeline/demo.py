@@ -25,8 +25,8 @@ TEST_SEED = 1
 
 @dataclass
 class DemoConfig:
-    """Sizes of the demo run. The defaults take about six minutes on two cores of an AMX Xeon, about ten on older
-    AVX-512 ones (about nineteen on AVX2)."""
+    """Sizes of the demo run. The defaults take five to six and a half minutes on two cores of an AMX Xeon, an
+    estimated eight on older AVX-512 ones (about fifteen on AVX2)."""
 
     out: str = "runs/demo"
     seed: int = 0
