@@ -269,6 +269,29 @@ def test_write_corpus(tmp_path: Path) -> None:
         syn.write_corpus(tmp_path / "d", 10, workers=0)
 
 
+def test_corpus_workers_draw_a_bounded_number_of_rows_ahead() -> None:
+    """The writer asks for a chunk only as it takes one: a slow disk cannot pile drawn rows up in memory."""
+    asked: list[tuple[int, int]] = []
+
+    class Done:
+        def __init__(self, rows: list) -> None:
+            self.rows = rows
+
+        def get(self) -> list:
+            return self.rows
+
+    class Pool:  # runs each chunk at once, recording what was asked
+        def apply_async(self, fn: object, args: tuple[int, int]) -> Done:
+            asked.append(args)
+            return Done([(i, b"") for i in range(*args)])
+
+    rows = syn._rendered_in_pool(Pool(), 1000, workers=2, chunk=10)
+    taken = [next(rows) for _ in range(25)]  # into the third chunk
+    assert [i for i, _ in taken] == list(range(25))
+    assert len(asked) == 3 + 4 * 2  # the chunks taken so far, and 4 per worker waiting behind them
+    assert [i for i, _ in rows] == list(range(25, 1000)) and asked[-1] == (990, 1000)
+
+
 def test_write_retrieval_set_karpathy_format(tmp_path: Path) -> None:
     path = syn.write_retrieval_set(tmp_path, 12, 5, seed=0)
     data = json.loads(path.read_text())

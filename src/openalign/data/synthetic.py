@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance
@@ -846,9 +848,24 @@ def _start_renderer(plan: _CorpusPlan) -> None:
     _RENDERER = _CorpusRenderer(plan)
 
 
-def _render_row(index: int) -> tuple[Row, bytes]:
+def _render_rows(start: int, stop: int) -> list[tuple[Row, bytes]]:
     assert _RENDERER is not None, "worker started without _start_renderer"
-    return _RENDERER(index)
+    return [_RENDERER(index) for index in range(start, stop)]
+
+
+def _rendered_in_pool(pool: Any, n: int, workers: int, chunk: int = 64) -> Iterator[tuple[Row, bytes]]:
+    """Rows 0..n-1 from the pool's workers, in order, with at most 4 chunks per worker drawn ahead of the writer
+    (a slow disk holds back the drawing, never fills memory)."""
+    starts = iter(range(0, n, chunk))
+    pending: deque[Any] = deque()
+    for start in itertools.islice(starts, 4 * workers):
+        pending.append(pool.apply_async(_render_rows, (start, min(n, start + chunk))))
+    while pending:
+        rows = pending.popleft().get()
+        following = next(starts, None)
+        if following is not None:
+            pending.append(pool.apply_async(_render_rows, (following, min(n, following + chunk))))
+        yield from rows
 
 
 def _add_corpus_row(
@@ -948,7 +965,7 @@ def write_corpus(
 
         # spawn: the caller may hold threads (torch's) that a forked child would inherit mid-lock
         pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_renderer, initargs=(plan,))
-        items: Iterable[tuple[Row, bytes]] = pool.imap(_render_row, range(n), chunksize=64)
+        items: Iterable[tuple[Row, bytes]] = _rendered_in_pool(pool, n, workers)
     else:
         items = map(_CorpusRenderer(plan), range(n))
     if progress:
