@@ -105,6 +105,15 @@ def test_family_is_the_towers_architecture() -> None:
     assert T.family(P.load_plan_config("pretrain_align_b7", {}).model.resolve()) == ("b7", "bert-base")
     assert T.family(P.load_plan_config("pretrain_align", {}).model.resolve()) == ("l2", "bert-large")
     assert T.family(P.load_plan_config("nano_cpu", {}).model.resolve())[0] == "custom"
+    # Only the fields a family builds from count: nano_cpu's convnet layers do not make B0 another family.
+    b0 = P.load_plan_config(
+        "nano_cpu",
+        {"model.preset": "b0-tiny", "model.image.family": "efficientnet", "model.image.strides": [1, 2, 2, 2, 1, 2, 1]},
+    ).model.resolve()
+    assert b0.image.conv_channels != P.load_plan_config("pretrain_align", {}).model.resolve().image.conv_channels
+    assert T.family(b0)[0] == "b0"
+    widened = P.load_plan_config("nano_cpu", {"model.image.width_coefficient": 2.0}).model.resolve()
+    assert T.family(widened) == T.family(P.load_plan_config("nano_cpu", {}).model.resolve())
 
 
 B0 = ["--config", "nano_cpu", "--model.preset", "b0-tiny", "--model.image.family", "efficientnet"]

@@ -123,26 +123,29 @@ def record(rows: list[Measurement], path: str | Path | None = None) -> Path:
 
 # ---------------------------------------------------------------------------------------------- matching
 
-_IMAGE_ARCH = (
-    "family",
-    "conv_channels",
-    "conv_strides",
-    "width_coefficient",
-    "depth_coefficient",
-    "depth_divisor",
-    "stem_channels",
-    "kernel_sizes",
-    "num_repeats",
-    "in_channels",
-    "out_channels",
-    "expand_ratios",
-    "strides",
-    "se_ratio",
-)
+# The fields each image tower family builds from: a field the family does not read (an EfficientNet's widths in a
+# convnet config, a convnet's layers in an EfficientNet one) does not make another family.
+_IMAGE_ARCH = {
+    "convnet": ("conv_channels", "conv_strides"),
+    "efficientnet": (
+        "width_coefficient",
+        "depth_coefficient",
+        "depth_divisor",
+        "stem_channels",
+        "kernel_sizes",
+        "num_repeats",
+        "in_channels",
+        "out_channels",
+        "expand_ratios",
+        "strides",
+        "se_ratio",
+    ),
+}
 
 
 def _image_arch(model: ModelConfig) -> tuple[Any, ...]:
-    return tuple(getattr(model.image, name) for name in _IMAGE_ARCH)
+    image = model.image
+    return (image.family, *(getattr(image, name) for name in _IMAGE_ARCH[image.family]))
 
 
 def _text_arch(model: ModelConfig) -> tuple[int, ...]:
