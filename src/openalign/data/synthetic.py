@@ -802,18 +802,24 @@ class _CorpusPlan:
 
 
 class _CorpusRenderer:
-    """Row ``index`` of a corpus and its JPEG bytes (a hub's image again at every row that shows it)."""
+    """Row ``index`` of a corpus and its JPEG bytes. Rows come in rising order, so a hub this renderer drew before
+    was written at an earlier row: its later rows get no bytes (the writer keeps the first row's file)."""
 
     def __init__(self, plan: _CorpusPlan) -> None:
         self.plan = plan
         self.world = SyntheticWorld(plan.seed, plan.image_size, plan.languages)
         self.test_world = SyntheticWorld(plan.test_seed, plan.image_size)
+        self.hubs_drawn: set[str] = set()
 
     def __call__(self, index: int) -> tuple[Row, bytes]:
         plan = self.plan
         row = self.world.row(index, plan.noise, n_rows=plan.n)
         source = plan.planted.get(index)
         if source is None:
+            if row.image_id.startswith("hub/"):
+                if row.image_id in self.hubs_drawn:
+                    return row, b""
+                self.hubs_drawn.add(row.image_id)
             return row, _jpeg(self.world.render(row.scene))
         # A test image reposted on the web with its own alt-text and crawl metadata.
         r = _rng(plan.seed, "plant", index + 1)
