@@ -32,7 +32,11 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     bench = parts["bench"]["figures"]
     assert bench["training"]["openalign"]["pairs_per_s"] > 0 and bench["training"]["transformers"]["pairs_per_s"] > 0
     assert bench["training"]["recipe"]["pairs_per_s"] > 0 and bench["recipe_ratio"] > 0
-    assert parts["compiled"]["figures"]["results"]["openalign"]["pairs_per_s"] > 0
+    compiled = parts["compiled"]["figures"]["results"]
+    assert compiled["openalign"]["pairs_per_s"] > 0
+    for which in ("openalign", "transformers"):  # each contender's step profiled, its table written beside bench's
+        assert compiled[which]["profile"]["ops"] > 0 and compiled[which]["profile"]["wall_s"] > 0
+        assert "bench model: " in (out / "profile" / f"model-{which}-eager.txt").read_text()
     alone = parts["compiled_loop"]["figures"]  # the loop without the bare step, its data wait as a share
     assert set(alone["training"]) == {"recipe"} and 0 <= alone["recipe_data_share"] < 1
     towers = parts["towers"]["figures"]
@@ -51,6 +55,7 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
         assert heading in text
     assert "| l2 | pretrain_align batch 32, chunk 16 | failed |" in text
     assert "`bench train --recipe`: the training loop" in text and "| text tower alone, fwd + bwd ms" in text
+    assert "| the same step, profiled | wall " in text
     assert "`openalign train`'s loop, eager (not compiled here), from JPEG shards" in text
     assert "--no-such-option needs a value" in text
 

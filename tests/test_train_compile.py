@@ -16,7 +16,7 @@ from conftest import tiny_overrides
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import compile_enabled, load_train_config
 from openalign.train.loop import train
-from test_train_loop import factory, tiny_config, weights
+from test_train_loop import MemoryStream, factory, tiny_config, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,3 +113,82 @@ def test_evaluation_runs_compiled_towers_eager_and_trims_captions(fresh_dynamo: 
     assert model.fixed_text_width  # back to training's fixed width
     assert trimmed == [6]
     assert not counters["stats"]  # nothing compiled
+
+
+def test_the_whole_model_compiles_to_one_graph_that_reads_no_values(fresh_dynamo: Any) -> None:
+    """``torch.compile(model)``, as a user or ``bench model --compile`` calls it (transformers' AlignModel makes
+    one graph): one graph, no break. Eager code reads the captions' width and checks the token ids on the host; a
+    compiled graph cannot read values (each read would break the graph and, on a GPU, wait for all queued work),
+    so it keeps the padded width and the eager outputs up to rounding, and new caption lengths compile nothing."""
+    torch.manual_seed(0)
+    cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
+    model = DualEncoder(cfg.model.resolve())
+    compiled = torch.compile(model, backend="eager")
+
+    def batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mask = (torch.arange(12) < torch.tensor(lengths)[:, None]).long()
+        return torch.randn(len(lengths), 3, 32, 32), torch.randint(5, 101, (len(lengths), 12)) * mask, mask
+
+    seen: list[tuple[int, int]] = []
+    for lengths in ([3, 7, 5, 4], [2, 11, 6, 9]):  # trimmed to 7, then 11 columns in eager code
+        pixels, ids, mask = batch(lengths)
+        model.train()
+        image, text = compiled(pixels, ids, mask)
+        (image.sum() + text.sum()).backward()
+        model.eval()
+        with torch.no_grad():
+            got, want = compiled(pixels, ids, mask), model(pixels, ids, mask)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        seen.append((counters["stats"]["unique_graphs"], sum(map(len, guard_failures.values()))))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # One graph per grad and train mode (training's with a graph, then evaluation's without: the guard on grad mode
+    # fails once, which is how the second is made); the second batch's lengths compiled nothing again.
+    assert seen == [(2, 1), (2, 1)]
+
+
+def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_them_on_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo: Any
+) -> None:
+    """With compiled towers the captions keep their padded width, so an accelerator's forward has nothing to read
+    but the ids' validity, and each read would make the host wait for all queued work. Without a GPU here, the
+    accelerator is declared (tensors the host cannot read for free): the forward reads no value, and training checks
+    each batch's ids on the host before it moves, so a bad id still stops the run with the model's error."""
+    import openalign.model.bert as bert
+    import openalign.model.dual_encoder as dual_encoder
+    from test_model import _HostReads
+
+    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="eager"))
+    torch.manual_seed(0)
+    cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
+    model = DualEncoder(cfg.model.resolve())
+    ids = torch.randint(5, 101, (4, 12))
+    mask = (torch.arange(12) < torch.tensor([3, 7, 5, 4])[:, None]).long()
+    pixels = torch.randn(4, 3, 32, 32)
+    for module in (dual_encoder, bert):
+        monkeypatch.setattr(module, "host_readable", lambda t: False)
+
+    tolists: list[torch.Tensor] = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: tolists.append(t) or real_tolist(t))
+
+    def reads() -> int:
+        """Values read by the host: ``.tolist()`` and every scalar read (``int()``, ``bool()``, ``.item()``)."""
+        tolists.clear()
+        # Dynamo's graphs run eager here so that the counting mode sees every op; the stance keeps the fixed width.
+        with torch.compiler.set_stance("force_eager"), _HostReads() as counter:
+            model(pixels, ids, mask)
+        return counter.reads + len(tolists)
+
+    assert reads() == 1  # eager towers: one read, the width and the checks together
+    model.compile_towers()
+    assert reads() == 0
+
+    class BadIds(MemoryStream):
+        def __iter__(self) -> Any:
+            for batch in super().__iter__():
+                batch["input_ids"][0, 1] = 500  # beyond the tiny vocabulary of 101
+                yield batch
+
+    with pytest.raises(ValueError, match="token id 500 is outside the model's vocabulary"):
+        train(tiny_config(tmp_path / "bad", train={"steps": 1, "compile": True}), stream_factory=BadIds)

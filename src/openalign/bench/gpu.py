@@ -219,9 +219,9 @@ def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
     if s.tiny:
         # Compiling on a CPU takes minutes (a C++ toolchain per kernel); the CPU proof runs the part eager.
         return {"preset": "nano", "image_size": 32, "batch_size": 8, "steps": 1, "warmup": 1, "rounds": 1,
-                "device": s.device, "bf16": cuda, "compile": cuda}  # fmt: skip
+                "device": s.device, "bf16": cuda, "compile": cuda, "profile": profile}  # fmt: skip
     return {"preset": "b7-base", "batch_size": 64, "steps": 5, "warmup": 3, "rounds": 1, "device": s.device,
-            "bf16": cuda, "compile": True}  # fmt: skip
+            "bf16": cuda, "compile": True, "profile": profile}  # fmt: skip
 
 
 def _self(command: str, report: Path, *args: str) -> list[str]:

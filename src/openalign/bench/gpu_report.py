@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from openalign.bench.profile import profile_line
+
 __all__ = ["markdown"]
 
 RUNS = {"paper": "the paper's batch", "loop": "the loop beside bench train", "l2": "L2 + BERT-Large"}
@@ -76,6 +78,11 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"| {what} | {_num(c_ours.get('pairs_per_s'))} | {_num((c_theirs or {}).get('pairs_per_s'))} | "
             f"{_ratio(c_ours.get('pairs_per_s'), (c_theirs or {}).get('pairs_per_s'))} |"
         )
+        if c_ours.get("profile"):
+            # Where a compiled step's time goes: kernels filling little of its wall time wait on the host.
+            theirs_profile = (c_theirs or {}).get("profile")
+            peer = profile_line(theirs_profile) if theirs_profile else "–"
+            lines.append(f"| the same step, profiled | {profile_line(c_ours['profile'])} | {peer} | |")
     if ours or c_ours:
 
         def mfu(r: Any) -> str:

@@ -15,12 +15,15 @@ import multiprocessing as mp
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from openalign.bench.profile import profile_line
 from openalign.config import model_config
 from openalign.loss import contrastive_loss
+from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
 
 TEXT_LENGTH = 64
@@ -38,13 +41,15 @@ class BenchSettings:
     rounds: int = 2  # alternating rounds; the best round counts
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast (GPU)
-    compile: bool = False  # torch.compile both models
+    compile: bool = False  # torch.compile: our towers as training compiles them, transformers' whole model
     # image layout: each model's default (ours NHWC, transformers NCHW), or the same for both
     memory_format: Literal["default", "channels_last", "contiguous"] = "default"
     # alt-text: captions of 6-32 tokens padded to 64; full: every row uses all 64
     text_lengths: Literal["alt-text", "full"] = "alt-text"
     baseline: bool = True  # also measure transformers' AlignModel (--no-baseline: only ours)
     json_path: str | None = None  # also write the results to this JSON file
+    # Also profile two steps of each contender in the first round: DIR/model-<name>.txt (openalign.bench.profile)
+    profile: str | None = None
 
 
 def bench_config(settings: BenchSettings) -> Any:
@@ -79,8 +84,6 @@ def make_batch(cfg: Any, settings: BenchSettings) -> tuple[torch.Tensor, torch.T
 
 def _build(which: str, cfg: Any) -> tuple[torch.nn.Module, Any]:
     if which == "openalign":
-        from openalign.model import DualEncoder
-
         ours = DualEncoder(cfg)
         return ours, lambda p, i, m: (*ours(p, i, m), ours.temperature)
     import transformers
@@ -120,8 +123,9 @@ def forward_flops(forward: Any, *inputs: Any, device: torch.device, bf16: bool) 
     return counter.get_total_flops()
 
 
-def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
-    """One contender's figures, measured in the calling process."""
+def measure(which: str, settings: BenchSettings, profile: str | None = None) -> dict[str, Any]:
+    """One contender's figures, measured in the calling process; with ``profile`` (a directory), then two more
+    steps profiled, without the timing's synchronisations."""
     torch.manual_seed(0)
     device = torch.device(settings.device)
     cfg = bench_config(settings)
@@ -134,7 +138,13 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
     pixels, ids, mask = (t.to(device) for t in make_batch(cfg, settings))
     if channels_last:
         pixels = pixels.contiguous(memory_format=torch.channels_last)
-    if settings.compile:
+    # Forward FLOPs × 3 (backward ≈ 2 × forward): PyTorch's counter overstates depthwise-conv
+    # backward by the group count, so the backward pass is not counted directly. Counted before compiling: a
+    # compiled model would compile a graph without gradients for it, minutes on a GPU.
+    flops = 3 * forward_flops(forward, pixels, ids, mask, device=device, bf16=settings.bf16)
+    if settings.compile and isinstance(model, DualEncoder):
+        model.compile_towers()  # as `openalign train` and `bench train` compile ours
+    elif settings.compile:
         forward = torch.compile(forward)
 
     def step() -> None:
@@ -148,9 +158,6 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # Forward FLOPs × 3 (backward ≈ 2 × forward): PyTorch's counter overstates depthwise-conv
-    # backward by the group count, so the backward pass is not counted directly.
-    flops = 3 * forward_flops(forward, pixels, ids, mask, device=device, bf16=settings.bf16)
     for _ in range(settings.warmup):
         step()
     sync()
@@ -163,7 +170,15 @@ def measure(which: str, settings: BenchSettings) -> dict[str, Any]:
         sync()
         times.append(time.perf_counter() - start)
     peak = peak_memory_mb(device)
+    profiled = None
+    if profile:
+        from openalign.bench.profile import profile_steps
+
+        how = "compiled" if settings.compile else "eager"
+        title = f"bench model: {which}, {how}"
+        profiled = profile_steps(step, device, 2, Path(profile) / f"model-{which}-{how}.txt", title)
     return {
+        "profile": profiled,
         "model": which,
         "step_s": sorted(times)[len(times) // 2],
         "flops_per_step": flops,
@@ -193,17 +208,17 @@ def matmul_peak(device: str, bf16: bool) -> float:
     return 2 * n**3 / best
 
 
-def _child(which: str, settings: BenchSettings, queue: Any) -> None:
+def _child(which: str, settings: BenchSettings, profile: str | None, queue: Any) -> None:
     try:
-        queue.put(measure(which, settings))
+        queue.put(measure(which, settings, profile))
     except Exception as err:  # reported by the parent as one line
         queue.put({"model": which, "error": f"{type(err).__name__}: {err}"})
 
 
-def _in_subprocess(which: str, settings: BenchSettings) -> dict[str, Any]:
+def _in_subprocess(which: str, settings: BenchSettings, profile: str | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(which, settings, queue))
+    proc = ctx.Process(target=_child, args=(which, settings, profile, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -219,10 +234,13 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
     best: dict[str, dict[str, Any]] = {}
     for r in range(settings.rounds):
         for which in contenders if r % 2 == 0 else contenders[::-1]:
-            res = _in_subprocess(which, settings)
+            # The first round also profiles, after its timed steps.
+            res = _in_subprocess(which, settings, settings.profile if r == 0 else None)
             print(f"  round {r + 1} {which:>12}: {settings.batch_size / res['step_s']:.2f} pairs/s", flush=True)
+            profiled = res["profile"] or (best.get(which) or {}).get("profile")
             if which not in best or res["step_s"] < best[which]["step_s"]:
                 best[which] = res
+            best[which]["profile"] = profiled
     peak = matmul_peak(settings.device, settings.bf16)
     nominal = best.get("transformers", best["openalign"])["flops_per_step"]
     for res in best.values():
@@ -243,6 +261,9 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
         res = best[which]
         pairs, step, mem, mfu = res["pairs_per_s"], res["step_s"], res["peak_mem_mb"], res["mfu"] * 100
         print(f"{which:>12} {res['layout']:>6} {pairs:9.2f} {step:8.3f} {mem:9.0f} {mfu:6.1f}%")
+    for which in contenders:
+        if best[which]["profile"]:
+            print(f"{which:>12} profiled: {profile_line(best[which]['profile'])}")
     summary: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
         "image_size": cfg.image_size,

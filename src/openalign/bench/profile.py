@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepProfiler", "count_syncs", "profile_steps"]
+__all__ = ["StepProfiler", "count_syncs", "profile_line", "profile_steps"]
 
 
 @contextlib.contextmanager
@@ -124,3 +124,13 @@ def profile_steps(step: Callable[[], Any], device: torch.device, steps: int, pat
         for _ in range(steps):
             step()
     return profiler.write(path, title)
+
+
+def profile_line(totals: dict[str, Any]) -> str:
+    """``StepProfiler.write``'s totals in one line."""
+    wall, busy = totals["wall_s"], totals["device_busy_s"]
+    if "kernels" in totals:
+        work = f"kernels {busy * 1e3:.1f} ms ({100 * busy / max(wall, 1e-9):.0f} %), {totals['kernels']:.0f} kernels"
+    else:
+        work = f"ops' CPU time {busy * 1e3:.1f} ms, {totals['ops']:.0f} ops"
+    return f"wall {wall * 1e3:.1f} ms a step; {work}; {totals['host_syncs']} host syncs"

@@ -125,7 +125,10 @@ class DualEncoder(nn.Module):
         grad mode, so that gradient caching's no-graph pass and its graph pass each compile once and nothing
         compiles again. Captions then keep the width they are padded to (``data.max_text_length`` in training):
         trimming them to each batch's longest would hand the text tower a new shape, and so a new compilation,
-        at every width. ``options`` go to ``torch.compile`` (``backend``, ``mode``)."""
+        at every width. Nor are an accelerator's token ids checked in ``forward`` (``check_tokens``): with no width
+        to read, that read would only make the host wait for all queued work at every call; the caller checks the
+        batch while it is still on the host, as training does. ``options`` go to ``torch.compile`` (``backend``,
+        ``mode``)."""
 
         def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True, **options)
@@ -193,7 +196,8 @@ class DualEncoder(nn.Module):
 
     def check_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
         """Raise on token ids or a mask the model cannot take; return the mask's ``tokens_width`` (None without a
-        mask, or for tensors without values)."""
+        mask, for tensors without values, and, with compiled towers' fixed width, for an accelerator's tokens,
+        whose values are then not read: see ``compile_towers``)."""
         cfg = self.config.text
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -210,8 +214,14 @@ class DualEncoder(nn.Module):
             raise ValueError(
                 f"attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}"
             )
-        if not has_values(input_ids):
+        if not has_values(input_ids) or (self.fixed_text_width and not host_readable(input_ids)):
             return None
+        return self.check_token_values(input_ids, attention_mask)
+
+    def check_token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
+        """``check_tokens``' checks of values, in one read: ids within the vocabulary, [CLS] kept; the mask's
+        ``tokens_width`` returned (None without a mask)."""
+        cfg = self.config.text
         # One host read for every check and the width: on a GPU each read is a sync (the host waits for all
         # queued kernels), so the four figures travel together.
         ones = torch.ones((), dtype=torch.long, device=input_ids.device)
@@ -375,7 +385,7 @@ def trim_padding(
     where it was read already.
     """
     if width is None:
-        if not has_values(attention_mask) or torch.compiler.is_compiling():
+        if not has_values(attention_mask):
             return input_ids, attention_mask
         width = int(tokens_width(attention_mask))
     if width >= attention_mask.shape[1]:

@@ -209,12 +209,13 @@ def maybe_checkpointed(enabled: bool, module: nn.Module) -> Callable[..., Any]:
 
 def has_values(t: torch.Tensor) -> bool:
     """False for tensors that carry shapes only (meta, or fake ones made by ``FakeTensorMode``), whose values
-    cannot be read: checks on values are skipped for them."""
-    return not (t.is_meta or is_fake(t))
+    cannot be read: checks on values are skipped for them. So are those inside a graph being compiled, which are
+    fake too: answered before ``is_fake``, which Dynamo does not trace (a call of it breaks the graph)."""
+    return not (torch.compiler.is_compiling() or t.is_meta or is_fake(t))
 
 
 def host_readable(t: torch.Tensor) -> bool:
     """True for a tensor whose values the host reads for free: one with values, in CPU memory, outside a
     compiled graph. Reading an accelerator tensor (``int()``, ``bool()``, ``.tolist()``) makes the host wait
     for every kernel queued before it, so code that chooses shapes from values does so only here."""
-    return t.device.type == "cpu" and has_values(t) and not torch.compiler.is_compiling()
+    return t.device.type == "cpu" and has_values(t)

@@ -396,7 +396,11 @@ class _Run:
         # pass's too): its time is reported once.
         compiling = self.compiled
         while self.step < self.total_steps:
-            batch = {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()}
+            batch = next(batches)
+            if self.compiled:
+                # Checked here, on the host, for free: compiled towers' forward reads no token on the device.
+                self.model.check_token_values(batch["input_ids"], batch.get("attention_mask"))
+            batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
             if not small_data_warned and info.is_main:
                 small_data_warned = self._warn_small_epoch()
             if buffers:
