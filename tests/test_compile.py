@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -53,3 +55,38 @@ def test_nano_towers_compile_without_graph_breaks_and_match_eager(request: pytes
         torch.testing.assert_close(text(ids, mask), model.text(ids, mask), atol=1e-5, rtol=1e-4)
     counts = torch._dynamo.utils.counters
     assert not counts["graph_break"], dict(counts["graph_break"])
+
+
+@pytest.mark.slow
+def test_compiled_text_tower_takes_every_caption_width_in_one_graph(request: pytest.FixtureRequest) -> None:
+    # Inductor's graph with a symbolic width: one compilation for captions cut to 12, 7, 4 and 2 columns, each
+    # width's embeddings and gradients those of eager code (python -m pytest -m slow tests/test_compile.py).
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("compiles the text tower with inductor; run with -m slow")
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    torch.manual_seed(0)
+    cfg = load_train_config("nano_cpu", {}).model.resolve()
+    model = DualEncoder(cfg)
+    model.train()
+    model.text.eval()  # dropout off, so eager and compiled draw nothing random
+    compiled = copy.deepcopy(model)
+    compiled.compile_towers()
+    for width in (12, 7, 4, 2):
+        ids = torch.randint(1, cfg.text.vocab_size, (4, width))
+        mask = torch.ones(4, width, dtype=torch.long)
+        mask[1, width // 2 :] = 0
+        results = []
+        for m in (model, compiled):
+            m.zero_grad()
+            out = m.text_features(ids, mask)
+            out.square().sum().backward()
+            results.append((out, [p.grad for p in m.text.parameters()]))
+        (want, want_grads), (got, got_grads) = results
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        scale = max(float(g.abs().max()) for g in want_grads)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-3 * scale, rtol=1e-3)
+    assert not counts["graph_break"], dict(counts["graph_break"])
+    assert counts["stats"]["unique_graphs"] == 1  # the text tower with a graph, compiled once for every width

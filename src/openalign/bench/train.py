@@ -34,6 +34,7 @@ import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
+from openalign.train.grad_cache import cut_captions
 
 if TYPE_CHECKING:
     from openalign.config import ModelConfig
@@ -209,7 +210,10 @@ def measure_training(
             torch.cuda.synchronize(device)
 
     def next_batch() -> dict[str, torch.Tensor]:
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+        batch = next(stream)
+        if s.compile and which == "openalign":
+            batch, _ = cut_captions(batch)  # on the host, as training's loop feeds compiled towers
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         batch["pixel_values"] = pixels(batch["pixel_values"])
         return batch
 

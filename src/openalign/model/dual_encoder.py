@@ -123,12 +123,12 @@ class DualEncoder(nn.Module):
     def compile_towers(self, **options: Any) -> None:
         """``torch.compile`` both towers, each as one graph (``fullgraph=True``: a graph break is an error) per
         grad mode, so that gradient caching's no-graph pass and its graph pass each compile once and nothing
-        compiles again. Captions then keep the width they are padded to (``data.max_text_length`` in training):
-        trimming them to each batch's longest would hand the text tower a new shape, and so a new compilation,
-        at every width. Nor are an accelerator's token ids checked in ``forward`` (``check_tokens``): with no width
-        to read, that read would only make the host wait for all queued work at every call; the caller checks the
-        batch while it is still on the host, as training does. ``options`` go to ``torch.compile`` (``backend``,
-        ``mode``)."""
+        compiles again. Captions then keep the width they arrive with: the caller cuts them to their longest while
+        they are still on the host, where that costs no wait (training cuts each chunk, ``cut_captions``), and the
+        text tower's graph takes any width from two columns up (its sequence dimension is compiled as a symbol), so
+        no width compiles it again. Nor are an accelerator's token ids checked in ``forward`` (``check_tokens``):
+        that read would make the host wait for all queued work at every call; the caller checks the batch on the
+        host, as training does. ``options`` go to ``torch.compile`` (``backend``, ``mode``)."""
 
         def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True, **options)
@@ -144,7 +144,10 @@ class DualEncoder(nn.Module):
         tower: nn.Module = (self.image, self.text)[which]
         if self.compiled_towers is None:
             return tower
-        return functools.partial(self.compiled_towers[torch.is_grad_enabled()][which], tower)
+        compiled = self.compiled_towers[torch.is_grad_enabled()][which]
+        if which == 1:
+            return functools.partial(_any_width, compiled, tower, self.config.text.max_position_embeddings)
+        return functools.partial(compiled, tower)
 
     @contextmanager
     def eager_towers(self) -> Iterator[None]:
@@ -329,6 +332,22 @@ def _text_with_graph(tower: nn.Module, input_ids: torch.Tensor, mask: torch.Tens
 
 def _text_without_graph(tower: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return tower(input_ids, mask)  # type: ignore[no-any-return]
+
+
+def _any_width(
+    compiled: Callable[..., torch.Tensor],
+    tower: nn.Module,
+    limit: int,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The compiled text tower on captions of any width up to ``limit``: the width is marked a symbol before
+    the first call compiles, so that the graph serves every width (one compilation, as for a fixed width). Widths
+    0 and 1 are left fixed (Dynamo specialises them anyway): a batch of captions one token wide compiles apart."""
+    for t in (input_ids, mask):
+        if t is not None and t.shape[1] >= 2:
+            torch._dynamo.mark_dynamic(t, 1, min=2, max=limit)
+    return compiled(tower, input_ids, mask)
 
 
 def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:

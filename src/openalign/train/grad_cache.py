@@ -41,7 +41,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # copy of the whole batch never exists at once.
 Pixels = Callable[[torch.Tensor], torch.Tensor]
 
-__all__ = ["Pixels", "RngState", "cached_step", "chunk_batch", "plain_step"]
+__all__ = ["Pixels", "RngState", "cached_step", "chunk_batch", "cut_captions", "plain_step"]
+
+CAPTIONS = ("input_ids", "attention_mask")
 
 
 @dataclass
@@ -62,12 +64,36 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda, device)
 
 
-def chunk_batch(batch: Batch, chunk_size: int) -> list[Batch]:
-    """Split every tensor of ``batch`` along dim 0 into chunks of ``chunk_size`` rows."""
+def chunk_batch(batch: Batch, chunk_size: int, text_widths: list[int] | None = None) -> list[Batch]:
+    """Split every tensor of ``batch`` along dim 0 into chunks of ``chunk_size`` rows; with ``text_widths``, chunk
+    ``i``'s captions cut to their first ``text_widths[i]`` columns (views: nothing is read or copied)."""
     n = next(iter(batch.values())).shape[0]
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return [{k: v[i : i + chunk_size] for k, v in batch.items()} for i in range(0, n, chunk_size)]
+    chunks = [{k: v[i : i + chunk_size] for k, v in batch.items()} for i in range(0, n, chunk_size)]
+    if text_widths is not None:
+        for chunk, width in zip(chunks, text_widths, strict=True):
+            chunk.update({k: chunk[k][:, :width] for k in CAPTIONS if k in chunk})
+    return chunks
+
+
+def cut_captions(batch: Batch, chunk_size: int | None = None) -> tuple[Batch, list[int] | None]:
+    """A batch still on the host, its captions cut to the columns its widest chunk of ``chunk_size`` rows (default:
+    the whole batch) attends to, and each chunk's own width: what ``plain_step`` and ``cached_step`` take as
+    ``text_widths``. Read here, from host memory, the widths cost nothing; read from a GPU's copy, each would make
+    the host wait for all queued work. Widths are at least two columns (a compiled text tower takes any width from
+    two up without compiling again: see ``DualEncoder.compile_towers``). Without a mask: unchanged, None."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return batch, None
+    n, columns = mask.shape
+    size = chunk_size or n
+    # The last attended column of each row, then the largest of each chunk: one pass, one read of n numbers.
+    last = (mask.ne(0) * torch.arange(1, columns + 1)).amax(1).tolist()
+    floor = min(2, columns)
+    widths = [max(max(last[i : i + size]), floor) for i in range(0, n, size)]
+    widest = max(widths)
+    return {k: v[:, :widest] if k in CAPTIONS else v for k, v in batch.items()}, widths
 
 
 def _embed(model: nn.Module, batch: Batch, pixels: Pixels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +155,12 @@ def plain_step(
     temperature: Callable[[], torch.Tensor],
     *,
     pixels: Pixels | None = None,
+    text_widths: list[int] | None = None,
 ) -> torch.Tensor:
-    """One forward and backward of the whole per-rank batch; returns the (detached) loss."""
+    """One forward and backward of the whole per-rank batch; returns the (detached) loss. ``text_widths``: the
+    batch's caption width (``cut_captions``), its captions cut to it."""
+    if text_widths is not None:
+        (batch,) = chunk_batch(batch, next(iter(batch.values())).shape[0], text_widths)
     image, text = _embed(model, batch, pixels)
     loss = loss_fn(image.float(), text.float(), temperature())
     loss.backward()
@@ -147,6 +177,7 @@ def cached_step(
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     inner: nn.Module | None = None,
     pixels: Pixels | None = None,
+    text_widths: list[int] | None = None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` the gradients of ``loss_fn`` over the whole batch, ``chunk_size`` rows at a
     time; returns the (detached) loss.
@@ -156,10 +187,11 @@ def cached_step(
     ``no_sync`` (DDP's) is entered for every chunk but the last, so gradients are all-reduced once per step.
     ``temperature()`` returns the model's temperature with its graph; its gradient is added with the last
     chunk so that every parameter receives its gradient in the same (synchronised) backward.
-    ``pixels`` prepares each chunk's pixels for the model (both passes), as in ``plain_step``.
+    ``pixels`` prepares each chunk's pixels for the model (both passes), as in ``plain_step``; ``text_widths`` cuts
+    each chunk's captions to its own width (``cut_captions``).
     """
     inner = inner if inner is not None else model
-    chunks = chunk_batch(batch, chunk_size)
+    chunks = chunk_batch(batch, chunk_size, text_widths)
     device = batch["pixel_values"].device
     states: list[RngState] = []
     images, texts = [], []

@@ -49,7 +49,7 @@ from openalign.train.distributed import (
     unwrap,
     wrap_model,
 )
-from openalign.train.grad_cache import Pixels, cached_step, plain_step
+from openalign.train.grad_cache import Pixels, cached_step, cut_captions, plain_step
 
 if TYPE_CHECKING:
     from openalign.eval.retrieval import RetrievalSet
@@ -396,17 +396,19 @@ class _Run:
         # pass's too): its time is reported once.
         compiling = self.compiled
         while self.step < self.total_steps:
-            batch = next(batches)
+            batch, text_widths = next(batches), None
             if self.compiled:
-                # Checked here, on the host, for free: compiled towers' forward reads no token on the device.
+                # Checked and measured here, on the host, for free: compiled towers read no token on the device,
+                # and their text graph takes each chunk cut to its own width.
                 self.model.check_token_values(batch["input_ids"], batch.get("attention_mask"))
+                batch, text_widths = cut_captions(batch, t.chunk_size)
             batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
             if not small_data_warned and info.is_main:
                 small_data_warned = self._warn_small_epoch()
             if buffers:
                 torch._foreach_copy_(saved_buffers, buffers)
             first = time.perf_counter() if compiling else 0.0
-            loss = self._forward_backward(batch, loss_fn)
+            loss = self._forward_backward(batch, loss_fn, text_widths)
             if self.fsdp:
                 average_replicated_grads(replicated_params(self.model))
             norm = grad_norm(params)
@@ -499,7 +501,9 @@ class _Run:
                 ) from None
             raise
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _forward_backward(
+        self, batch: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor], text_widths: list[int] | None
+    ) -> torch.Tensor:
         autocast = (
             torch.autocast(self.info.device.type, dtype=torch.bfloat16)
             if self.bf16 and not self.fsdp
@@ -508,7 +512,9 @@ class _Run:
         temperature = lambda: self.model.temperature  # noqa: E731 - re-read: the graph must be fresh each call
         with autocast:
             if self.cfg.train.chunk_size is None:
-                return plain_step(self.wrapped, batch, loss_fn, temperature, pixels=self.pixels)
+                return plain_step(
+                    self.wrapped, batch, loss_fn, temperature, pixels=self.pixels, text_widths=text_widths
+                )
             no_sync = getattr(self.wrapped, "no_sync", None)
             if self.fsdp:
                 no_sync = partial(fsdp_no_sync, self.model)
@@ -521,6 +527,7 @@ class _Run:
                 no_sync=no_sync,
                 inner=unwrap(self.wrapped),
                 pixels=self.pixels,
+                text_widths=text_widths,
             )
 
     def _reduce(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float, float]:
