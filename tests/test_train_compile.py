@@ -109,7 +109,7 @@ def test_evaluation_runs_compiled_towers_eager_and_trims_captions(fresh_dynamo: 
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve())
     model.compile_towers(backend="eager")
-    assert model.fixed_text_width
+    assert model.caller_cuts_captions
     model.eval()
     ids = torch.randint(5, 101, (3, 12))
     mask = torch.ones_like(ids)
@@ -117,10 +117,10 @@ def test_evaluation_runs_compiled_towers_eager_and_trims_captions(fresh_dynamo: 
     trimmed: list[int] = []
     hook = model.text.register_forward_pre_hook(lambda _, args: trimmed.append(args[0].shape[1]))
     with torch.no_grad(), model.eager_towers():
-        assert not model.fixed_text_width
+        assert not model.caller_cuts_captions
         model(torch.randn(3, 3, 32, 32), ids, mask)
     hook.remove()
-    assert model.fixed_text_width  # back to training's fixed width
+    assert model.caller_cuts_captions  # back to captions as training's loop cuts them
     assert trimmed == [6]
     assert not counters["stats"]  # nothing compiled
 

@@ -243,7 +243,7 @@ def test_captions_cut_by_the_caller_train_as_the_padded_batch() -> None:
     model = make_model(
         text=no_dropout, image={"drop_connect_rate": 0.0, "batch_norm": "virtual", "virtual_batch_size": 16}
     )
-    model.fixed_text_width = True  # the model cuts nothing itself
+    model.caller_cuts_captions = True  # the model cuts nothing itself
     ref = copy.deepcopy(model)
     batch = make_batch()
     cut, widths = grad_cache.cut_captions(batch, 16)

@@ -37,9 +37,10 @@ class DualEncoder(nn.Module):
         # Encode short captions apart from long ones (``length_buckets``). Off under FSDP, where every rank must
         # run its towers the same number of times (each run gathers the tower's shards).
         self.text_buckets = True
-        # Captions keep the width they arrive with (no trimming, no buckets): set by ``compile_towers``, since a
-        # compiled text tower fed a new width would compile again.
-        self.fixed_text_width = False
+        # Captions arrive cut to their width and checked by the caller (training's loop, on the host, where that
+        # costs no wait) and are taken as they come: no read, trim or buckets here. Set by ``compile_towers`` (a
+        # compiled graph reads no values) and by training on an accelerator (each read there waits for all work).
+        self.caller_cuts_captions = False
         # ``compile_towers``' functions, by grad mode: (image, text).
         self.compiled_towers: dict[bool, tuple[Callable[..., torch.Tensor], ...]] | None = None
         # Training with precision bf16-image sets this: the image tower runs under autocast to this dtype while
@@ -137,7 +138,7 @@ class DualEncoder(nn.Module):
             True: (compiled(_image_with_graph), compiled(_text_with_graph)),
             False: (compiled(_image_without_graph), compiled(_text_without_graph)),
         }
-        self.fixed_text_width = True
+        self.caller_cuts_captions = True
 
     def _tower(self, which: int) -> Callable[..., torch.Tensor]:
         """The image (0) or text (1) tower as called now: its compiled function for this grad mode, if any."""
@@ -154,13 +155,13 @@ class DualEncoder(nn.Module):
         """Inside, compiled towers run uncompiled and captions are trimmed again: for occasional calls whose
         shapes or modes differ from training's (in-training evaluation), which would otherwise compile graphs of
         their own."""
-        fixed = self.fixed_text_width
-        self.fixed_text_width = False
+        cut = self.caller_cuts_captions
+        self.caller_cuts_captions = False
         try:
             with torch.compiler.set_stance("force_eager"):
                 yield
         finally:
-            self.fixed_text_width = fixed
+            self.caller_cuts_captions = cut
 
     # ------------------------------------------------------------------ saving and loading
 
@@ -199,8 +200,8 @@ class DualEncoder(nn.Module):
 
     def check_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
         """Raise on token ids or a mask the model cannot take; return the mask's ``tokens_width`` (None without a
-        mask, for tensors without values, and, with compiled towers' fixed width, for an accelerator's tokens,
-        whose values are then not read: see ``compile_towers``)."""
+        mask, for tensors without values, and, where the caller cuts the captions, for an accelerator's tokens,
+        whose values are then not read: see ``caller_cuts_captions``)."""
         cfg = self.config.text
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -217,7 +218,7 @@ class DualEncoder(nn.Module):
             raise ValueError(
                 f"attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}"
             )
-        if not has_values(input_ids) or (self.fixed_text_width and not host_readable(input_ids)):
+        if not has_values(input_ids) or (self.caller_cuts_captions and not host_readable(input_ids)):
             return None
         return self.check_token_values(input_ids, attention_mask)
 
@@ -261,7 +262,7 @@ class DualEncoder(nn.Module):
     ) -> torch.Tensor:
         """Unnormalised text embeddings [B, embed_dim]. ``width``: the mask's ``tokens_width`` when the caller has
         already read it (``check_tokens`` returns it), so that it is not read twice."""
-        if attention_mask is None or self.fixed_text_width:
+        if attention_mask is None or self.caller_cuts_captions:
             return self._text_features(input_ids, attention_mask)
         # Short rows are encoded apart (two passes) only on the CPU, where arithmetic is the cost and the lengths
         # are free to read (``length_buckets``); on a GPU the batch is only cut to its width.

@@ -89,7 +89,7 @@ def cut_captions(batch: Batch, chunk_size: int | None = None) -> tuple[Batch, li
     n, columns = mask.shape
     size = chunk_size or n
     # The last attended column of each row, then the largest of each chunk: one pass, one read of n numbers.
-    last = (mask.ne(0) * torch.arange(1, columns + 1)).amax(1).tolist()
+    last = (mask.ne(0) * torch.arange(1, columns + 1, device=mask.device)).amax(1).tolist()
     floor = min(2, columns)
     widths = [max(max(last[i : i + size]), floor) for i in range(0, n, size)]
     widest = max(widths)

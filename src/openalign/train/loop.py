@@ -150,6 +150,12 @@ def _open_resume(cfg: TrainConfig, resume: str, info: DistInfo) -> _Resume | Non
     return _Resume(path, opened) if path is not None else None
 
 
+def reads_wait(device: torch.device) -> bool:
+    """Whether the host reading a tensor's values on ``device`` waits for the work queued there (an accelerator's:
+    a synchronisation) rather than reading memory it already holds (the CPU's)."""
+    return device.type != "cpu"
+
+
 def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
     bad = 0
 
@@ -220,6 +226,8 @@ class _Run:
         self.compiled = compile_enabled(cfg, info.device)
         if self.compiled:
             model.compile_towers()
+        elif reads_wait(info.device):
+            model.caller_cuts_captions = True  # the loop checks and cuts captions on the host, as for compiled towers
         self.model = model
         self.fsdp = info.world_size > 1 and t.strategy == "fsdp"
         self.wrapped = wrap_model(model, info, t.strategy, bf16=self.bf16)
@@ -397,9 +405,9 @@ class _Run:
         compiling = self.compiled
         while self.step < self.total_steps:
             batch, text_widths = next(batches), None
-            if self.compiled:
-                # Checked and measured here, on the host, for free: compiled towers read no token on the device,
-                # and their text graph takes each chunk cut to its own width.
+            if self.model.caller_cuts_captions:
+                # Checked and measured here, on the host, for free: the model then reads no token on the device,
+                # and its text tower takes each chunk cut to its own width.
                 self.model.check_token_values(batch["input_ids"], batch.get("attention_mask"))
                 batch, text_widths = cut_captions(batch, t.chunk_size)
             batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
