@@ -130,3 +130,14 @@ def test_a_gpu_run_is_recorded_in_the_throughput_table(tmp_path: Path) -> None:
         "abc1234",
         36.2,
     )
+
+
+def test_the_compiled_loop_trains_the_model_the_compiled_part_leaves_in_the_caches() -> None:
+    """Same preset, size, batch, precision and batch norm: the loop's towers are the graphs `bench model --compile`
+    compiled just before it, so that a fresh machine compiles them once."""
+    s = gpu.GpuCheckSettings()
+    model, loop = gpu._bench_settings(s, "compiled"), gpu._bench_settings(s, "compiled_loop")
+    for key in ("preset", "batch_size", "bf16", "device", "compile", "image_size", "virtual_batch_size"):
+        assert model.get(key) == loop.get(key), key
+    assert loop["compile"] and loop["recipe"] and not loop["bare"]
+    assert gpu.PARTS.index("compiled") < gpu.PARTS.index("compiled_loop")

@@ -142,7 +142,8 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
         cut, _ = cut_captions({"input_ids": ids, "attention_mask": mask})
         ids, mask = cut["input_ids"], cut["attention_mask"]
     pixels, ids, mask = pixels.to(device), ids.to(device), mask.to(device)
-    if channels_last:
+    if channels_last and which != "openalign":
+        # Ours takes pixels as training hands them over (NCHW) and lays them out itself, in its tower's first op.
         pixels = pixels.contiguous(memory_format=torch.channels_last)
     # Forward FLOPs × 3 (backward ≈ 2 × forward): PyTorch's counter overstates depthwise-conv
     # backward by the group count, so the backward pass is not counted directly. Counted before compiling: a
