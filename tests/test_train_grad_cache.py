@@ -210,35 +210,34 @@ def test_ddp_cached_equals_single_process_whole_batch(tmp_path) -> None:
         assert_grads_close(got, want, atol=5e-5)
 
 
-def test_cut_captions_measures_each_chunk_on_the_host() -> None:
+def test_caption_widths_measure_each_chunk_on_the_host() -> None:
     lengths = [3, 5, 2, 7, 4, 4, 1, 2]
     mask = (torch.arange(10)[None] < torch.tensor(lengths)[:, None]).long()
     batch = {"pixel_values": torch.randn(8, 3, 4, 4), "input_ids": torch.arange(80).view(8, 10) * mask}
     batch["attention_mask"] = mask
-    cut, widths = grad_cache.cut_captions(batch, 4)
+    widths = grad_cache.caption_widths(batch, 4)
     assert widths == [7, 4]  # each chunk's longest caption
-    assert cut["input_ids"].shape == cut["attention_mask"].shape == (8, 7)  # the widest chunk's
-    assert torch.equal(cut["input_ids"], batch["input_ids"][:, :7]) and cut["pixel_values"] is batch["pixel_values"]
-    assert grad_cache.cut_captions(batch)[1] == [7]  # no chunks: the batch's
+    assert grad_cache.caption_widths(batch) == [7]  # no chunks: the batch's
     # At least two columns (a compiled text tower takes every width from two up), never more than there are.
     ones = {"input_ids": torch.ones(4, 6, dtype=torch.long), "attention_mask": torch.zeros(4, 6, dtype=torch.long)}
     ones["attention_mask"][:, 0] = 1
-    assert grad_cache.cut_captions(ones, 2)[1] == [2, 2]
-    assert grad_cache.cut_captions({k: v[:, :1] for k, v in ones.items()})[1] == [1]
-    no_mask = {"input_ids": batch["input_ids"]}
-    assert grad_cache.cut_captions(no_mask) == (no_mask, None)
+    assert grad_cache.caption_widths(ones, 2) == [2, 2]
+    assert grad_cache.caption_widths({k: v[:, :1] for k, v in ones.items()}) == [1]
+    assert grad_cache.caption_widths({"input_ids": batch["input_ids"]}) is None
 
-    chunks = chunk_batch(cut, 4, widths)
+    chunks = chunk_batch(batch, 4, widths)  # views of the whole batch, each chunk's captions at its width
     assert [c["input_ids"].shape for c in chunks] == [(4, 7), (4, 4)]
     assert [c["attention_mask"].shape for c in chunks] == [(4, 7), (4, 4)]
+    assert torch.equal(chunks[1]["input_ids"], batch["input_ids"][4:, :4])
+    assert all(c["input_ids"].data_ptr() == batch["input_ids"][4 * i].data_ptr() for i, c in enumerate(chunks))
     assert all(c["pixel_values"].shape == (4, 3, 4, 4) for c in chunks)
     with pytest.raises(ValueError):
-        chunk_batch(cut, 4, [7])  # a width for every chunk
+        chunk_batch(batch, 4, [7])  # a width for every chunk
 
 
-def test_captions_cut_by_the_caller_train_as_the_padded_batch() -> None:
-    """A model that takes captions as they come (compiled towers' fixed width) trained on chunks cut to their own
-    widths: the loss and every gradient of the padded batch trained whole, since cut columns are padding."""
+def test_captions_cut_to_each_chunk_train_as_the_padded_batch() -> None:
+    """A model that takes captions as they come (as on a GPU, or with compiled towers) trained on chunks cut to
+    their own widths: the loss and every gradient of the padded batch trained whole, since cut columns are padding."""
     no_dropout = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
     model = make_model(
         text=no_dropout, image={"drop_connect_rate": 0.0, "batch_norm": "virtual", "virtual_batch_size": 16}
@@ -246,20 +245,20 @@ def test_captions_cut_by_the_caller_train_as_the_padded_batch() -> None:
     model.caller_cuts_captions = True  # the model cuts nothing itself
     ref = copy.deepcopy(model)
     batch = make_batch()
-    cut, widths = grad_cache.cut_captions(batch, 16)
+    widths = grad_cache.caption_widths(batch, 16)
     assert widths is not None and len(set(widths)) > 1 and max(widths) <= 12
     seen: list[int] = []
     model.text.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
 
     want_loss = plain_step(ref, batch, loss_fn, lambda: ref.temperature)
-    loss = cached_step(model, cut, 16, loss_fn, lambda: model.temperature, text_widths=widths)
+    loss = cached_step(model, batch, 16, loss_fn, lambda: model.temperature, text_widths=widths)
     assert seen == widths + widths  # the no-graph pass, then the graph pass, each chunk at its width
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-6)
     assert_grads_close(grads(model), grads(ref))
 
     model.zero_grad()
     seen.clear()
-    cut_whole, whole_width = grad_cache.cut_captions(batch)
-    plain_step(model, cut_whole, loss_fn, lambda: model.temperature, text_widths=whole_width)
-    assert seen == whole_width == [max(widths)]
+    whole = grad_cache.caption_widths(batch)
+    plain_step(model, batch, loss_fn, lambda: model.temperature, text_widths=whole)
+    assert seen == whole == [max(widths)]
     assert_grads_close(grads(model), grads(ref))

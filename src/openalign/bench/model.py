@@ -25,7 +25,7 @@ from openalign.config import model_config
 from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
-from openalign.train.grad_cache import cut_captions
+from openalign.train.grad_cache import caption_widths
 
 TEXT_LENGTH = 64
 
@@ -137,11 +137,12 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
     if channels_last:
         model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
     pixels, ids, mask = make_batch(cfg, settings)
-    if settings.compile and which == "openalign":
-        # Cut on the host, as training's loop feeds compiled towers (eager, ours cuts them itself).
-        cut, _ = cut_captions({"input_ids": ids, "attention_mask": mask})
-        ids, mask = cut["input_ids"], cut["attention_mask"]
+    # Compiled towers take captions cut to the batch's longest, measured on the host as training's loop does (eager,
+    # ours measures and cuts them itself).
+    widths = caption_widths({"attention_mask": mask}) if settings.compile and which == "openalign" else None
     pixels, ids, mask = pixels.to(device), ids.to(device), mask.to(device)
+    if widths is not None:
+        ids, mask = ids[:, : widths[0]], mask[:, : widths[0]]
     if channels_last and which != "openalign":
         # Ours takes pixels as training hands them over (NCHW) and lays them out itself, in its tower's first op.
         pixels = pixels.contiguous(memory_format=torch.channels_last)

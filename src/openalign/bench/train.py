@@ -34,7 +34,7 @@ import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
-from openalign.train.grad_cache import cut_captions
+from openalign.train.grad_cache import caption_widths, chunk_batch
 
 if TYPE_CHECKING:
     from openalign.config import ModelConfig
@@ -211,9 +211,11 @@ def measure_training(
 
     def next_batch() -> dict[str, torch.Tensor]:
         batch = next(stream)
-        if s.compile and which == "openalign":
-            batch, _ = cut_captions(batch)  # on the host, as training's loop feeds compiled towers
+        # Compiled towers take captions cut to the batch's longest, measured on the host as training's loop does.
+        widths = caption_widths(batch) if s.compile and which == "openalign" else None
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if widths is not None:
+            (batch,) = chunk_batch(batch, s.batch_size, widths)
         batch["pixel_values"] = pixels(batch["pixel_values"])
         return batch
 

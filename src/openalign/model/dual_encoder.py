@@ -124,12 +124,13 @@ class DualEncoder(nn.Module):
     def compile_towers(self, **options: Any) -> None:
         """``torch.compile`` both towers, each as one graph (``fullgraph=True``: a graph break is an error) per
         grad mode, so that gradient caching's no-graph pass and its graph pass each compile once and nothing
-        compiles again. Captions then keep the width they arrive with: the caller cuts them to their longest while
-        they are still on the host, where that costs no wait (training cuts each chunk, ``cut_captions``), and the
-        text tower's graph takes any width from two columns up (its sequence dimension is compiled as a symbol), so
-        no width compiles it again. Nor are an accelerator's token ids checked in ``forward`` (``check_tokens``):
-        that read would make the host wait for all queued work at every call; the caller checks the batch on the
-        host, as training does. ``options`` go to ``torch.compile`` (``backend``, ``mode``)."""
+        compiles again. Captions then keep the width they arrive with: the caller measures them while they are still
+        on the host, where that costs no wait, and cuts them to their longest (training cuts each chunk to its own,
+        ``caption_widths``); the text tower's graph takes any width from two columns up (its sequence dimension is
+        compiled as a symbol), so no width compiles it again. Nor are an accelerator's token ids checked in
+        ``forward`` (``check_tokens``): that read would make the host wait for all queued work at every call; the
+        caller checks the batch on the host, as training does. ``options`` go to ``torch.compile`` (``backend``,
+        ``mode``)."""
 
         def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True, **options)

@@ -41,7 +41,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # copy of the whole batch never exists at once.
 Pixels = Callable[[torch.Tensor], torch.Tensor]
 
-__all__ = ["Pixels", "RngState", "cached_step", "chunk_batch", "cut_captions", "plain_step"]
+__all__ = ["Pixels", "RngState", "cached_step", "caption_widths", "chunk_batch", "plain_step"]
 
 CAPTIONS = ("input_ids", "attention_mask")
 
@@ -77,23 +77,24 @@ def chunk_batch(batch: Batch, chunk_size: int, text_widths: list[int] | None = N
     return chunks
 
 
-def cut_captions(batch: Batch, chunk_size: int | None = None) -> tuple[Batch, list[int] | None]:
-    """A batch still on the host, its captions cut to the columns its widest chunk of ``chunk_size`` rows (default:
-    the whole batch) attends to, and each chunk's own width: what ``plain_step`` and ``cached_step`` take as
-    ``text_widths``. Read here, from host memory, the widths cost nothing; read from a GPU's copy, each would make
-    the host wait for all queued work. Widths are at least two columns (a compiled text tower takes any width from
-    two up without compiling again: see ``DualEncoder.compile_towers``). Without a mask: unchanged, None."""
+def caption_widths(batch: Batch, chunk_size: int | None = None) -> list[int] | None:
+    """Each chunk's caption width in a batch still on the host: the columns its ``chunk_size`` rows (default: the
+    whole batch) attend to, what ``plain_step`` and ``cached_step`` cut each chunk's captions to (``text_widths``).
+    Read here, from host memory, the widths cost nothing; read from a GPU's copy, each would make the host wait for
+    all queued work. The batch itself moves whole and is cut on the device, by views: a cut host tensor is no longer
+    contiguous, and is copied to a GPU from a pageable copy of it, which CUDA's driver may stage by waiting for the
+    stream's queued work (a contiguous pinned batch moves without waiting). Widths
+    are at least two columns (a compiled text tower takes any width from two up without compiling again: see
+    ``DualEncoder.compile_towers``). None without a mask."""
     mask = batch.get("attention_mask")
     if mask is None:
-        return batch, None
+        return None
     n, columns = mask.shape
     size = chunk_size or n
     # The last attended column of each row, then the largest of each chunk: one pass, one read of n numbers.
     last = (mask.ne(0) * torch.arange(1, columns + 1, device=mask.device)).amax(1).tolist()
     floor = min(2, columns)
-    widths = [max(max(last[i : i + size]), floor) for i in range(0, n, size)]
-    widest = max(widths)
-    return {k: v[:, :widest] if k in CAPTIONS else v for k, v in batch.items()}, widths
+    return [max(max(last[i : i + size]), floor) for i in range(0, n, size)]
 
 
 def _embed(model: nn.Module, batch: Batch, pixels: Pixels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +159,7 @@ def plain_step(
     text_widths: list[int] | None = None,
 ) -> torch.Tensor:
     """One forward and backward of the whole per-rank batch; returns the (detached) loss. ``text_widths``: the
-    batch's caption width (``cut_captions``), its captions cut to it."""
+    batch's caption width (``caption_widths``), its captions cut to it."""
     if text_widths is not None:
         (batch,) = chunk_batch(batch, next(iter(batch.values())).shape[0], text_widths)
     image, text = _embed(model, batch, pixels)
@@ -188,7 +189,7 @@ def cached_step(
     ``temperature()`` returns the model's temperature with its graph; its gradient is added with the last
     chunk so that every parameter receives its gradient in the same (synchronised) backward.
     ``pixels`` prepares each chunk's pixels for the model (both passes), as in ``plain_step``; ``text_widths`` cuts
-    each chunk's captions to its own width (``cut_captions``).
+    each chunk's captions to its own width (``caption_widths``).
     """
     inner = inner if inner is not None else model
     chunks = chunk_batch(batch, chunk_size, text_widths)

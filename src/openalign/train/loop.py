@@ -49,7 +49,7 @@ from openalign.train.distributed import (
     unwrap,
     wrap_model,
 )
-from openalign.train.grad_cache import Pixels, cached_step, cut_captions, plain_step
+from openalign.train.grad_cache import Pixels, cached_step, caption_widths, plain_step
 
 if TYPE_CHECKING:
     from openalign.eval.retrieval import RetrievalSet
@@ -409,7 +409,7 @@ class _Run:
                 # Checked and measured here, on the host, for free: the model then reads no token on the device,
                 # and its text tower takes each chunk cut to its own width.
                 self.model.check_token_values(batch["input_ids"], batch.get("attention_mask"))
-                batch, text_widths = cut_captions(batch, t.chunk_size)
+                text_widths = caption_widths(batch, t.chunk_size)
             batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
             if not small_data_warned and info.is_main:
                 small_data_warned = self._warn_small_epoch()
