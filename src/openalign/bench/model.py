@@ -26,6 +26,7 @@ from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
 from openalign.train.grad_cache import caption_widths
+from openalign.train.loop import prepare_towers
 
 TEXT_LENGTH = 64
 
@@ -136,13 +137,9 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
     channels_last = cfg.image.channels_last if which == "openalign" else settings.memory_format == "channels_last"
     if channels_last:
         model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
-    pixels, ids, mask = make_batch(cfg, settings)
-    # Compiled towers take captions cut to the batch's longest, measured on the host as training's loop does (eager,
-    # ours measures and cuts them itself).
-    widths = caption_widths({"attention_mask": mask}) if settings.compile and which == "openalign" else None
-    pixels, ids, mask = pixels.to(device), ids.to(device), mask.to(device)
-    if widths is not None:
-        ids, mask = ids[:, : widths[0]], mask[:, : widths[0]]
+    batch = make_batch(cfg, settings)
+    host_mask = batch[2]
+    pixels, ids, mask = (t.to(device) for t in batch)
     if channels_last and which != "openalign":
         # Ours takes pixels as training hands them over (NCHW) and lays them out itself, in its tower's first op.
         pixels = pixels.contiguous(memory_format=torch.channels_last)
@@ -150,8 +147,13 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
     # backward by the group count, so the backward pass is not counted directly. Counted before compiling: a
     # compiled model would compile a graph without gradients for it, minutes on a GPU.
     flops = 3 * forward_flops(forward, pixels, ids, mask, device=device, bf16=settings.bf16)
-    if settings.compile and isinstance(model, DualEncoder):
-        model.compile_towers()  # as `openalign train` and `bench train` compile ours
+    if isinstance(model, DualEncoder):
+        # As `openalign train` and `bench train` run ours: compiled, or on a GPU, it takes captions cut to the
+        # batch's longest as measured on the host (eager on a CPU, it measures and cuts them itself).
+        prepare_towers(model, settings.compile, device)
+        if model.caller_cuts_captions:
+            (width,) = caption_widths({"attention_mask": host_mask}) or [TEXT_LENGTH]
+            ids, mask = ids[:, :width], mask[:, :width]
     elif settings.compile:
         forward = torch.compile(forward)
 

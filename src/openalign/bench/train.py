@@ -35,6 +35,7 @@ import torch
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
 from openalign.train.grad_cache import caption_widths, chunk_batch
+from openalign.train.loop import prepare_towers
 
 if TYPE_CHECKING:
     from openalign.config import ModelConfig
@@ -157,8 +158,7 @@ def _build(
         from openalign.optim import OptimConfig, build_optimizer
 
         model = DualEncoder(cfg).to(device).train()
-        if compiled:
-            model.compile_towers()
+        prepare_towers(model, compiled, device)
         optimizer = build_optimizer(model, OptimConfig(name="lamb", lr=1e-3, weight_decay=1e-5))
 
         def forward(b: dict[str, torch.Tensor]) -> Any:
@@ -201,7 +201,8 @@ def measure_training(
     device = torch.device(s.device)
     cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
-    _, forward, loss_fn, optimizer = _build(which, cfg, device, s.compile)
+    module, forward, loss_fn, optimizer = _build(which, cfg, device, s.compile)
+    cuts_captions = getattr(module, "caller_cuts_captions", False)
     train_stream = _stream(s, shards, tokenizer, cfg, s.workers)
     pixels, stream = train_stream.pixels, iter(train_stream)
 
@@ -211,8 +212,9 @@ def measure_training(
 
     def next_batch() -> dict[str, torch.Tensor]:
         batch = next(stream)
-        # Compiled towers take captions cut to the batch's longest, measured on the host as training's loop does.
-        widths = caption_widths(batch) if s.compile and which == "openalign" else None
+        # Ours, compiled or on a GPU, takes captions cut to the batch's longest, measured on the host as training's
+        # loop does.
+        widths = caption_widths(batch) if cuts_captions else None
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if widths is not None:
             (batch,) = chunk_batch(batch, s.batch_size, widths)

@@ -156,6 +156,15 @@ def reads_wait(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def prepare_towers(model: DualEncoder, compiled: bool, device: torch.device) -> None:
+    """The towers as training runs them: compiled, or eager; either way, where reading values waits (a GPU), or
+    compiled, taking captions that the caller checks and measures on the host (``caption_widths``)."""
+    if compiled:
+        model.compile_towers()
+    elif reads_wait(device):
+        model.caller_cuts_captions = True
+
+
 def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
     bad = 0
 
@@ -224,10 +233,7 @@ class _Run:
                 )
         model.to(info.device).train()
         self.compiled = compile_enabled(cfg, info.device)
-        if self.compiled:
-            model.compile_towers()
-        elif reads_wait(info.device):
-            model.caller_cuts_captions = True  # the loop checks and cuts captions on the host, as for compiled towers
+        prepare_towers(model, self.compiled, info.device)
         self.model = model
         self.fsdp = info.world_size > 1 and t.strategy == "fsdp"
         self.wrapped = wrap_model(model, info, t.strategy, bf16=self.bf16)
