@@ -48,3 +48,40 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def text_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The caption widths the text tower is called with, in order."""
+    import openalign.model.bert as bert
+
+    widths: list[int] = []
+    forward = bert.Bert.forward
+
+    def recorded(self: Any, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        widths.append(ids.shape[1])
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(bert.Bert, "forward", recorded)
+    return widths
+
+
+def declare_accelerator(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Declares the device an accelerator (reading a value there waits for all queued work), so that training and
+    the model take a GPU's paths on the CPU; returns the widths of the batches whose token values are read."""
+    import openalign.model.bert as bert
+    import openalign.model.dual_encoder as dual_encoder
+    import openalign.train.loop as loop
+
+    monkeypatch.setattr(loop, "reads_wait", lambda device: True)
+    for module in (dual_encoder, bert):
+        monkeypatch.setattr(module, "host_readable", lambda t: False)
+    checked: list[int] = []
+    check = dual_encoder.DualEncoder.check_token_values
+
+    def counted(self: Any, ids: torch.Tensor, mask: Any) -> Any:
+        checked.append(ids.shape[1])
+        return check(self, ids, mask)
+
+    monkeypatch.setattr(dual_encoder.DualEncoder, "check_token_values", counted)
+    return checked

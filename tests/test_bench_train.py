@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import declare_accelerator
 from openalign.cli import main
 
 
@@ -58,41 +59,20 @@ def test_grad_clip_must_be_positive() -> None:
         TrainBenchSettings(grad_clip=0.0).validate()
 
 
-def test_bench_model_runs_ours_on_a_gpu_as_training_does(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_model_runs_ours_on_a_gpu_as_training_does(
+    monkeypatch: pytest.MonkeyPatch, text_widths: list[int]
+) -> None:
     """Where reading values waits (a GPU; declared here), ours takes captions cut to the batch's longest as measured
     on the host, and its forward reads nothing, as in `openalign train`; on the CPU it measures and cuts them itself."""
-    from typing import Any
-
-    import torch
-
-    import openalign.model.bert as bert
-    import openalign.model.dual_encoder as dual_encoder
-    import openalign.train.loop as loop
     from openalign.bench.model import BenchSettings, measure
 
-    widths: list[int] = []
-    forward = bert.Bert.forward
-
-    def recorded(self: Any, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        widths.append(ids.shape[1])
-        return forward(self, ids, *args, **kwargs)
-
-    monkeypatch.setattr(bert.Bert, "forward", recorded)
     settings = BenchSettings(preset="nano", image_size=32, batch_size=8, steps=1, warmup=1)
     measure("openalign", settings)
-    on_cpu = set(widths)
+    on_cpu = set(text_widths)
     assert max(on_cpu) < 64  # trimmed by the model itself (and short rows apart)
 
-    widths.clear()
-    monkeypatch.setattr(loop, "reads_wait", lambda device: True)
-    for module in (dual_encoder, bert):
-        monkeypatch.setattr(module, "host_readable", lambda t: False)
-    reads = dual_encoder.DualEncoder.check_token_values
-    checked: list[int] = []
-    monkeypatch.setattr(
-        dual_encoder.DualEncoder, "check_token_values", lambda self, i, m: checked.append(1) or reads(self, i, m)
-    )
+    text_widths.clear()
+    checked = declare_accelerator(monkeypatch)
     measure("openalign", settings)
-    counted = len(checked)
-    assert set(widths) == {max(on_cpu)}  # the batch's longest caption, measured on the host, every pass
-    assert counted == 1  # only the FLOP count's eager pass, before the towers were set up as training's
+    assert set(text_widths) == {max(on_cpu)}  # the batch's longest caption, measured on the host, every pass
+    assert len(checked) == 1  # only the FLOP count's eager pass, before the towers were set up as training's

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters, guard_failures
 
-from conftest import tiny_overrides
+from conftest import declare_accelerator, tiny_overrides
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import compile_enabled, load_train_config
 from openalign.train.loop import train
@@ -160,12 +160,10 @@ def test_the_whole_model_compiles_to_one_graph_that_reads_no_values(fresh_dynamo
 def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_them_on_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo: Any
 ) -> None:
-    """With compiled towers the captions keep their padded width, so an accelerator's forward has nothing to read
-    but the ids' validity, and each read would make the host wait for all queued work. Without a GPU here, the
-    accelerator is declared (tensors the host cannot read for free): the forward reads no value, and training checks
-    each batch's ids on the host before it moves, so a bad id still stops the run with the model's error."""
-    import openalign.model.bert as bert
-    import openalign.model.dual_encoder as dual_encoder
+    """With compiled towers the caller measures the captions on the host, so an accelerator's forward has nothing
+    to read but the ids' validity, and each read would make the host wait for all queued work. Without a GPU here,
+    the accelerator is declared (tensors the host cannot read for free): the forward reads no value, and training
+    checks each batch's ids on the host before it moves, so a bad id still stops the run with the model's error."""
     from test_model import _HostReads
 
     monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="eager"))
@@ -175,9 +173,7 @@ def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_the
     ids = torch.randint(5, 101, (4, 12))
     mask = (torch.arange(12) < torch.tensor([3, 7, 5, 4])[:, None]).long()
     pixels = torch.randn(4, 3, 32, 32)
-    for module in (dual_encoder, bert):
-        monkeypatch.setattr(module, "host_readable", lambda t: False)
-
+    declare_accelerator(monkeypatch)
     tolists: list[torch.Tensor] = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: tolists.append(t) or real_tolist(t))
@@ -185,7 +181,7 @@ def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_the
     def reads() -> int:
         """Values read by the host: ``.tolist()`` and every scalar read (``int()``, ``bool()``, ``.item()``)."""
         tolists.clear()
-        # Dynamo's graphs run eager here so that the counting mode sees every op; the stance keeps the fixed width.
+        # Dynamo's graphs run eager here so that the counting mode sees every op; the captions stay as handed over.
         with torch.compiler.set_stance("force_eager"), _HostReads() as counter:
             model(pixels, ids, mask)
         return counter.reads + len(tolists)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import openalign
-from conftest import tiny_overrides
+from conftest import declare_accelerator, tiny_overrides
 from openalign.train.checkpoint import list_checkpoints, load_trainer_state
 from openalign.train.config import load_train_config
 from openalign.train.loop import NonFiniteError, train
@@ -544,42 +544,21 @@ def test_shards_recording_fewer_samples_than_the_batch_warn_before_step_one(
 
 
 def test_on_an_accelerator_the_loop_checks_and_cuts_captions_on_the_host(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text_widths: list[int]
 ) -> None:
     """Where reading a tensor's values waits for all queued work (a GPU's), the loop checks each batch's token ids
-    and cuts each chunk's captions to its longest while the batch is still on the host, and the model reads nothing.
-    Without a GPU here, the accelerator is declared; the losses are those of the CPU's own path (the model trimming
-    captions itself, short ones apart), up to rounding."""
-    import openalign.model.bert as bert
-    import openalign.model.dual_encoder as dual_encoder
-    import openalign.train.loop as loop
-
+    and measures each chunk's captions while the batch is still on the host, and the model reads nothing. Without a
+    GPU here, the accelerator is declared; the losses are those of the CPU's own path (the model trimming captions
+    itself, short ones apart), up to rounding."""
     options = {"steps": 3, "chunk_size": 4}
     plain = train(tiny_config(tmp_path / "cpu", train=options), stream_factory=factory())
-    monkeypatch.setattr(loop, "reads_wait", lambda device: True)
-    for module in (dual_encoder, bert):
-        monkeypatch.setattr(module, "host_readable", lambda t: False)
-    checked: list[int] = []
-    check = dual_encoder.DualEncoder.check_token_values
-
-    def counted(self: Any, ids: torch.Tensor, mask: Any) -> Any:
-        checked.append(ids.shape[1])
-        return check(self, ids, mask)
-
-    monkeypatch.setattr(dual_encoder.DualEncoder, "check_token_values", counted)
-    widths: list[int] = []
-    forward = bert.Bert.forward
-
-    def recorded(self: Any, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        widths.append(ids.shape[1])
-        return forward(self, ids, *args, **kwargs)
-
-    monkeypatch.setattr(bert.Bert, "forward", recorded)
+    text_widths.clear()
+    checked = declare_accelerator(monkeypatch)
     cut = train(tiny_config(tmp_path / "cut", train=options), stream_factory=factory())
     assert cut.step == plain.step == 3
     assert checked == [12, 12, 12]  # once a step, by the loop, on the batch as it arrives: none by the model
     # Each chunk's captions at their longest (3 to 11 tokens in 12 columns), twice a step with gradient caching.
-    assert len(widths) == 3 * 2 * 2 and max(widths) < 12 and len(set(widths)) > 1
+    assert len(text_widths) == 3 * 2 * 2 and max(text_widths) < 12 and len(set(text_widths)) > 1
     want = [json.loads(line).get("loss") for line in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()]
     got = [json.loads(line).get("loss") for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert got == pytest.approx(want, rel=1e-5)
