@@ -205,7 +205,7 @@ def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
         # The loop alone (--no-bare: one compilation, not two), fed from JPEG shards by the check's workers, on the
         # model `compiled` times (batch norm per device, not the recipes' groups): the same graphs, which that part
         # leaves in the compile caches. Compiled from scratch on a fresh H200 they took more than the part's 175 s;
-        # from the caches, nano's took 21 s on a CPU against 133 s cold (15 s with its own graphs cached).
+        # from the caches, nano's took 16-21 s on a CPU against 133 s cold (15 s with its own graphs cached).
         loop = {"recipe": True, "bare": False, "baseline": False, "bf16": cuda, "device": s.device, "rounds": 1}
         if s.tiny:
             return {**loop, "preset": "nano", "image_size": 32, "batch_size": 16, "steps": 1, "warmup": 1,
