@@ -25,7 +25,7 @@ from openalign.config import model_config
 from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
-from openalign.train.grad_cache import caption_widths
+from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import prepare_towers
 
 TEXT_LENGTH = 64
@@ -152,8 +152,9 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
         # batch's longest as measured on the host (eager on a CPU, it measures and cuts them itself).
         prepare_towers(model, settings.compile, device)
         if model.caller_cuts_captions:
-            (width,) = caption_widths({"attention_mask": host_mask}) or [TEXT_LENGTH]
-            ids, mask = ids[:, :width], mask[:, :width]
+            widths = caption_widths({"attention_mask": host_mask})
+            (cut,) = chunk_batch({"input_ids": ids, "attention_mask": mask}, len(ids), widths)
+            ids, mask = cut["input_ids"], cut["attention_mask"]
     elif settings.compile:
         forward = torch.compile(forward)
 
