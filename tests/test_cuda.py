@@ -492,6 +492,62 @@ def test_text_attention_keeps_off_cudnn_and_matches_the_cpu() -> None:
     check_text_attention(CUDA)
 
 
+# ------------------------------------------------------------------------------------------ (h) pinned batches
+
+
+def check_pinned_batches(device: torch.device, tmp: Path) -> dict[str, float]:
+    """Batches for a run on ``device`` with ``data.pin_memory`` unset: on CUDA page-locked (assembled ahead in a
+    thread), the unpinned stream's batches value for value, and copied to the device without blocking as the loop
+    copies them; on a CPU neither pinned nor assembled ahead."""
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+
+    from openalign.config import from_dict
+    from openalign.text import train_wordpiece
+    from openalign.train.data import DataConfig, build_train_stream, pin_batches
+    from test_device_decode import caption, encoded, take, write_tar
+
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)) for _ in range(48)]
+    samples = [
+        {"__key__": f"{i:06d}", "jpg": encoded(p, "JPEG"), "txt": caption(i).encode()} for i, p in enumerate(pictures)
+    ]
+    for k in range(0, 48, 12):
+        write_tar(tmp / f"{k // 12:05d}.tar", samples[k : k + 12])
+    tokenizer = train_wordpiece([caption(i) for i in range(300)], vocab_size=120, min_frequency=1)
+    cfg = from_dict(DataConfig, {"shards": str(tmp / "{00000..00003}.tar"), "batch_size": 16, "piece_size": 6,
+                                 "image_size": 32, "resize": 40, "max_text_length": 8, "workers": 2})  # fmt: skip
+    auto = dataclasses.replace(cfg, pin_memory=pin_batches(cfg, device))
+    assert auto.pin_memory is (device.type == "cuda")
+    pinned = take(build_train_stream(auto, tokenizer, seed=3), 4)
+    plain = take(build_train_stream(dataclasses.replace(cfg, pin_memory=False), tokenizer, seed=3), 4)
+    for a, b in zip(pinned, plain, strict=True):
+        assert all(t.is_pinned() is (device.type == "cuda") for t in a.values())
+        moved = {k: v.to(device, non_blocking=True) for k, v in a.items()}
+        for k, v in b.items():
+            assert torch.equal(moved[k].cpu(), v), k
+    if device.type != "cuda":
+        return {}
+    # Behind ~0.2 s of queued GPU work, the copy of a pinned batch returns at once; a pageable one may wait for it.
+    waited = {}
+    for name, batch in (("pinned", pinned[0]), ("pageable", plain[0])):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.cuda._sleep(400_000_000)
+        batch["pixel_values"].to(device, non_blocking=True)
+        waited[f"{name}_copy_ms"] = (time.perf_counter() - start) * 1e3
+        torch.cuda.synchronize(device)
+        waited[f"{name}_queued_ms"] = (time.perf_counter() - start) * 1e3
+    assert waited["pinned_copy_ms"] < waited["pinned_queued_ms"] / 4, waited
+    return waited
+
+
+def test_batches_are_pinned_and_copied_without_blocking(tmp_path: Path) -> None:
+    check_pinned_batches(CUDA, tmp_path)
+
+
 # ------------------------------------------------------------------------------------------ by hand
 
 
@@ -514,6 +570,7 @@ def main(argv: list[str]) -> None:
         "fsdp": lambda tmp: check_wrapped_steps(device, "fsdp", tmp / "store"),
         "decode": lambda tmp: check_device_decode(device, tmp),
         "attention": lambda tmp: check_text_attention(device),
+        "pinned": lambda tmp: check_pinned_batches(device, tmp),
     }
     for name, check in checks.items():
         if argv[1:] and name not in argv[1:]:

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
 import pickle
 import struct
 import tarfile
+import time
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -317,6 +319,84 @@ def test_a_batch_in_pieces_is_the_batch_whatever_the_pieces_and_workers(tmp_path
             pieces = rows(take(s, 4))
             assert all(a[1] == b[1] and torch.equal(a[0], b[0]) for a, b in zip(whole, pieces, strict=True))
             assert s.state_dict()["position"] == 4 * 8 * world
+
+
+def test_batches_assembled_ahead_are_the_batches_and_count_as_the_loop_takes_them(tmp_path: Path, tokenizer) -> None:
+    # pin_memory on a host without CUDA: batches assembled ahead in a thread, in ordinary memory. Skips in every
+    # batch (empty captions, broken images): a checkpoint taken after step k must hold step k's position, counts and
+    # epoch length, never those of the batch already assembled behind it.
+    import threading
+
+    samples = [good_sample(i) for i in range(45)]
+    for i in range(0, 45, 5):
+        samples[i]["txt"] = b""
+    for i in (3, 17, 31):
+        jpeg = encoded(picture(i, 32), "JPEG")
+        samples[i] = {"__key__": samples[i]["__key__"], "jpg": jpeg[: len(jpeg) // 2], "txt": caption(i).encode()}
+    for s in range(0, 45, 9):
+        write_tar(tmp_path / f"{s // 9:05d}.tar", samples[s : s + 9])
+    shards = str(tmp_path / "{00000..00004}.tar")
+    kw = {"batch_size": 8, "piece_size": 3, "workers": 2}
+    plain, ahead = stream(shards, tokenizer, pin_memory=False, **kw), stream(shards, tokenizer, pin_memory=True, **kw)
+    states = []
+    for a, b in zip(plain, ahead, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["attention_mask"], b["attention_mask"])
+        time.sleep(0.3)  # for the thread to have assembled the next batch (milliseconds of work)
+        states.append((plain.state_dict(), ahead.state_dict(), plain.epoch_length, ahead.epoch_length))
+        if len(states) == 7:  # crosses into the second epoch (36 usable samples)
+            break
+    assert all(p == q and m == n for p, q, m, n in states), states
+    # The counts grow step by step (so counting a batch early would show), to the plain stream's after 56 samples.
+    assert len({json.dumps(s[1]["stats"], sort_keys=True) for s in states}) >= 5 and states[-1][3] == 36
+    assert [s[1]["position"] for s in states] == [8 * (k + 1) for k in range(7)]
+    # The thread ends once the stream's iterator is let go of (here when the zip above was).
+    threads = [t for t in threading.enumerate() if t.name == "openalign-batch-assembly"]
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_one_ahead_makes_the_next_result_while_the_caller_uses_this_one_and_raises_its_errors() -> None:
+    import threading
+
+    from openalign.train.data import _one_ahead
+
+    started = [threading.Event() for _ in range(4)]
+    callers: list[str] = []
+
+    def make() -> int:
+        n = len(callers)
+        callers.append(threading.current_thread().name)
+        started[n].set()
+        if n == 2:
+            raise ValueError("a broken piece")
+        return n
+
+    results = _one_ahead(make)
+    assert next(results) == 0
+    assert started[1].wait(timeout=30)  # made while the caller holds result 0, without being asked
+    assert not started[2].wait(timeout=0.3) and len(callers) == 2  # never more than one ahead
+    assert next(results) == 1
+    with pytest.raises(ValueError, match="a broken piece"):
+        next(results)
+    assert set(callers) == {"openalign-batch-assembly"}
+
+
+def test_batches_are_pinned_when_unset_on_a_gpu_for_batches_that_fit_the_limit() -> None:
+    from openalign.train.data import pin_batches
+
+    small = DataConfig(shards="x.tar", batch_size=64, image_size=289)
+    large = DataConfig(shards="x.tar", batch_size=16_384, image_size=289)  # 4.1 GB of pixels
+    assert pin_batches(small, "cuda") and pin_batches(small, torch.device("cuda", 1))
+    assert not pin_batches(large, "cuda") and not pin_batches(small, "cpu")
+    # Without a crop size of its own, the model's decides.
+    at_model = DataConfig(shards="x.tar", batch_size=2_048)  # 0.51 GB at the paper's 289 px, 25 MB at nano's 64
+    assert pin_batches(at_model, "cuda", model_config("nano")) and not pin_batches(at_model, "cuda")
+    for setting in (True, False):  # as set, whatever the device and the batch
+        for cfg in (small, large):
+            explicit = dataclasses.replace(cfg, pin_memory=setting)
+            assert pin_batches(explicit, "cpu") is setting and pin_batches(explicit, "cuda") is setting
 
 
 def test_plain_tars_read_from_their_headers_give_the_batches_tarfile_gives(

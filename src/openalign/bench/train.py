@@ -63,6 +63,8 @@ class TrainBenchSettings:
     # torch.compile: our towers as training compiles them (train.compile), the loop too; transformers' whole model.
     compile: bool = False
     decode: Literal["cpu", "cuda"] = "cpu"  # where our stream decodes JPEGs (data.decode; cuda needs torchvision)
+    # data.pin_memory of our stream: batches assembled ahead, page-locked on CUDA (None: as `openalign train` sets it)
+    pin_memory: bool | None = None
     shard_samples: int = 512  # synthetic pairs written once and cycled through
     # Longer side of the shards' JPEGs, 4:3 (img2dataset writes 256 border-resized, 384–1024 keep-ratio);
     # None: square at 1.25× the pre-crop size.
@@ -139,11 +141,17 @@ def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
 def _stream(
     s: TrainBenchSettings, shards: str, tokenizer: TextTokenizer, cfg: ModelConfig, workers: int
 ) -> TrainStream:
-    from openalign.train.data import DataConfig, build_train_stream
+    from openalign.train.data import DataConfig, build_train_stream, pin_batches
 
     data = DataConfig(
-        shards=shards, batch_size=s.batch_size, workers=workers, max_text_length=cfg.text.max_length, decode=s.decode
+        shards=shards,
+        batch_size=s.batch_size,
+        workers=workers,
+        max_text_length=cfg.text.max_length,
+        decode=s.decode,
+        pin_memory=s.pin_memory,
     )
+    data.pin_memory = pin_batches(data, s.device, cfg)  # unset: as `openalign train` sets it for the device
     return build_train_stream(data, tokenizer, seed=0, model_config=cfg)
 
 

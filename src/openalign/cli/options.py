@@ -147,7 +147,7 @@ def _describe(knob: Knob) -> str:
     text = knob.help
     if knob.default is not NO_DEFAULT and "default" not in text:
         shown = "none" if knob.default is None else knob.default
-        if knob.kind == "bool" and "." not in knob.path:
+        if knob.kind == "bool" and "." not in knob.path and knob.default is not None:  # None: decided when run
             shown = "on" if knob.default else "off"
         text = f"{text} (default {shown})" if text else f"default {shown}"
     return text.replace("%", "%%")

@@ -21,12 +21,15 @@ position at which it started), reads only those, and a resumed run continues wit
 than the exact next samples.
 
 Memory. Workers hand over pieces, never whole batches, and pixels stay uint8 until the device: the training
-process assembles a rank's batch from its pieces (in page-locked memory with ``pin_memory``), the loop copies
-it to the device as uint8, and the model's input (float, normalised) is made there chunk by chunk
-(``TrainStream.pixels``). The pieces in flight between the workers and the training process are bounded by
-``data.prefetch_gb``, whatever the batch or the number of workers; a budget too small to hold one batch is
-refused when the stream is built. So the host holds at most the budget plus the batch being assembled and the
-one in use, each ``batch × 3 × size²`` bytes (4.1 GB for the paper's 16,384 pairs at 289 px).
+process assembles a rank's batch from its pieces, the loop copies it to the device as uint8, and the model's
+input (float, normalised) is made there chunk by chunk (``TrainStream.pixels``). The pieces in flight between the
+workers and the training process are bounded by ``data.prefetch_gb``, whatever the batch or the number of workers;
+a budget too small to hold one batch is refused when the stream is built. So the host holds at most the budget
+plus the batch being assembled and the one in use, each ``batch × 3 × size²`` bytes (4.1 GB for the paper's
+16,384 pairs at 289 px). With ``pin_memory`` (by default on CUDA, for batches of up to ``PIN_LIMIT``) a thread of
+the training process assembles the next batch, in page-locked memory, while the step runs: the loop then neither
+waits for the pieces nor, copying a page-locked batch, for the GPU's queued work (a copy from pageable memory may
+wait for it); one batch more.
 
 GPU decoding. With ``decode: cuda`` a worker decodes nothing it can leave to the GPU: for a JPEG it checks the
 header as above, draws the crop box and flip from the sample's seed exactly as the CPU transform draws them, and
@@ -57,13 +60,15 @@ import itertools
 import json
 import math
 import os
+import queue
 import random
 import sys
+import threading
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -143,7 +148,11 @@ class DataConfig:
     # same batches). Pays with one reader per rank (workers 0 or 1): with more, a sample's reader changes from epoch
     # to epoch. 0 = off; with decode: cuda only the records are kept.
     cache_mb: float = 0.0
-    pin_memory: bool = False  # assemble batches in page-locked memory for faster host-to-GPU copies
+    # Assemble batches in page-locked memory, in a thread of the training process while the step runs, so the copy
+    # to the GPU neither waits for the step before it nor for the pieces; None = on when training on CUDA with
+    # batches of at most 256 MiB of pixels (a page-locked block is a power of two: a larger batch would waste up
+    # to half of its own size, for a copy that is then a small part of its step)
+    pin_memory: bool | None = None
     draft: bool = True  # decode JPEGs ≥ 2× the resize at 1/2, 1/4 or 1/8 scale (PIL draft mode), then resize
     # cuda: workers read JPEG headers and draw crops; the training process decodes, crops, resizes and flips on its
     # GPU (torchvision); other formats are decoded by the workers as with cpu (draft mode then applies to those)
@@ -945,6 +954,55 @@ def prefetch_pieces(cfg: DataConfig, image_size: int) -> int:
     return max(1, in_flight // workers)
 
 
+# A batch the training loop may pin in page-locked memory at most: above it the copy is a small part of the step.
+PIN_LIMIT = 256 * 2**20
+
+
+def pin_batches(cfg: DataConfig, device: torch.device | str, model_config: ModelConfig | None = None) -> bool:
+    """``data.pin_memory`` for a run on ``device``: as set, or when unset, whether the device is a GPU and a
+    per-rank batch's pixels fit in ``PIN_LIMIT``."""
+    if cfg.pin_memory is not None:
+        return cfg.pin_memory
+    size = image_options(cfg, model_config)["image_size"]
+    return torch.device(device).type == "cuda" and cfg.batch_size * 3 * size * size <= PIN_LIMIT
+
+
+T = TypeVar("T")
+
+
+def _one_ahead(make: Callable[[], T]) -> Iterator[T]:
+    """``make()``, again and again, each call made in a thread while the caller uses the result before it; an
+    error ``make`` raises is raised to the caller when it asks for that result. The thread makes one result ahead,
+    never more, and ends once the caller has let go of the iterator."""
+    asked: queue.SimpleQueue[bool] = queue.SimpleQueue()
+    made: queue.SimpleQueue[tuple[T] | BaseException] = queue.SimpleQueue()  # a result, or what making it raised
+
+    def run() -> None:
+        while asked.get():
+            try:
+                made.put((make(),))
+            except BaseException as err:  # handed to the caller, which raises it
+                made.put(err)
+                return
+
+    def take() -> T:
+        got = made.get()
+        if isinstance(got, BaseException):
+            raise got
+        asked.put(True)
+        return got[0]
+
+    asked.put(True)
+    threading.Thread(target=run, name="openalign-batch-assembly", daemon=True).start()
+    try:
+        while True:
+            # Yielded straight from the call: the caller's reference is the only one, so what it lets go of is freed
+            # then, during its step, not when it asks for the next.
+            yield take()
+    finally:
+        asked.put(False)
+
+
 class TrainStream:
     """Endless batches ``{pixel_values [B,3,H,W] uint8, input_ids [B,L] long, attention_mask [B,L] long}``;
     ``pixels`` turns pixel values into the model's input (float, normalised) on whatever device they are.
@@ -1008,34 +1066,56 @@ class TrainStream:
             pieces = torch.utils.data.DataLoader(
                 dataset, batch_size=None, num_workers=cfg.workers, prefetch_factor=self.prefetch
             )
-        size = plan.image["image_size"]
-        pin = cfg.pin_memory and torch.cuda.is_available()
         decoder = self._decoder() if cfg.decode == "cuda" else None
-        pieces = iter(pieces)
+        pin = bool(cfg.pin_memory) and torch.cuda.is_available()
+        assemble = functools.partial(self._assemble, iter(pieces), decoder, plan.image["image_size"], pin)
+        # With pin_memory, the next batch is assembled while the step runs (the pieces come from workers: a thread
+        # only waits for them and copies, without the GIL). GPU decoding stays on the loop's thread, whose CUDA
+        # device and stream it uses.
+        ahead = bool(cfg.pin_memory) and cfg.workers > 0 and decoder is None
+        batches = _one_ahead(assemble) if ahead else iter(assemble, None)
         while True:
-            # Filled piece by piece: the batch exists once, in the memory the host-to-device copy reads.
-            if decoder is None:
-                pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, pin_memory=pin)
+            yield self._taken(*next(batches))
+
+    def _taken(
+        self, batch: dict[str, torch.Tensor], skipped: Counter[str], epoch_length: int | None
+    ) -> dict[str, torch.Tensor]:
+        """``batch``, counted as the loop takes it: a checkpoint's position and counts are then the steps'."""
+        self.stats.update(skipped)
+        if epoch_length:
+            self._epoch_length = epoch_length
+        self.position += self.global_batch_size
+        return batch
+
+    def _assemble(
+        self, pieces: Iterator[Piece], decoder: DeviceDecoder | None, size: int, pin: bool
+    ) -> tuple[dict[str, torch.Tensor], Counter[str], int | None]:
+        """The next batch from its pieces, with the samples its pieces skipped and the epoch length once a piece
+        has learned it."""
+        cfg = self._plan.cfg
+        # Filled piece by piece: the batch exists once, in the memory the host-to-device copy reads.
+        if decoder is None:
+            pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, pin_memory=pin)
+        else:
+            pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, device=decoder.device)
+        tokens = torch.empty((2, cfg.batch_size, cfg.max_text_length), dtype=torch.long, pin_memory=pin)
+        skipped: Counter[str] = Counter()
+        epoch_length = None
+        row = 0
+        while row < cfg.batch_size:
+            piece_pixels, input_ids, attention_mask, meta = next(pieces)
+            n = input_ids.shape[0]
+            if isinstance(piece_pixels, dict):
+                self._decode(decoder, piece_pixels, pixels[row : row + n])
             else:
-                pixels = torch.empty((cfg.batch_size, 3, size, size), dtype=torch.uint8, device=decoder.device)
-            tokens = torch.empty((2, cfg.batch_size, cfg.max_text_length), dtype=torch.long, pin_memory=pin)
-            row = 0
-            while row < cfg.batch_size:
-                piece_pixels, input_ids, attention_mask, meta = next(pieces)
-                n = input_ids.shape[0]
-                if isinstance(piece_pixels, dict):
-                    self._decode(decoder, piece_pixels, pixels[row : row + n])
-                else:
-                    pixels[row : row + n] = piece_pixels
-                tokens[0, row : row + n] = input_ids
-                tokens[1, row : row + n] = attention_mask
-                row += n
-                self.stats.update(meta["skipped"])
-                if meta["epoch_length"]:
-                    self._epoch_length = int(meta["epoch_length"])
-                del piece_pixels, input_ids, attention_mask
-            self.position += self.global_batch_size
-            yield {"pixel_values": pixels, "input_ids": tokens[0], "attention_mask": tokens[1]}
+                pixels[row : row + n] = piece_pixels
+            tokens[0, row : row + n] = input_ids
+            tokens[1, row : row + n] = attention_mask
+            row += n
+            skipped.update(meta["skipped"])
+            epoch_length = int(meta["epoch_length"]) if meta["epoch_length"] else epoch_length
+            del piece_pixels, input_ids, attention_mask
+        return {"pixel_values": pixels, "input_ids": tokens[0], "attention_mask": tokens[1]}, skipped, epoch_length
 
     def _decoder(self) -> DeviceDecoder:
         if self.decoder is None:

@@ -242,10 +242,11 @@ class _Run:
         # Ranks draw different dropout masks; restored from the checkpoint on resume.
         torch.manual_seed(t.seed * 1_000_003 + info.rank + 1)
 
-        data_cfg = dataclasses.replace(cfg.data, batch_size=self.per_rank)
-        if stream_factory is None:
-            from openalign.train.data import build_train_stream
+        from openalign.train.data import build_train_stream, pin_batches
 
+        data_cfg = dataclasses.replace(cfg.data, batch_size=self.per_rank)
+        data_cfg.pin_memory = pin_batches(data_cfg, info.device, self.model_config)
+        if stream_factory is None:
             stream_factory = build_train_stream
         self.stream = stream_factory(
             data_cfg,
