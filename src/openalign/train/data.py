@@ -1069,9 +1069,9 @@ class TrainStream:
         decoder = self._decoder() if cfg.decode == "cuda" else None
         pin = bool(cfg.pin_memory) and torch.cuda.is_available()
         assemble = functools.partial(self._assemble, iter(pieces), decoder, plan.image["image_size"], pin)
-        # With pin_memory, the next batch is assembled while the step runs (the pieces come from workers: a thread
-        # only waits for them and copies, without the GIL). GPU decoding stays on the loop's thread, whose CUDA
-        # device and stream it uses.
+        # With pin_memory, the next batch is assembled while the step runs (the pieces come from workers: the thread
+        # mostly waits for them and copies, neither holding the GIL). GPU decoding stays on the loop's thread,
+        # whose CUDA device and stream it uses.
         ahead = bool(cfg.pin_memory) and cfg.workers > 0 and decoder is None
         batches = _one_ahead(assemble) if ahead else iter(assemble, None)
         while True:
