@@ -37,6 +37,18 @@ def test_towers_bench_prints_ours_beside_each_peer(tmp_path, capsys, one_thread)
     assert "bench towers: nano, batch 4" in printed and f"{text[1]['ratio']:.2f}x" in printed
 
 
+def test_towers_bench_times_our_image_tower_again_with_cudnn_benchmark(one_thread) -> None:
+    settings = TowersBenchSettings(
+        preset="nano", towers="image", batch_size=2, image_size=32, steps=1, rounds=1, warmup=0, cudnn_benchmark=True
+    )
+    before = torch.backends.cudnn.benchmark
+    image = run_towers_bench(settings)["image"]
+    assert torch.backends.cudnn.benchmark is before  # put back
+    ours, again = image[0], image[-1]
+    assert again["model"] == f"{ours['model']}, cudnn.benchmark" and again["median_ms"] > 0
+    assert again["ratio"] == pytest.approx(ours["median_ms"] / again["median_ms"])
+
+
 def test_bert_peer_holds_our_text_weights_and_computes_our_features() -> None:
     torch.manual_seed(0)
     cfg = model_config("nano", text={"vocab_size": 1000, "pooling": "cls"})

@@ -44,6 +44,9 @@ class TowersBenchSettings:
     rounds: int = 3  # alternating rounds; the median over every timed step counts
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast
+    # Also time our image tower with torch.backends.cudnn.benchmark on (cuDNN times each convolution's algorithms on
+    # its first call and keeps the fastest), as a row of its own: what the setting would buy training on a GPU
+    cudnn_benchmark: bool = False
     seed: int = 0  # captions, pixels and weights
     json_path: str | None = None  # also write the results to this JSON file
 
@@ -203,6 +206,20 @@ def image_contenders(
     return out
 
 
+def _with_cudnn_benchmark(
+    contenders: dict[str, Callable[[], torch.Tensor]], settings: TowersBenchSettings, device: torch.device
+) -> dict[str, list[float]]:
+    """Our image tower (the first contender) timed again with ``torch.backends.cudnn.benchmark`` on; its warm-up
+    steps hold cuDNN's algorithm search. The setting is put back as it was."""
+    name, ours = next(iter(contenders.items()))
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        return {f"{name}, cudnn.benchmark": _time({name: ours}, settings, device)[name]}
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
 def _calling(net: nn.Module, pixels: torch.Tensor) -> Callable[[], torch.Tensor]:
     def forward() -> torch.Tensor:
         out: torch.Tensor = net(pixels)
@@ -237,7 +254,10 @@ def run_towers_bench(settings: TowersBenchSettings) -> dict[str, Any]:
         results["text"] = _rows(_time(text_contenders(model, settings), settings, device))
     if settings.towers in ("both", "image"):
         contenders = image_contenders(model, settings, size)
-        results["image"] = _rows(_time(contenders, settings, device))
+        times = _time(contenders, settings, device)
+        if settings.cudnn_benchmark:
+            times |= _with_cudnn_benchmark(contenders, settings, device)
+        results["image"] = _rows(times)
         if len(contenders) == 1:
             print("image peers skipped: timm is not installed")
     print(

@@ -153,7 +153,7 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "peak GPU memory, and with --l2, pretrain_align at batch 512. Writes OUT/gpu_check.json and OUT/gpu_check.md "
         "and prints the markdown; exits 1 if a part failed or ran out of time.",
         ("openalign bench gpu --out gpu-check",
-         "openalign bench gpu --out gpu-eager --no-compiled --no-compiled-loop   # in two calls of ~6.5 min:",
+         "openalign bench gpu --out gpu-eager --no-compiled --no-compiled-loop   # in two calls of <7 min:",
          "openalign bench gpu --out gpu-compiled --no-tests --no-bench --no-towers --no-loop  # eager, then compiled",
          "openalign bench gpu --out gpu-check --paper --l2 --no-compiled-loop --budget-s 580   # the memory runs",
          "openalign bench gpu --out gpu-check --update-table        # also record the measured pairs/s",
