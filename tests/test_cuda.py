@@ -521,8 +521,9 @@ def check_pinned_batches(device: torch.device, tmp: Path) -> dict[str, float]:
                                  "image_size": 32, "resize": 40, "max_text_length": 8, "workers": 2})  # fmt: skip
     auto = dataclasses.replace(cfg, pin_memory=pin_batches(cfg, device))
     assert auto.pin_memory is (device.type == "cuda")
-    pinned = take(build_train_stream(auto, tokenizer, seed=3), 4)
+    # The plain stream's workers first: forked before any assembly thread is running in this process.
     plain = take(build_train_stream(dataclasses.replace(cfg, pin_memory=False), tokenizer, seed=3), 4)
+    pinned = take(build_train_stream(auto, tokenizer, seed=3), 4)
     for a, b in zip(pinned, plain, strict=True):
         assert all(t.is_pinned() is (device.type == "cuda") for t in a.values())
         moved = {k: v.to(device, non_blocking=True) for k, v in a.items()}
