@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from openalign.config import model_config
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import load_train_config
 
@@ -90,3 +91,41 @@ def test_compiled_text_tower_takes_every_caption_width_in_one_graph(request: pyt
             torch.testing.assert_close(g, w, atol=1e-3 * scale, rtol=1e-3)
     assert not counts["graph_break"], dict(counts["graph_break"])
     assert counts["stats"]["unique_graphs"] == 1  # the text tower with a graph, compiled once for every width
+
+
+def test_compiled_text_tower_compiles_where_inductor_narrows_the_widths_it_takes() -> None:
+    # Inductor's CPU code sums a float reduction of more than 4,096 elements in chunks and guards on which side of
+    # that line batch × width falls: at 128 captions the backward's sums over rows cross it at a width of 32. A range
+    # of widths promised to Dynamo beforehand turned that guard into an error at the first compile (bench model
+    # --compile and openalign train --train.compile true died on a CPU). Widths now compile once per side of the
+    # line, each with eager's embeddings and gradients. A one-layer tower keeps inductor's C++ builds to seconds.
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    torch.manual_seed(0)
+    cfg = load_train_config("nano_cpu", {}).model.resolve()
+    cfg = model_config(cfg, text={"num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64})
+    model = DualEncoder(cfg)
+    model.train()
+    model.text.eval()  # dropout off, so eager and compiled draw nothing random
+    compiled = copy.deepcopy(model)
+    compiled.compile_towers()
+    graphs = []
+    for width in (40, 36, 12, 20):  # above the line twice, then below it twice
+        ids = torch.randint(1, cfg.text.vocab_size, (128, width))
+        mask = torch.ones(128, width, dtype=torch.long)
+        mask[1, width // 2 :] = 0
+        results = []
+        for m in (model, compiled):
+            m.zero_grad()
+            out = m.text_features(ids, mask)
+            out.square().sum().backward()
+            results.append((out, [p.grad for p in m.text.parameters()]))
+        (want, want_grads), (got, got_grads) = results
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        scale = max(float(g.abs().max()) for g in want_grads)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-3 * scale, rtol=1e-3)
+        graphs.append(counts["stats"]["unique_graphs"])
+    assert not counts["graph_break"], dict(counts["graph_break"])
+    assert graphs == [1, 1, 2, 2], graphs  # one graph per side of the line, each compiled once

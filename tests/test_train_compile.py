@@ -71,9 +71,9 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
     widths: list[int] = []
     any_width = dual_encoder._any_width
 
-    def recorded(compiled: Any, tower: Any, limit: int, ids: torch.Tensor, mask: Any) -> torch.Tensor:
+    def recorded(compiled: Any, tower: Any, ids: torch.Tensor, mask: Any) -> torch.Tensor:
         widths.append(ids.shape[1])
-        return any_width(compiled, tower, limit, ids, mask)
+        return any_width(compiled, tower, ids, mask)
 
     monkeypatch.setattr(dual_encoder, "_any_width", recorded)
     compiled = train(

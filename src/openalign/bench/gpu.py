@@ -66,10 +66,12 @@ TESTS = SRC.parent / "tests" / "test_cuda.py"  # present in a checkout, not in a
 PARTS = ("tests", "bench", "compiled", "towers", "compiled_loop", "paper", "loop", "l2", "plan")
 # Each part's share of the budget: what it took, or was seen to need, on a freshly started H200 (2026-11-28; torch's
 # compile caches empty, which is how a lent GPU comes). The parts' default budget is the sum of their shares: all of
-# them take ~13 minutes, more than one call of a GPU lent for minutes may run, so such a lease runs the eager parts
-# (--no-compiled --no-compiled-loop, ~6.7 min) and the compiled ones (--no-tests --no-bench --no-towers --no-loop,
-# ~6.4 min) as two calls. The paper's batch (a step takes minutes) and L2 + BERT-Large measure memory and
-# throughput already recorded; they are asked for by name.
+# them take ~13 minutes, more than one call of a GPU lent for minutes may run, and with the machine's start more
+# than a 15-minute lease leaves for two. Such a lease runs first the parts whose figures are still wanted (the CUDA
+# tests and the compiled ones: --no-bench --no-towers --no-loop, ~7.9 min), then, if time is left, the eager ones
+# (--no-tests --no-compiled --no-compiled-loop, ~5.2 min; --budget-s scales their shares to what is left). The
+# paper's batch (a step takes minutes) and L2 + BERT-Large measure memory and throughput already recorded; they
+# are asked for by name.
 WEIGHTS = {
     "tests": 90.0,  # 77.5 s before the pinned-batch check (two DataLoader workers: seconds)
     "bench": 180.0,  # not done in 120 s: three contenders timed and profiled, then the input pipeline

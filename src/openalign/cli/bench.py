@@ -145,7 +145,7 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "openalign.bench.gpu:GpuCheckSettings",
         "the GPU path in one command: CUDA tests, ours against transformers, the paper's batch, plan vs measured",
         "Runs, each part in its own process with its own time limit within --budget-s (by default each part's "
-        "share in full, ~12 minutes for the default parts; a part that fails or runs out of time is recorded and the "
+        "share in full, ~13 minutes for the default parts; a part that fails or runs out of time is recorded and the "
         "next one starts): the CUDA tests, bench train (eager, profiled) and bench "
         "model (compiled) against transformers, bench towers, the training loop compiled and fed from JPEG shards "
         "(its data wait), pretrain_align_b7 at batch 64, and the plan of each run beside what it measured; with "
@@ -153,8 +153,8 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "peak GPU memory, and with --l2, pretrain_align at batch 512. Writes OUT/gpu_check.json and OUT/gpu_check.md "
         "and prints the markdown; exits 1 if a part failed or ran out of time.",
         ("openalign bench gpu --out gpu-check",
-         "openalign bench gpu --out gpu-eager --no-compiled --no-compiled-loop   # in two calls of <7 min:",
-         "openalign bench gpu --out gpu-compiled --no-tests --no-bench --no-towers --no-loop  # eager, then compiled",
+         "openalign bench gpu --out gpu-first --no-bench --no-towers --no-loop   # in two calls: tests, compiled,",
+         "openalign bench gpu --out gpu-eager --no-tests --no-compiled --no-compiled-loop  # then eager (8 + 5 min)",
          "openalign bench gpu --out gpu-check --paper --l2 --no-compiled-loop --budget-s 580   # the memory runs",
          "openalign bench gpu --out gpu-check --update-table        # also record the measured pairs/s",
          "openalign bench gpu --device cpu --tiny --out /tmp/gc     # the check itself, at toy sizes, on a CPU"),

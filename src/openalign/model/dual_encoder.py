@@ -127,7 +127,8 @@ class DualEncoder(nn.Module):
         compiles again. Captions then keep the width they arrive with: the caller measures them while they are still
         on the host, where that costs no wait, and cuts them to their longest (training cuts each chunk to its own,
         ``caption_widths``); the text tower's graph takes any width from two columns up (its sequence dimension is
-        compiled as a symbol), so no width compiles it again. Nor are an accelerator's token ids checked in
+        compiled as a symbol), so a new width compiles it again only where the backend's code branches on the width
+        (``_any_width``). Nor are an accelerator's token ids checked in
         ``forward`` (``check_tokens``): that read would make the host wait for all queued work at every call; the
         caller checks the batch on the host, as training does. ``options`` go to ``torch.compile`` (``backend``,
         ``mode``)."""
@@ -148,7 +149,7 @@ class DualEncoder(nn.Module):
             return tower
         compiled = self.compiled_towers[torch.is_grad_enabled()][which]
         if which == 1:
-            return functools.partial(_any_width, compiled, tower, self.config.text.max_position_embeddings)
+            return functools.partial(_any_width, compiled, tower)
         return functools.partial(compiled, tower)
 
     @contextmanager
@@ -337,18 +338,19 @@ def _text_without_graph(tower: nn.Module, input_ids: torch.Tensor, mask: torch.T
 
 
 def _any_width(
-    compiled: Callable[..., torch.Tensor],
-    tower: nn.Module,
-    limit: int,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor | None,
+    compiled: Callable[..., torch.Tensor], tower: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """The compiled text tower on captions of any width up to ``limit``: the width is marked a symbol before
-    the first call compiles, so that the graph serves every width (one compilation, as for a fixed width). Widths
-    0 and 1 are left fixed (Dynamo specialises them anyway): a batch of captions one token wide compiles apart."""
+    """The compiled text tower on captions of any width: the width is marked a symbol before the first call
+    compiles, so that the graph serves every width (one compilation, as for a fixed width). Widths 0 and 1 are left
+    fixed (Dynamo specialises them anyway): a batch of captions one token wide compiles apart.
+
+    The mark sets no range: a backend may narrow the graph's widths while it compiles (inductor's CPU code sums a
+    float reduction of over 4,096 elements, batch × width, in chunks, so it guards on the width's side of that
+    line), and a range promised beforehand would make that narrowing an error. Unranged, a width beyond the line
+    compiles once more, one graph per side."""
     for t in (input_ids, mask):
         if t is not None and t.shape[1] >= 2:
-            torch._dynamo.mark_dynamic(t, 1, min=2, max=limit)
+            torch._dynamo.mark_dynamic(t, 1)
     return compiled(tower, input_ids, mask)
 
 

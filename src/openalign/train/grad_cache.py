@@ -84,7 +84,7 @@ def caption_widths(batch: Batch, chunk_size: int | None = None) -> list[int] | N
     all queued work. The batch itself moves whole and is cut on the device, by views: a cut host tensor is no longer
     contiguous, and is copied to a GPU from a pageable copy of it, which CUDA's driver may stage by waiting for the
     stream's queued work (a contiguous pinned batch moves without waiting). Widths
-    are at least two columns (a compiled text tower takes any width from two up without compiling again: see
+    are at least two columns (a compiled text tower takes any width from two up in the graph it compiled: see
     ``DualEncoder.compile_towers``). None without a mask."""
     mask = batch.get("attention_mask")
     if mask is None:
