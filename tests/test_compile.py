@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from openalign.config import model_config
+from openalign.config import ModelConfig, model_config
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import load_train_config
 
@@ -64,31 +64,14 @@ def test_compiled_text_tower_takes_every_caption_width_in_one_graph(request: pyt
     # width's embeddings and gradients those of eager code (python -m pytest -m slow tests/test_compile.py).
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("compiles the text tower with inductor; run with -m slow")
-    torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
-    counts.clear()
-    torch.manual_seed(0)
     cfg = load_train_config("nano_cpu", {}).model.resolve()
-    model = DualEncoder(cfg)
-    model.train()
-    model.text.eval()  # dropout off, so eager and compiled draw nothing random
-    compiled = copy.deepcopy(model)
-    compiled.compile_towers()
+    model, compiled = _eager_and_compiled(cfg)
     for width in (12, 7, 4, 2):
         ids = torch.randint(1, cfg.text.vocab_size, (4, width))
         mask = torch.ones(4, width, dtype=torch.long)
         mask[1, width // 2 :] = 0
-        results = []
-        for m in (model, compiled):
-            m.zero_grad()
-            out = m.text_features(ids, mask)
-            out.square().sum().backward()
-            results.append((out, [p.grad for p in m.text.parameters()]))
-        (want, want_grads), (got, got_grads) = results
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-        scale = max(float(g.abs().max()) for g in want_grads)
-        for g, w in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-3 * scale, rtol=1e-3)
+        _assert_text_tower_matches(model, compiled, ids, mask)
     assert not counts["graph_break"], dict(counts["graph_break"])
     assert counts["stats"]["unique_graphs"] == 1  # the text tower with a graph, compiled once for every width
 
@@ -99,33 +82,47 @@ def test_compiled_text_tower_compiles_where_inductor_narrows_the_widths_it_takes
     # of widths promised to Dynamo beforehand turned that guard into an error at the first compile (bench model
     # --compile and openalign train --train.compile true died on a CPU). Widths now compile once per side of the
     # line, each with eager's embeddings and gradients. A one-layer tower keeps inductor's C++ builds to seconds.
-    torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
-    counts.clear()
-    torch.manual_seed(0)
     cfg = load_train_config("nano_cpu", {}).model.resolve()
     cfg = model_config(cfg, text={"num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64})
-    model = DualEncoder(cfg)
-    model.train()
-    model.text.eval()  # dropout off, so eager and compiled draw nothing random
-    compiled = copy.deepcopy(model)
-    compiled.compile_towers()
+    model, compiled = _eager_and_compiled(cfg)
     graphs = []
     for width in (40, 36, 12, 20):  # above the line twice, then below it twice
         ids = torch.randint(1, cfg.text.vocab_size, (128, width))
         mask = torch.ones(128, width, dtype=torch.long)
         mask[1, width // 2 :] = 0
-        results = []
-        for m in (model, compiled):
-            m.zero_grad()
-            out = m.text_features(ids, mask)
-            out.square().sum().backward()
-            results.append((out, [p.grad for p in m.text.parameters()]))
-        (want, want_grads), (got, got_grads) = results
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-        scale = max(float(g.abs().max()) for g in want_grads)
-        for g, w in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-3 * scale, rtol=1e-3)
+        _assert_text_tower_matches(model, compiled, ids, mask)
         graphs.append(counts["stats"]["unique_graphs"])
     assert not counts["graph_break"], dict(counts["graph_break"])
     assert graphs == [1, 1, 2, 2], graphs  # one graph per side of the line, each compiled once
+
+
+def _eager_and_compiled(cfg: ModelConfig) -> tuple[DualEncoder, DualEncoder]:
+    """A model in training mode with its text tower's dropout off (eager and compiled code then draw nothing random),
+    and a copy with its towers compiled as training compiles them; Dynamo's caches and counters start empty."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = DualEncoder(cfg)
+    model.train()
+    model.text.eval()
+    compiled = copy.deepcopy(model)
+    compiled.compile_towers()
+    return model, compiled
+
+
+def _assert_text_tower_matches(
+    model: DualEncoder, compiled: DualEncoder, ids: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """The compiled text tower's embeddings and gradients are eager code's for these captions."""
+    results = []
+    for m in (model, compiled):
+        m.zero_grad()
+        out = m.text_features(ids, mask)
+        out.square().sum().backward()
+        results.append((out, [p.grad for p in m.text.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    scale = max(float(g.abs().max()) for g in want_grads)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-3 * scale, rtol=1e-3)
