@@ -341,16 +341,18 @@ def _any_width(
     compiled: Callable[..., torch.Tensor], tower: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """The compiled text tower on captions of any width: the width is marked a symbol before the first call
-    compiles, so that the graph serves every width (one compilation, as for a fixed width). Widths 0 and 1 are left
-    fixed (Dynamo specialises them anyway): a batch of captions one token wide compiles apart.
+    compiles, so that one graph serves the widths (not one compilation per width). Widths 0 and 1 are left fixed
+    (Dynamo specialises them anyway): a batch of captions one token wide compiles apart.
 
-    The mark sets no range: a backend may narrow the graph's widths while it compiles (inductor's CPU code sums a
-    float reduction of over 4,096 elements, batch × width, in chunks, so it guards on the width's side of that
-    line), and a range promised beforehand would make that narrowing an error. Unranged, a width beyond the line
-    compiles once more, one graph per side."""
+    The mark promises nothing (``maybe_mark_dynamic``: no range, and a backend may still fix the width): a backend
+    may narrow the graph's widths while it compiles, and a promise made beforehand would make that narrowing an
+    error. Inductor does narrow them on a CPU, whose code sums a float reduction of over 4,096 elements (batch ×
+    width) in chunks and so guards on the width's side of that line; its CUDA lowering guards on whether a mask's
+    rows are 8-aligned, which ``additive_mask``'s always are. A width on the other side of such a line compiles
+    once more."""
     for t in (input_ids, mask):
         if t is not None and t.shape[1] >= 2:
-            torch._dynamo.mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
     return compiled(tower, input_ids, mask)
 
 
