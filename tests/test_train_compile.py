@@ -3,6 +3,7 @@ caption lengths, grad modes and steps, the same losses and weights as eager."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partialmethod
 from pathlib import Path
@@ -13,10 +14,13 @@ import torch
 from torch._dynamo.utils import counters, guard_failures
 
 from conftest import declare_accelerator, tiny_overrides
+from dist_utils import run_gloo
+from openalign.config import ConfigError
 from openalign.model.dual_encoder import DualEncoder
-from openalign.train.config import compile_enabled, load_train_config
+from openalign.train.config import check_compile, compile_enabled, load_train_config
 from openalign.train.loop import train
 from test_train_loop import MemoryStream, factory, tiny_config, weights
+from test_train_resume import LAMB, ddp_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,6 +45,16 @@ def test_compile_is_on_by_default_on_cuda_only() -> None:
         cfg = load_train_config({"data": {"source": "synthetic"}, "train": {"compile": value}})
         assert compile_enabled(cfg, "cpu") is value and compile_enabled(cfg, "cuda") is value
     assert load_train_config("nano_cpu", {"train.compile": None}).train.compile is None
+    # FSDP2 across processes runs eager by default and refuses to compile (its hooks break the towers' one graph);
+    # DDP compiles, and so does a single process whatever its strategy.
+    fsdp = load_train_config({"data": {"source": "synthetic"}, "train": {"strategy": "fsdp"}})
+    assert not compile_enabled(fsdp, "cuda", world_size=2) and compile_enabled(fsdp, "cuda", world_size=1)
+    assert compile_enabled(auto, "cuda", world_size=8)
+    check_compile(fsdp, 2)  # unset: nothing to refuse
+    forced = load_train_config({"data": {"source": "synthetic"}, "train": {"strategy": "fsdp", "compile": True}})
+    check_compile(forced, 1)
+    with pytest.raises(ConfigError, match=r"train\.strategy fsdp"):
+        check_compile(forced, 2)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -198,3 +212,31 @@ def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_the
 
     with pytest.raises(ValueError, match="token id 500 is outside the model's vocabulary"):
         train(tiny_config(tmp_path / "bad", train={"steps": 1, "compile": True}), stream_factory=BadIds)
+
+
+def _compiled_run(rank: int, world: int, run_dir: str, strategy: str) -> None:
+    # Dynamo's eager backend, as above: graph capture is Dynamo's whatever the backend.
+    DualEncoder.compile_towers = partialmethod(DualEncoder.compile_towers, backend="eager")  # type: ignore[method-assign]
+    config = ddp_config(run_dir, strategy=strategy, steps=2, optim=LAMB, group=4, chunk=4)
+    train(
+        dataclasses.replace(config, train=dataclasses.replace(config.train, compile=True)),
+        stream_factory=factory(blocked=True),
+    )
+
+
+def test_compiled_towers_train_under_ddp_as_one_process_does_and_fsdp_refuses_them(tmp_path: Path) -> None:
+    """Two gloo ranks, each with its half of the batch and gradient caching in chunks of 4, the towers compiled one
+    graph each inside DDP: the weights of one process training the whole batch eager. FSDP2 across ranks asked to
+    compile says why it cannot, in one line, before any step."""
+    (tmp_path / "ddp").mkdir()
+    run_gloo(_compiled_run, 2, tmp_path / "ddp", str(tmp_path / "compiled"), "ddp")
+    torch.set_num_threads(1)
+    single = train(ddp_config(tmp_path / "single", steps=2, optim=LAMB, group=4), stream_factory=factory(blocked=True))
+    assert single.final_dir is not None
+    want, got = weights(single.final_dir), weights(tmp_path / "compiled" / "final")
+    assert want.keys() == got.keys()
+    for name in (k for k in want if "running" not in k and "num_batches" not in k):
+        torch.testing.assert_close(got[name], want[name], atol=3e-5, rtol=1e-4, msg=name)
+    (tmp_path / "fsdp").mkdir()
+    with pytest.raises(Exception, match=r"does not combine with train\.strategy fsdp"):
+        run_gloo(_compiled_run, 2, tmp_path / "fsdp", str(tmp_path / "sharded"), "fsdp")

@@ -38,6 +38,7 @@ __all__ = [
     "LoopConfig",
     "ModelSection",
     "TrainConfig",
+    "check_compile",
     "compile_enabled",
     "list_recipes",
     "load_train_config",
@@ -96,7 +97,8 @@ class LoopConfig:
     # AMX, bf16-image when the image tower is the convolutional stack; else fp32 (resolve_precision says why).
     precision: Literal["auto", "fp32", "bf16", "bf16-image"] = "auto"
     strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes; fsdp (FSDP2) for models beyond one device
-    compile: bool | None = None  # torch.compile each tower as one graph; None = on CUDA, eager on a CPU
+    # torch.compile each tower as one graph; None = on CUDA, eager on a CPU and under fsdp across ranks (its hooks)
+    compile: bool | None = None
     grad_checkpointing: bool = False  # recompute block activations in backward (memory for compute)
     grad_clip: float | None = None  # clip the global gradient norm to this; None = no clipping (paper)
     max_bad_steps: int = 10  # abort after this many consecutive non-finite steps (each one is skipped)
@@ -193,13 +195,29 @@ class TrainConfig:
         return out
 
 
-def compile_enabled(cfg: TrainConfig, device: Any) -> bool:
-    """Whether a run of ``cfg`` on ``device`` (a ``torch.device`` or its name: "cuda", "cuda:1", "cpu") compiles
-    its towers: ``train.compile`` when set, else on CUDA only. On a CPU compiling costs minutes of C++ builds and
-    gains little, so eager is the default there."""
+def compile_enabled(cfg: TrainConfig, device: Any, world_size: int = 1) -> bool:
+    """Whether a run of ``cfg`` on ``device`` (a ``torch.device`` or its name: "cuda", "cuda:1", "cpu") across
+    ``world_size`` processes compiles its towers: ``train.compile`` when set, else on CUDA only, and there not when
+    FSDP2 shards the model (``check_compile`` says why). On a CPU compiling costs minutes of C++ builds and gains
+    little, so eager is the default there."""
     if cfg.train.compile is not None:
         return cfg.train.compile
-    return _device_kind(device) == "cuda"
+    return _device_kind(device) == "cuda" and not _sharded(cfg, world_size)
+
+
+def check_compile(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ``ConfigError`` for a compiled run the towers' one-graph compilation cannot be: FSDP2 across ranks.
+    Its hooks gather each block's shards before the block runs and free them after; Dynamo does not trace them, so
+    a tower holding sharded blocks is no one graph (``fullgraph``) and its first step would fail."""
+    if cfg.train.compile and _sharded(cfg, world_size):
+        raise ConfigError(
+            "train.compile true does not combine with train.strategy fsdp across processes (FSDP2's hooks around "
+            "each block break the towers' one graph): set train.compile false (or leave it unset), or use ddp"
+        )
+
+
+def _sharded(cfg: TrainConfig, world_size: int) -> bool:
+    return world_size > 1 and cfg.train.strategy == "fsdp"
 
 
 def _device_kind(device: Any) -> str:

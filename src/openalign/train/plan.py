@@ -752,7 +752,7 @@ def plan(
         family=family(cfg.model.resolve()),
         measurement=measured,
         measured_devices=tuple(measured_devices(cfg, rows)),
-        differs=tuple(differences(measured, cfg, per_rank, bf16)) if measured is not None else (),
+        differs=tuple(differences(measured, cfg, per_rank, bf16, world_size)) if measured is not None else (),
     )
 
 

@@ -175,7 +175,9 @@ def family(model: ModelConfig) -> tuple[str, str]:
     return images.get(_image_arch(model), "custom"), texts.get(_text_arch(model), "custom")
 
 
-def _distance(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool, image_size: int) -> tuple[Any, ...]:
+def _distance(
+    m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool, image_size: int, world_size: int
+) -> tuple[Any, ...]:
     """How far ``m`` is from the planned step, most important first: the input size, then caching or not
     (a cached step runs every forward twice), precision, checkpointing, the chunk, the batch, compilation;
     the newest row wins a tie."""
@@ -188,7 +190,7 @@ def _distance(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool, ima
         m.grad_checkpointing != cfg.train.grad_checkpointing,
         0.0 if chunk is None or m.chunk is None else abs(math.log(m.chunk / chunk)),
         abs(math.log(m.batch / per_device)),
-        m.compiled != compile_enabled(cfg, "cuda"),
+        m.compiled != compile_enabled(cfg, "cuda", world_size),
         -_ordinal(m.date),
     )
 
@@ -217,7 +219,7 @@ def lookup(
         return None
     per_device = cfg.per_rank_batch(world_size)
     size = cfg.data.image_size or cfg.model.resolve().image_size
-    return min(same, key=lambda m: _distance(m, cfg, per_device, bf16, size))
+    return min(same, key=lambda m: _distance(m, cfg, per_device, bf16, size, world_size))
 
 
 def measured_devices(cfg: TrainConfig, measurements: list[Measurement] | None = None) -> list[str]:
@@ -227,7 +229,7 @@ def measured_devices(cfg: TrainConfig, measurements: list[Measurement] | None = 
     return sorted({m.device for m in rows if (m.image, m.text) == (image, text)})
 
 
-def differences(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool) -> list[str]:
+def differences(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool, world_size: int = 1) -> list[str]:
     """How the measured step differs from the planned one, in words (empty: the same step)."""
     out = []
     size = cfg.data.image_size or cfg.model.resolve().image_size
@@ -245,6 +247,6 @@ def differences(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool) -
         out.append(f"{m.precision}, not {'bf16' if bf16 else 'fp32'}")
     if m.grad_checkpointing != cfg.train.grad_checkpointing:
         out.append("checkpointed" if m.grad_checkpointing else "not checkpointed")
-    if m.compiled != compile_enabled(cfg, "cuda"):
+    if m.compiled != compile_enabled(cfg, "cuda", world_size):
         out.append("compiled" if m.compiled else "eager")
     return out
