@@ -118,6 +118,31 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
         torch.testing.assert_close(got[name], value, rtol=1e-3, atol=2e-4, msg=name)
 
 
+def test_compiled_towers_with_activation_checkpointing_train_as_eager_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo: Any
+) -> None:
+    # pretrain_align's recipe checkpoints its blocks. Eager checkpointing counts each block's calls to keep batch
+    # norm from folding the recomputed forward into its running statistics again; Dynamo refused that counter (a
+    # side effect inside a checkpoint), so a compiled run with checkpointing failed at its first step. A compiled
+    # graph recomputes from its functional form and updates the statistics once. AOTAutograd's eager backend
+    # ("aot_eager"): the functional graph inductor compiles, without its code generation.
+    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="aot_eager"))
+    sgd = {"name": "sgd", "lr": 0.01, "schedule": "constant", "warmup_steps": 0}
+    options = {"steps": 2, "chunk_size": 4, "grad_checkpointing": True}
+    runs = [
+        train(tiny_config(tmp_path / str(c), optim=sgd, train={**options, "compile": c}), stream_factory=factory())
+        for c in (False, True)
+    ]
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 4  # each tower with and without a graph, as without checkpointing
+    assert runs[0].final_dir is not None and runs[1].final_dir is not None
+    want, got = weights(runs[0].final_dir), weights(runs[1].final_dir)
+    # Running statistics included: folded in once per forward, as eager code does (twice would move them by a
+    # whole momentum step); dropout and stochastic depth draw the same masks in the recomputed forward.
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-3, atol=2e-4, msg=name)
+
+
 def test_evaluation_runs_compiled_towers_eager_and_trims_captions(fresh_dynamo: Any) -> None:
     torch.manual_seed(0)
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})

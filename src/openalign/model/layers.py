@@ -188,6 +188,10 @@ def checkpointed(module: nn.Module, *args: Any) -> Any:
     batch into its running statistics twice. Dropout and stochastic depth replay the same random
     draws because checkpoint restores the RNG state.
     """
+    if torch.compiler.is_compiling():
+        # A compiled graph recomputes from its functional form, whose buffer updates are applied once, after the
+        # forward: nothing to guard (and Dynamo refuses the guard's counter, a side effect inside a checkpoint).
+        return checkpoint(module, *args, use_reentrant=False)
     calls = 0
 
     def run(*inner: Any) -> Any:
