@@ -347,9 +347,9 @@ def _any_width(
     The mark promises nothing (``maybe_mark_dynamic``: no range, and a backend may still fix the width): a backend
     may narrow the graph's widths while it compiles, and a promise made beforehand would make that narrowing an
     error. Inductor does narrow them on a CPU, whose code sums a float reduction of over 4,096 elements (batch ×
-    width) in chunks and so guards on the width's side of that line; its CUDA lowering guards on whether a mask's
-    rows are 8-aligned, which ``additive_mask``'s always are. A width on the other side of such a line compiles
-    once more."""
+    width) in chunks and so guards on the width's side of that line (its CUDA lowering checks that attention's mask
+    rows are 8-aligned, which ``additive_mask``'s are for every width). A width on the other side of such a line
+    compiles once more."""
     for t in (input_ids, mask):
         if t is not None and t.shape[1] >= 2:
             torch._dynamo.maybe_mark_dynamic(t, 1)
