@@ -43,6 +43,7 @@ __all__ = [
     "list_recipes",
     "load_train_config",
     "parse_overrides",
+    "sharded",
 ]
 
 
@@ -202,21 +203,22 @@ def compile_enabled(cfg: TrainConfig, device: Any, world_size: int = 1) -> bool:
     little, so eager is the default there."""
     if cfg.train.compile is not None:
         return cfg.train.compile
-    return _device_kind(device) == "cuda" and not _sharded(cfg, world_size)
+    return _device_kind(device) == "cuda" and not sharded(cfg, world_size)
 
 
 def check_compile(cfg: TrainConfig, world_size: int) -> None:
     """Raise ``ConfigError`` for a compiled run the towers' one-graph compilation cannot be: FSDP2 across ranks.
     Its hooks gather each block's shards before the block runs and free them after; Dynamo does not trace them, so
     a tower holding sharded blocks is no one graph (``fullgraph``) and its first step would fail."""
-    if cfg.train.compile and _sharded(cfg, world_size):
+    if cfg.train.compile and sharded(cfg, world_size):
         raise ConfigError(
             "train.compile true does not combine with train.strategy fsdp across processes (FSDP2's hooks around "
             "each block break the towers' one graph): set train.compile false (or leave it unset), or use ddp"
         )
 
 
-def _sharded(cfg: TrainConfig, world_size: int) -> bool:
+def sharded(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether a run of ``cfg`` across ``world_size`` processes shards its model with FSDP2."""
     return world_size > 1 and cfg.train.strategy == "fsdp"
 
 

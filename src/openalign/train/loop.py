@@ -34,7 +34,7 @@ from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
 from openalign.outputs import check_writable
 from openalign.train import checkpoint as ckpt
-from openalign.train.config import TrainConfig, check_compile, compile_enabled, resolve_precision
+from openalign.train.config import TrainConfig, check_compile, compile_enabled, resolve_precision, sharded
 from openalign.train.distributed import (
     DistInfo,
     all_gather_object,
@@ -236,7 +236,7 @@ class _Run:
         self.compiled = compile_enabled(cfg, info.device, info.world_size)
         prepare_towers(model, self.compiled, info.device)
         self.model = model
-        self.fsdp = info.world_size > 1 and t.strategy == "fsdp"
+        self.fsdp = sharded(cfg, info.world_size)
         self.wrapped = wrap_model(model, info, t.strategy, bf16=self.bf16)
         self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)

@@ -52,7 +52,7 @@ from openalign.model.dual_encoder import DualEncoder
 from openalign.model.efficientnet import direct_depthwise
 from openalign.optim import build_optimizer
 from openalign.train import flops as flop_formulas
-from openalign.train.config import TrainConfig, resolve_precision
+from openalign.train.config import TrainConfig, resolve_precision, sharded
 from openalign.train.grad_cache import cached_step, plain_step
 from openalign.train.throughput import Measurement, differences, family, load_measurements, lookup, measured_devices
 
@@ -838,7 +838,7 @@ def suggestion(
     smallest = min(chunk_candidates(cfg, cfg.per_rank_batch(world_size)))
     p = plan(_with_chunk(cfg, smallest, True), device, world_size, mfu=mfu, steps=steps)
     state = p.params + p.buffers + p.grads + p.optimizer + p.ddp_buckets
-    if state > p.capacity and cfg.train.strategy == "fsdp" and world_size > 1:
+    if state > p.capacity and sharded(cfg, world_size):
         return (
             f"parameters, gradients and optimizer state alone take {state / GiB:.1f} GiB of "
             f"{p.capacity / GiB:.1f} per device: shard them over more devices"
