@@ -562,3 +562,30 @@ def test_on_an_accelerator_the_loop_checks_and_cuts_captions_on_the_host(
     want = [json.loads(line).get("loss") for line in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()]
     got = [json.loads(line).get("loss") for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_the_logged_rate_leaves_out_evaluations_and_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pairs/s is training's rate: a slow evaluation or checkpoint between steps must not lower it."""
+    from openalign.train import loop
+
+    pause = 0.5
+
+    def spin() -> None:
+        # Busy, not asleep: a core left idle can come back slower, which would be charged to the steps after.
+        end = time.perf_counter() + pause
+        while time.perf_counter() < end:
+            pass
+
+    save = loop._Run.save
+    monkeypatch.setattr(loop._Run, "save", lambda self: (spin(), save(self))[1])
+    monkeypatch.setattr(loop._Run, "_evaluate", lambda self: spin())  # its set needs a tokenizer; the time is the point
+    cfg = tiny_config(tmp_path, log={"every": 2}, train={"checkpoint_every": 2}, eval={"every": 2})
+    start = time.perf_counter()
+    train(cfg, stream_factory=factory())
+    elapsed = time.perf_counter() - start
+    rates = [r["pairs_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    # Counted in, a window after the first would hold two pauses (1 s) for its 16 pairs: under 16 pairs/s.
+    assert len(rates) == 3 and elapsed > 5 * pause
+    assert min(rates[1:]) > 2 * 16, rates

@@ -434,6 +434,8 @@ class _Run:
                 compiling = False
                 if info.is_main:
                     print(f"compiled towers in {time.perf_counter() - first:.1f} s (first step)", file=sys.stderr)
+                # The rate starts after the compiling step, as it would count minutes of compilation as training.
+                tick, tick_step = time.perf_counter(), self.step + 1
             if not finite:
                 self._skip_step(buffers, saved_buffers, guard)
                 continue
@@ -453,18 +455,22 @@ class _Run:
                     "temperature": temperature,  # the one this step's loss used
                     "lr": lr,
                     "grad_norm": norm_value,
-                    "pairs_per_s": self.global_batch * (self.step - tick_step) / max(now - tick, 1e-9),
                     "skipped_steps": self.skipped_steps,
                     "samples_seen": (self.step + self.skipped_steps) * self.global_batch,
                 }
+                if self.step > tick_step:
+                    metrics["pairs_per_s"] = self.global_batch * (self.step - tick_step) / max(now - tick, 1e-9)
                 tick, tick_step = now, self.step
                 self.logger.log(self.step, metrics)
+            paused = time.perf_counter()
             if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == self.total_steps):
                 self._evaluate()
             if self.step < self.total_steps and (
                 (t.checkpoint_every and self.step % t.checkpoint_every == 0) or checkpoint_due
             ):
                 self.save()
+            # Training's rate, not the run's: evaluations and checkpoints between steps are left out of it.
+            tick += time.perf_counter() - paused
         return self._finish(metrics)
 
     def _warn_small_shards(self) -> bool:
