@@ -192,27 +192,76 @@ def test_train_with_an_infinite_lr_exits_with_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("precision", "device", "family", "amx", "expected"),
+    ("precision", "device", "family", "amx", "capability", "expected"),
     [
-        ("auto", "cuda", "convnet", False, "bf16"),
-        ("auto", "cuda:1", "efficientnet", True, "bf16"),
-        ("auto", "cpu", "convnet", True, "bf16-image"),
-        ("auto", "cpu", "convnet", False, "fp32"),
+        ("auto", "cuda", "convnet", False, (9, 0), "bf16"),
+        ("auto", "cuda:1", "efficientnet", True, (8, 0), "bf16"),
+        # a V100 or T4 emulates bf16, slower than fp32, and cuDNN has no bf16 convolutions for it
+        ("auto", "cuda", "efficientnet", False, (7, 5), "fp32"),
+        ("auto", "cuda:1", "convnet", True, (7, 0), "fp32"),
+        ("bf16", "cuda", "efficientnet", False, (7, 5), "bf16"),  # asked for: done, with a warning (the loop's)
+        ("auto", "cpu", "convnet", True, (7, 5), "bf16-image"),
+        ("auto", "cpu", "convnet", False, None, "fp32"),
         # the EfficientNet's depthwise convolutions ran slower in bf16 on an AMX CPU too
-        ("auto", "cpu", "efficientnet", True, "fp32"),
-        ("fp32", "cpu", "convnet", True, "fp32"),
-        ("bf16", "cpu", "convnet", False, "bf16"),
-        ("bf16-image", "cpu", "efficientnet", False, "bf16-image"),
+        ("auto", "cpu", "efficientnet", True, None, "fp32"),
+        ("fp32", "cpu", "convnet", True, None, "fp32"),
+        ("bf16", "cpu", "convnet", False, None, "bf16"),
+        ("bf16-image", "cpu", "efficientnet", False, None, "bf16-image"),
     ],
 )
-def test_precision_auto_is_bf16_on_a_gpu_and_the_image_tower_in_bf16_on_an_amx_cpu(
-    monkeypatch: pytest.MonkeyPatch, precision: str, device: str, family: str, amx: bool, expected: str
+def test_precision_auto_is_bf16_on_a_gpu_computing_in_it_and_the_image_tower_in_bf16_on_an_amx_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    precision: str,
+    device: str,
+    family: str,
+    amx: bool,
+    capability: tuple[int, int] | None,
+    expected: str,
 ) -> None:
     import openalign.train.config as train_config
 
     monkeypatch.setattr(train_config, "cpu_has_amx", lambda: amx)
+    asked: list[object] = []
+    if capability is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or capability)
     assert train_config.resolve_precision(precision, device, family) == expected
     assert train_config.resolve_precision(precision, torch.device(device), family) == expected
+    if precision == "auto" and device.startswith("cuda"):
+        assert asked == [torch.device(device)] * 2  # the device the run trains on, not the current one
+        # The plan names its GPU: what this machine holds does not matter.
+        assert train_config.resolve_precision(precision, "cuda", family, gpu_bf16=True) == "bf16"
+        assert train_config.resolve_precision(precision, "cuda", family, gpu_bf16=False) == "fp32"
+    else:
+        assert not asked
+
+
+def test_gpus_without_bfloat16_hardware_are_said_once_in_a_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import openalign.hardware as hardware
+    import openalign.train.loop as loop
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, native in [((6, 1), False), ((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=capability: c)
+        assert hardware.cuda_computes_bfloat16("cuda:0") is native
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # AMD's GPUs under ROCm compute in bf16
+    assert hardware.cuda_computes_bfloat16("cuda:0")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
+    gpu = torch.device("cuda:0")
+    loop._say_precision_on_an_older_gpu(gpu, "auto", "fp32")
+    loop._say_precision_on_an_older_gpu(gpu, "bf16", "bf16")
+    loop._say_precision_on_an_older_gpu(gpu, "fp32", "fp32")  # nothing to say
+    assert capsys.readouterr().err.splitlines() == [
+        "precision auto: fp32, as the Tesla T4 (compute capability 7.5) has no bfloat16 hardware",
+        "warning: train.precision bf16: the Tesla T4 (compute capability 7.5) has no bfloat16 hardware, so its "
+        "bf16 is emulated, slower than fp32, and cuDNN may have no bf16 convolutions for it; train.precision auto "
+        "or fp32 computes in fp32",
+    ]
 
 
 def test_cpu_features_come_from_the_kernels_flags(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
-"""What this machine's CPU can do, from the flags the Linux kernel lists in ``/proc/cpuinfo``.
-
-Where the file cannot be read (another system), no flag is known and every caller takes its portable path.
+"""What this machine's processors can do: the CPU's from the flags the Linux kernel lists in ``/proc/cpuinfo``
+(where the file cannot be read, no flag is known and every caller takes its portable path), a GPU's from its
+compute capability.
 """
 
 from __future__ import annotations
@@ -36,3 +36,13 @@ def cpu_has_amx() -> bool:
         return False
     request = getattr(torch.cpu, "_init_amx", None)
     return bool(request()) if request is not None else True
+
+
+def cuda_computes_bfloat16(device: torch.device | str | int | None = None) -> bool:
+    """Whether a CUDA device computes in bfloat16 in hardware: NVIDIA GPUs of compute capability 8.0 (Ampere)
+    and later, and AMD GPUs under ROCm. Older NVIDIA GPUs (V100, T4) hold bfloat16 values but emulate its
+    matrix products in float32, slower than float32 itself, and cuDNN has no bfloat16 convolutions for them;
+    ``torch.cuda.is_bf16_supported()`` answers True there by default, as a tensor can be made."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)

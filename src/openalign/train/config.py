@@ -28,7 +28,7 @@ from openalign.config import (
     parse_yaml,
     to_dict,
 )
-from openalign.hardware import cpu_has_amx
+from openalign.hardware import cpu_has_amx, cuda_computes_bfloat16
 from openalign.optim import OptimConfig
 from openalign.train.data import DataConfig
 from openalign.train.logging import LogConfig
@@ -94,8 +94,9 @@ class LoopConfig:
     label_smoothing: float = 0.1  # the paper's 0.1
     negatives_fraction: float = 1.0  # in-batch negatives used (the paper's ablation: 0.5, 0.25)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # bf16: autocast over both towers; bf16-image: over the image tower only. auto: bf16 on a GPU; on a CPU with
-    # AMX, bf16-image when the image tower is the convolutional stack; else fp32 (resolve_precision says why).
+    # bf16: autocast over both towers; bf16-image: over the image tower only. auto: bf16 on a GPU that computes in
+    # it (Ampere on); on a CPU with AMX, bf16-image when the image tower is the convolutional stack; else fp32
+    # (resolve_precision says why).
     precision: Literal["auto", "fp32", "bf16", "bf16-image"] = "auto"
     strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes; fsdp (FSDP2) for models beyond one device
     # torch.compile each tower as one graph; None = on CUDA, eager on a CPU and under fsdp across ranks (its hooks)
@@ -230,23 +231,36 @@ def _device_kind(device: Any) -> str:
 Precision = Literal["fp32", "bf16", "bf16-image"]
 
 
-def resolve_precision(precision: str, device: Any, image_family: str) -> Precision:
+def resolve_precision(precision: str, device: Any, image_family: str, *, gpu_bf16: bool | None = None) -> Precision:
     """What ``train.precision`` computes in on ``device`` (a ``torch.device`` or its name) for an image tower of
     ``image_family``: the setting itself, or what ``auto`` stands for there.
 
-    On a GPU auto is bf16. On a CPU with AMX it is bf16 for the convolutional image tower alone: one step of the
-    nano_cpu recipe (batch 256, 48 px, two cores) took 0.68x the time of fp32 with that tower under autocast,
-    while the text tower's small matrix products ran slower in bf16, and so did the EfficientNet tower's
-    depthwise convolutions (its step 1.2x). Without AMX, bf16 convolutions (their backward above all) are slower
-    than fp32 too, so everywhere else auto is fp32."""
+    On a GPU that computes in bfloat16 (``gpu_bf16``; None asks the device, where CUDA is available) auto is
+    bf16; on an older one (V100, T4: ``hardware.cuda_computes_bfloat16``) fp32, as bf16 would be emulated,
+    slower, and its convolutions have no cuDNN kernels. On a CPU with AMX it is bf16 for the convolutional image
+    tower alone: one step of the nano_cpu recipe (batch 256, 48 px, two cores) took 0.68x the time of fp32 with
+    that tower under autocast, while the text tower's small matrix products ran slower in bf16, and so did the
+    EfficientNet tower's depthwise convolutions (its step 1.2x). Without AMX, bf16 convolutions (their backward
+    above all) are slower than fp32 too, so everywhere else auto is fp32."""
     if precision != "auto":
         return cast(Precision, precision)
     kind = _device_kind(device)
     if kind == "cuda":
-        return "bf16"
+        native = gpu_computes_bfloat16(device) if gpu_bf16 is None else gpu_bf16
+        return "bf16" if native else "fp32"
     if kind == "cpu" and image_family == "convnet" and cpu_has_amx():
         return "bf16-image"
     return "fp32"
+
+
+def gpu_computes_bfloat16(device: Any) -> bool:
+    """``hardware.cuda_computes_bfloat16`` for ``device`` (a ``torch.device`` or its name); True where no CUDA
+    device can be asked (a config checked on a machine without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    return cuda_computes_bfloat16(torch.device(device) if isinstance(device, str) else device)
 
 
 # --------------------------------------------------------------------------------------------------

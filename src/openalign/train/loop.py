@@ -34,7 +34,14 @@ from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
 from openalign.outputs import check_writable
 from openalign.train import checkpoint as ckpt
-from openalign.train.config import TrainConfig, check_compile, compile_enabled, resolve_precision, sharded
+from openalign.train.config import (
+    TrainConfig,
+    check_compile,
+    compile_enabled,
+    gpu_computes_bfloat16,
+    resolve_precision,
+    sharded,
+)
 from openalign.train.distributed import (
     DistInfo,
     all_gather_object,
@@ -208,6 +215,8 @@ class _Run:
         self.global_batch = self.per_rank * info.world_size
         self.precision = resolve_precision(t.precision, info.device, self.model_config.image.family)
         self.bf16 = self.precision == "bf16"
+        if info.device.type == "cuda" and info.is_main and not gpu_computes_bfloat16(info.device):
+            _say_precision_on_an_older_gpu(info.device, t.precision, self.precision)
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         model = DualEncoder(self.model_config)
@@ -641,6 +650,20 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _say_precision_on_an_older_gpu(device: torch.device, asked: str, precision: str) -> None:
+    """One line on a GPU without bfloat16 hardware: what auto chose there, or that the bf16 asked for is emulated."""
+    name = torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    why = f"the {name} (compute capability {major}.{minor}) has no bfloat16 hardware"
+    if asked == "auto":
+        print(f"precision auto: fp32, as {why}", file=sys.stderr)
+    elif precision != "fp32":
+        _warn(
+            f"train.precision {precision}: {why}, so its bf16 is emulated, slower than fp32, and cuDNN may have no "
+            "bf16 convolutions for it; train.precision auto or fp32 computes in fp32"
+        )
 
 
 def _saved_global_batch(trainer: dict[str, Any], saved_world: int) -> int | None:

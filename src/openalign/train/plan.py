@@ -664,7 +664,10 @@ def resolve_bf16(cfg: TrainConfig, device: Device) -> bool:
     """Whether the plan's step runs under bf16 autocast. bf16-image (and what auto picks on an AMX CPU) is
     planned as fp32: its activations are no larger than fp32's, so the plan's memory is an upper bound."""
     kind = "cuda" if device.cuda else "cpu"
-    return resolve_precision(cfg.train.precision, kind, cfg.model.resolve().image.family) == "bf16"
+    # The GPUs the plan names compute in bf16 (plan an older one, a memory size, with --train.precision fp32);
+    # the machine planning may hold another GPU, or none.
+    family = cfg.model.resolve().image.family
+    return resolve_precision(cfg.train.precision, kind, family, gpu_bf16=True) == "bf16"
 
 
 def plan(
