@@ -58,6 +58,56 @@ def test_compile_is_on_by_default_on_cuda_only() -> None:
         check_compile(forced, 2)
 
 
+@pytest.mark.parametrize(
+    ("triton", "capability", "reason"),
+    [
+        (True, (9, 0), None),
+        (True, (7, 0), None),
+        (True, (6, 0), "Triton compiles for GPUs of compute capability 7.0 and later, and this one's is 6.0"),
+        (False, (9, 0), "compiling for a GPU needs the triton package, which is not installed"),
+    ],
+)
+def test_a_gpu_inductor_cannot_compile_for_trains_eager_by_default_and_refuses_compile_true(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    triton: bool,
+    capability: tuple[int, int],
+    reason: str | None,
+) -> None:
+    """Inductor writes a GPU's kernels in Triton: a P100 (compute capability 6.0), or a PyTorch without the triton
+    package, failed at the first compiled call; such a GPU trains eager unless asked, and refuses when asked."""
+    import torch.utils._triton
+
+    from openalign.train.config import gpu_compile_blocker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: triton)
+    auto = load_train_config({"data": {"source": "synthetic"}})
+    forced = load_train_config({"data": {"source": "synthetic"}, "train": {"compile": True}})
+    assert gpu_compile_blocker(torch.device("cuda", 0)) == reason == gpu_compile_blocker("cuda:0")
+    assert compile_enabled(auto, "cuda:0") is (reason is None)
+    assert compile_enabled(auto, "cuda:0", gpu_compiles=True)  # a plan's named GPU, whatever this machine holds
+    assert gpu_compile_blocker("cpu") is None and not compile_enabled(auto, "cpu")
+    if reason is None:
+        check_compile(forced, 1, "cuda:0")
+    else:
+        with pytest.raises(ConfigError) as err:
+            check_compile(forced, 1, "cuda:0")
+        assert str(err.value) == f"train.compile true: {reason}; set train.compile false (or leave it unset)"
+    check_compile(forced, 1, "cpu")  # compiling for the CPU needs no Triton
+
+    # The loop says so once, at the start (here on the CPU, given the GPU's answer).
+    import openalign.train.loop as loop
+
+    monkeypatch.setattr(loop, "gpu_compile_blocker", lambda device: reason)
+    train(tiny_config(tmp_path, optim={"total_steps": 1}), stream_factory=factory())
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.compile")]
+    assert said == ([] if reason is None else [f"train.compile: eager, as {reason}"])
+
+
 def _losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [row["loss"] for row in map(json.loads, lines) if "loss" in row]

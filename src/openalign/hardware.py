@@ -46,3 +46,19 @@ def cuda_computes_bfloat16(device: torch.device | str | int | None = None) -> bo
     if torch.version.hip:
         return True
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def cuda_compile_blocker(device: torch.device | str | int | None = None) -> str | None:
+    """Why ``torch.compile`` cannot generate kernels for a CUDA device, or None where it can. Inductor writes a
+    GPU's kernels in Triton, which needs the ``triton`` package (PyTorch's Linux CUDA wheels bring it) and
+    compute capability 7.0 (V100) or later: without either the first compiled call fails."""
+    from torch.utils._triton import has_triton_package
+
+    if not has_triton_package():
+        return "compiling for a GPU needs the triton package, which is not installed"
+    if torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 7:
+        return f"Triton compiles for GPUs of compute capability 7.0 and later, and this one's is {major}.{minor}"
+    return None

@@ -28,7 +28,7 @@ from openalign.config import (
     parse_yaml,
     to_dict,
 )
-from openalign.hardware import cpu_has_amx, cuda_computes_bfloat16
+from openalign.hardware import cpu_has_amx, cuda_compile_blocker, cuda_computes_bfloat16
 from openalign.optim import OptimConfig
 from openalign.train.data import DataConfig
 from openalign.train.logging import LogConfig
@@ -99,7 +99,8 @@ class LoopConfig:
     # (resolve_precision says why).
     precision: Literal["auto", "fp32", "bf16", "bf16-image"] = "auto"
     strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes; fsdp (FSDP2) for models beyond one device
-    # torch.compile each tower as one graph; None = on CUDA, eager on a CPU and under fsdp across ranks (its hooks)
+    # torch.compile each tower as one graph; None = on CUDA, eager on a CPU, under fsdp across ranks (its hooks)
+    # and on a GPU Triton cannot compile for (compute capability below 7.0, or no triton package)
     compile: bool | None = None
     grad_checkpointing: bool = False  # recompute block activations in backward (memory for compute)
     grad_clip: float | None = None  # clip the global gradient norm to this; None = no clipping (paper)
@@ -197,25 +198,44 @@ class TrainConfig:
         return out
 
 
-def compile_enabled(cfg: TrainConfig, device: Any, world_size: int = 1) -> bool:
+def compile_enabled(cfg: TrainConfig, device: Any, world_size: int = 1, *, gpu_compiles: bool | None = None) -> bool:
     """Whether a run of ``cfg`` on ``device`` (a ``torch.device`` or its name: "cuda", "cuda:1", "cpu") across
     ``world_size`` processes compiles its towers: ``train.compile`` when set, else on CUDA only, and there not when
-    FSDP2 shards the model (``check_compile`` says why). On a CPU compiling costs minutes of C++ builds and gains
+    FSDP2 shards the model or the GPU cannot be compiled for (``gpu_compiles``; None asks the device, through
+    ``gpu_compile_blocker``); ``check_compile`` says why. On a CPU compiling costs minutes of C++ builds and gains
     little, so eager is the default there."""
     if cfg.train.compile is not None:
         return cfg.train.compile
-    return _device_kind(device) == "cuda" and not sharded(cfg, world_size)
+    if _device_kind(device) != "cuda" or sharded(cfg, world_size):
+        return False
+    return gpu_compile_blocker(device) is None if gpu_compiles is None else gpu_compiles
 
 
-def check_compile(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ``ConfigError`` for a compiled run the towers' one-graph compilation cannot be: FSDP2 across ranks.
-    Its hooks gather each block's shards before the block runs and free them after; Dynamo does not trace them, so
-    a tower holding sharded blocks is no one graph (``fullgraph``) and its first step would fail."""
-    if cfg.train.compile and sharded(cfg, world_size):
+def check_compile(cfg: TrainConfig, world_size: int, device: Any = None) -> None:
+    """Raise ``ConfigError`` for a compiled run the towers' one-graph compilation cannot be: FSDP2 across ranks,
+    or a GPU without a compiler (``gpu_compile_blocker``). FSDP2's hooks gather each block's shards before the
+    block runs and free them after; Dynamo does not trace them, so a tower holding sharded blocks is no one graph
+    (``fullgraph``) and its first step would fail."""
+    if not cfg.train.compile:
+        return
+    if sharded(cfg, world_size):
         raise ConfigError(
             "train.compile true does not combine with train.strategy fsdp across processes (FSDP2's hooks around "
             "each block break the towers' one graph): set train.compile false (or leave it unset), or use ddp"
         )
+    reason = gpu_compile_blocker(device)
+    if reason is not None:
+        raise ConfigError(f"train.compile true: {reason}; set train.compile false (or leave it unset)")
+
+
+def gpu_compile_blocker(device: Any) -> str | None:
+    """``hardware.cuda_compile_blocker`` for ``device`` (a ``torch.device`` or its name); None for a CPU, or where
+    no CUDA device can be asked (a config checked on a machine without one)."""
+    import torch
+
+    if _device_kind(device) != "cuda" or not torch.cuda.is_available():
+        return None
+    return cuda_compile_blocker(torch.device(device) if isinstance(device, str) else device)
 
 
 def sharded(cfg: TrainConfig, world_size: int) -> bool:

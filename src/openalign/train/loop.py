@@ -38,6 +38,7 @@ from openalign.train.config import (
     TrainConfig,
     check_compile,
     compile_enabled,
+    gpu_compile_blocker,
     gpu_computes_bfloat16,
     resolve_precision,
     sharded,
@@ -241,8 +242,11 @@ class _Run:
                     file=sys.stderr,
                 )
         model.to(info.device).train()
-        check_compile(cfg, info.world_size)
+        check_compile(cfg, info.world_size, info.device)
         self.compiled = compile_enabled(cfg, info.device, info.world_size)
+        blocker = gpu_compile_blocker(info.device) if t.compile is None else None
+        if blocker is not None and info.is_main:
+            print(f"train.compile: eager, as {blocker}", file=sys.stderr)
         prepare_towers(model, self.compiled, info.device)
         self.model = model
         self.fsdp = sharded(cfg, info.world_size)

@@ -190,7 +190,7 @@ def _distance(
         m.grad_checkpointing != cfg.train.grad_checkpointing,
         0.0 if chunk is None or m.chunk is None else abs(math.log(m.chunk / chunk)),
         abs(math.log(m.batch / per_device)),
-        m.compiled != compile_enabled(cfg, "cuda", world_size),
+        m.compiled != compile_enabled(cfg, "cuda", world_size, gpu_compiles=True),
         -_ordinal(m.date),
     )
 
@@ -247,6 +247,6 @@ def differences(m: Measurement, cfg: TrainConfig, per_device: int, bf16: bool, w
         out.append(f"{m.precision}, not {'bf16' if bf16 else 'fp32'}")
     if m.grad_checkpointing != cfg.train.grad_checkpointing:
         out.append("checkpointed" if m.grad_checkpointing else "not checkpointed")
-    if m.compiled != compile_enabled(cfg, "cuda", world_size):
+    if m.compiled != compile_enabled(cfg, "cuda", world_size, gpu_compiles=True):
         out.append("compiled" if m.compiled else "eager")
     return out
