@@ -146,6 +146,7 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
     )
     err = capsys.readouterr().err
     assert err.count("compiled towers in ") == 1  # reported once, at the first step
+    assert err.index("compiling the towers (once, in the first step) ...") < err.index("compiled towers in ")
     # The compiling step is left out of the logged rate, which would otherwise count compilation as training.
     records = [json.loads(line) for line in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
     assert [("pairs_per_s" in r) for r in records] == [False, True, True]

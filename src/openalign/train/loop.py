@@ -437,6 +437,9 @@ class _Run:
             if buffers:
                 torch._foreach_copy_(saved_buffers, buffers)
             first = time.perf_counter() if compiling else 0.0
+            if compiling and info.is_main:
+                # Minutes on a large model with nothing else on screen: said first, not to be taken for a hang.
+                print("compiling the towers (once, in the first step) ...", file=sys.stderr)
             loss = self._forward_backward(batch, loss_fn, text_widths)
             if self.fsdp:
                 average_replicated_grads(replicated_params(self.model))
