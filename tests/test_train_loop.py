@@ -589,3 +589,67 @@ def test_the_logged_rate_leaves_out_evaluations_and_checkpoints(
     # Counted in, a window after the first would hold two pauses (1 s) for its 16 pairs: under 16 pairs/s.
     assert len(rates) == 3 and elapsed > 5 * pause
     assert min(rates[1:]) > 2 * 16, rates
+
+
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.02 GiB is "
+    "free. Of the allocated memory 75.10 GiB is allocated by PyTorch, and 1.50 GiB is reserved but unallocated."
+)
+
+
+def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from openalign.train import loop
+
+    step = loop._Run._forward_backward
+    calls: list[int] = []
+
+    def third_fails(self: Any, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        return step(self, *args)
+
+    monkeypatch.setattr(loop._Run, "_forward_backward", third_fails)
+    with pytest.raises(loop.OutOfMemoryError) as err:
+        train(tiny_config(tmp_path, train={"checkpoint_every": 2}), stream_factory=factory())
+    assert str(err.value) == (
+        "out of cpu memory in step 3 (allocating 20.00 GiB): set train.chunk_size (gradient caching: the same "
+        "batch, that many pairs at a time) or set train.grad_checkpointing true; `openalign plan --config CONFIG "
+        "--device GPU` names a chunk size that fits; the checkpoint of step 2 is kept (--resume latest)"
+    )
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # not PyTorch's paragraph again
+
+    # On a GPU the line has its peak and capacity; with chunks and checkpointing on, only a smaller chunk is left.
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 75.1 * 1024**3)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d=None: type("P", (), {"total_memory": 79.19 * 1024**3})
+    )
+    cfg = tiny_config(tmp_path / "chunked", train={"chunk_size": 64, "grad_checkpointing": True})
+    assert loop._out_of_memory(cfg, torch.device("cuda", 0), 1, torch.OutOfMemoryError(TORCH_OOM)) == (
+        "out of GPU memory in step 1 (allocating 20.00 GiB); peak 75.1 GiB of 79.2: lower train.chunk_size (now 64); "
+        "`openalign plan --config CONFIG --device GPU` names a chunk size that fits"
+    )
+
+
+def test_a_model_too_large_for_the_device_is_one_line_naming_fsdp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from openalign.cli import main
+    from openalign.train import loop
+
+    def too_large(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    monkeypatch.setattr(openalign.DualEncoder, "to", too_large)
+    with pytest.raises(
+        loop.OutOfMemoryError,
+        match=r"^out of cpu memory while the model was set up \(allocating "
+        r"20\.00 GiB\): the model does not fit one device: train\.strategy fsdp shards it",
+    ):
+        train(tiny_config(tmp_path), stream_factory=factory())
+    # The command: that line, status 3 (as a run stopped by non-finite steps), no traceback.
+    monkeypatch.setattr(loop, "train", lambda cfg, resume=None: (_ for _ in ()).throw(loop.OutOfMemoryError("why")))
+    assert main(["train", "--config", "nano_cpu", "--train.run_dir", str(tmp_path / "cli")]) == 3
+    assert capsys.readouterr().err.splitlines()[-1] == "openalign train: error: why"

@@ -63,11 +63,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(cfg.to_dict())
         return 0
-    from openalign.train.loop import NonFiniteError, train
+    from openalign.train.loop import NonFiniteError, OutOfMemoryError, train
 
     try:
         result = train(cfg, resume=args.resume)
-    except NonFiniteError as err:
+    except (NonFiniteError, OutOfMemoryError) as err:
         print(f"openalign train: error: {err}", file=sys.stderr)
         return 3
     print(f"trained {result.step} steps; model: {result.final_dir}")

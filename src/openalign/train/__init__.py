@@ -6,6 +6,14 @@ model = openalign.load_model(result.final_dir)
 """
 
 from openalign.train.config import TrainConfig, list_recipes, load_train_config
-from openalign.train.loop import NonFiniteError, TrainResult, train
+from openalign.train.loop import NonFiniteError, OutOfMemoryError, TrainResult, train
 
-__all__ = ["NonFiniteError", "TrainConfig", "TrainResult", "list_recipes", "load_train_config", "train"]
+__all__ = [
+    "NonFiniteError",
+    "OutOfMemoryError",
+    "TrainConfig",
+    "TrainResult",
+    "list_recipes",
+    "load_train_config",
+    "train",
+]

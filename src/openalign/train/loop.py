@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -64,13 +65,17 @@ if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer, Tokenizer
 
-__all__ = ["NonFiniteError", "TrainResult", "train"]
+__all__ = ["NonFiniteError", "OutOfMemoryError", "TrainResult", "train"]
 
 StreamFactory = Callable[..., Any]
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
+
+
+class OutOfMemoryError(RuntimeError):
+    """The device ran out of memory; the message says where, and which settings lower the peak."""
 
 
 @dataclass
@@ -110,7 +115,10 @@ def train(
     opened = _open_resume(cfg, resume, info) if resume else None
     if tokenizer is None:
         tokenizer = _load_tokenizer(cfg, opened.path if opened else None, info.is_main)
-    run = _Run(cfg, info, stream_factory, tokenizer, started)
+    try:
+        run = _Run(cfg, info, stream_factory, tokenizer, started)
+    except torch.OutOfMemoryError as err:
+        raise OutOfMemoryError(_out_of_memory(cfg, info.device, None, err)) from None
     try:
         run.restore(opened)
         try:
@@ -121,6 +129,9 @@ def train(
                 print(f"interrupted: saving step {run.step}", file=sys.stderr)
                 run.save()
             raise
+        except torch.OutOfMemoryError as err:
+            # PyTorch's message is a paragraph of allocator figures; the run's settings are what the user changes.
+            raise OutOfMemoryError(_out_of_memory(cfg, info.device, run.step + 1, err)) from None
     finally:
         run.close()
         if owns_group:
@@ -657,6 +668,37 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _out_of_memory(cfg: TrainConfig, device: torch.device, step: int | None, err: BaseException) -> str:
+    """One line for a run the device's memory could not hold (in ``step``, or None: while the model was set up):
+    what was asked for, the peak and capacity on a GPU, the settings that lower the peak, and the checkpoint a
+    resume would start from."""
+    t = cfg.train
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err))
+    where = f"in step {step}" if step is not None else "while the model was set up"
+    said = f"out of {'GPU' if device.type == 'cuda' else device.type} memory {where}"
+    if asked:
+        said += f" (allocating {asked.group(1)})"
+    if device.type == "cuda":
+        gib = 1024**3
+        total = torch.cuda.get_device_properties(device).total_memory / gib
+        said += f"; peak {torch.cuda.max_memory_allocated(device) / gib:.1f} GiB of {total:.1f}"
+    if step is None:
+        # Weights alone: no batch setting helps, sharding them does.
+        advice = "the model does not fit one device: train.strategy fsdp shards it across the GPUs of a torchrun"
+    else:
+        fixes = [
+            f"lower train.chunk_size (now {t.chunk_size})"
+            if t.chunk_size is not None
+            else "set train.chunk_size (gradient caching: the same batch, that many pairs at a time)"
+        ]
+        if not t.grad_checkpointing:
+            fixes.append("set train.grad_checkpointing true")
+        advice = f"{' or '.join(fixes)}; `openalign plan --config CONFIG --device GPU` names a chunk size that fits"
+    saved = ckpt.list_checkpoints(t.run_dir)
+    kept = f"; the checkpoint of step {saved[-1][0]} is kept (--resume latest)" if saved else ""
+    return f"{said}: {advice}{kept}"
 
 
 def _say_precision_on_an_older_gpu(device: torch.device, asked: str, precision: str) -> None:
