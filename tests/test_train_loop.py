@@ -653,3 +653,31 @@ def test_a_model_too_large_for_the_device_is_one_line_naming_fsdp(
     monkeypatch.setattr(loop, "train", lambda cfg, resume=None: (_ for _ in ()).throw(loop.OutOfMemoryError("why")))
     assert main(["train", "--config", "nano_cpu", "--train.run_dir", str(tmp_path / "cli")]) == 3
     assert capsys.readouterr().err.splitlines()[-1] == "openalign train: error: why"
+
+
+def test_the_run_says_where_and_how_it_computes_before_its_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from types import SimpleNamespace
+
+    from openalign.train import loop
+
+    train(tiny_config(tmp_path, optim={"total_steps": 2}), stream_factory=factory())
+    err = capsys.readouterr().err
+    assert err.startswith("training 2 steps of 8 pairs on the CPU (1 thread): fp32, eager\n")
+    train(tiny_config(tmp_path, optim={"total_steps": 3}), resume="latest", stream_factory=factory())
+    assert "training steps 3-3 of 8 pairs on the CPU (1 thread): fp32, eager\n" in capsys.readouterr().err
+
+    # Eight GPUs under torchrun, and one.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    cfg = tiny_config(tmp_path, train={"chunk_size": 64, "strategy": "fsdp"}, optim={"total_steps": 10})
+    run = SimpleNamespace(cfg=cfg, step=0, total_steps=10, global_batch=16384, precision="bf16", compiled=False)
+    run.info = SimpleNamespace(device=torch.device("cuda", 3), world_size=8)
+    assert (
+        loop._Run.summary(run) == "training 10 steps of 16384 pairs on 8 x NVIDIA H200: bf16, eager, fsdp, chunks of 64"
+    )
+    run.info, run.compiled = SimpleNamespace(device=torch.device("cuda", 0), world_size=1), True
+    assert (
+        loop._Run.summary(run)
+        == "training 10 steps of 16384 pairs on NVIDIA H200 (cuda:0): bf16, compiled, chunks of 64"
+    )

@@ -415,6 +415,10 @@ class _Run:
 
     def loop(self) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.train, self.info
+        if info.is_main:
+            # Where and how the run computes, before any step: a GPU left unseen (a driver too old for this
+            # PyTorch) would otherwise show only as a slow run on the CPU.
+            print(self.summary(), file=sys.stderr)
         self.logger = _make_logger(cfg, info, self.total_steps, self.step)
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -499,6 +503,23 @@ class _Run:
             # Training's rate, not the run's: evaluations and checkpoints between steps are left out of it.
             tick += time.perf_counter() - paused
         return self._finish(metrics)
+
+    def summary(self) -> str:
+        """One line: steps, global batch, devices, precision, compiled or eager, chunks."""
+        t, info = self.cfg.train, self.info
+        if info.device.type == "cuda":
+            name = torch.cuda.get_device_name(info.device)
+            where = f"{info.world_size} x {name}" if info.world_size > 1 else f"{name} ({info.device})"
+        else:
+            threads = f"{torch.get_num_threads()} thread" + ("s" if torch.get_num_threads() > 1 else "")
+            where = f"{info.world_size} CPU processes of {threads}" if info.world_size > 1 else f"the CPU ({threads})"
+        how = [self.precision, "compiled" if self.compiled else "eager"]
+        if info.world_size > 1:
+            how.append(t.strategy)
+        if t.chunk_size is not None:
+            how.append(f"chunks of {t.chunk_size}")
+        steps = f"steps {self.step + 1}-{self.total_steps}" if self.step else f"{self.total_steps} steps"
+        return f"training {steps} of {self.global_batch} pairs on {where}: {', '.join(how)}"
 
     def _warn_small_shards(self) -> bool:
         """Before step 1: warn when the samples the shards record (their ``_stats.json`` or Parquet tables) sum
