@@ -240,3 +240,27 @@ def test_readme_command_lines_parse(line: str) -> None:
     argv = shlex.split(line)[1:]
     args = build_parser().parse_args(argv)
     assert callable(args.func)
+
+
+def test_a_batch_the_gpu_cannot_hold_is_one_line_naming_the_batch_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    import openalign.train.logging
+
+    oom = (
+        "CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.02 GiB "
+        "is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use. If reserved but unallocated "
+        "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+
+    def fails(*args: object) -> None:
+        raise torch.OutOfMemoryError(oom)
+
+    monkeypatch.setattr(openalign.train.logging, "plot_metrics", fails)  # any command that ran on a GPU
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "openalign plot: error: out of GPU memory (allocating 2.50 GiB; the GPU holds 79.19 GiB, 1.02 GiB of it "
+        "free): lower the batch size"
+    ]

@@ -10,6 +10,7 @@ its commands with :func:`register`. Settings flags come from the config dataclas
 
 from __future__ import annotations
 
+import re
 import sys
 
 from openalign.cli import bench, convert, copy_detector, data, demo, embed, eval, plan, search, train
@@ -35,8 +36,14 @@ def build_parser() -> Parser:
 
 
 # Errors of libraries a command may have loaded (looked up only once loaded, so parsing imports none):
-# a damaged Parquet or CSV file, a malformed YAML file, a query DuckDB cannot run on the input.
-_LIBRARY_ERRORS = (("yaml", "YAMLError"), ("pyarrow", "ArrowException"), ("duckdb", "Error"))
+# a damaged Parquet or CSV file, a malformed YAML file, a query DuckDB cannot run on the input, a batch the GPU's
+# memory cannot hold.
+_LIBRARY_ERRORS = (
+    ("yaml", "YAMLError"),
+    ("pyarrow", "ArrowException"),
+    ("duckdb", "Error"),
+    ("torch", "OutOfMemoryError"),
+)
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -53,11 +60,21 @@ def one_line(err: BaseException) -> str:
     message carries the worker's traceback) is its last line."""
     if isinstance(err, OSError) and err.strerror and err.filename is not None:
         text = f"{err.filename}: {err.strerror}"
+    elif type(err).__name__ == "OutOfMemoryError" and "Tried to allocate" in str(err):
+        text = _out_of_gpu_memory(str(err))
     else:
         text = str(err) or type(err).__name__
     if "Traceback (most recent call last)" in text:
         text = [line for line in text.splitlines() if line.strip()][-1]
     return " ".join(text.split())
+
+
+def _out_of_gpu_memory(message: str) -> str:
+    """PyTorch's paragraph of allocator figures as what a user changes: the command's batch size."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", message)
+    room = re.search(r"total capacity of ([\d.]+ [KMGT]?i?B) of which ([\d.]+ [KMGT]?i?B) is free", message)
+    held = f"; the GPU holds {room.group(1)}, {room.group(2)} of it free" if room else ""
+    return f"out of GPU memory (allocating {asked.group(1) if asked else 'more'}{held}): lower the batch size"
 
 
 def main(argv: list[str] | None = None) -> int:
