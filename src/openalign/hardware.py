@@ -6,6 +6,7 @@ compute capability.
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -62,3 +63,12 @@ def cuda_compile_blocker(device: torch.device | str | int | None = None) -> str 
     if major < 7:
         return f"Triton compiles for GPUs of compute capability 7.0 and later, and this one's is {major}.{minor}"
     return None
+
+
+def out_of_memory_figures(message: str) -> tuple[str | None, str | None, str | None]:
+    """From the message of PyTorch's ``OutOfMemoryError``: the allocation that failed, the GPU's capacity and
+    what was free of it ("2.50 GiB"), each None where the message does not say."""
+    size = r"([\d.]+ [KMGT]?i?B)"
+    asked = re.search(rf"Tried to allocate {size}", message)
+    room = re.search(rf"total capacity of {size} of which {size} is free", message)
+    return (asked.group(1) if asked else None, *((room.group(1), room.group(2)) if room else (None, None)))

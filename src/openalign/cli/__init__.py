@@ -10,7 +10,6 @@ its commands with :func:`register`. Settings flags come from the config dataclas
 
 from __future__ import annotations
 
-import re
 import sys
 
 from openalign.cli import bench, convert, copy_detector, data, demo, embed, eval, plan, search, train
@@ -71,10 +70,11 @@ def one_line(err: BaseException) -> str:
 
 def _out_of_gpu_memory(message: str) -> str:
     """PyTorch's paragraph of allocator figures as what a user changes: the command's batch size."""
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", message)
-    room = re.search(r"total capacity of ([\d.]+ [KMGT]?i?B) of which ([\d.]+ [KMGT]?i?B) is free", message)
-    held = f"; the GPU holds {room.group(1)}, {room.group(2)} of it free" if room else ""
-    return f"out of GPU memory (allocating {asked.group(1) if asked else 'more'}{held}): lower the batch size"
+    from openalign.hardware import out_of_memory_figures
+
+    asked, total, free = out_of_memory_figures(message)
+    held = f"; the GPU holds {total}, {free} of it free" if total else ""
+    return f"out of GPU memory (allocating {asked or 'more'}{held}): lower the batch size"
 
 
 def main(argv: list[str] | None = None) -> int:

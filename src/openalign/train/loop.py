@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import yaml
 
 from openalign.config import ConfigError, ModelConfig
+from openalign.hardware import out_of_memory_figures
 from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
@@ -696,11 +696,11 @@ def _out_of_memory(cfg: TrainConfig, device: torch.device, step: int | None, err
     what was asked for, the peak and capacity on a GPU, the settings that lower the peak, and the checkpoint a
     resume would start from."""
     t = cfg.train
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err))
+    asked = out_of_memory_figures(str(err))[0]
     where = f"in step {step}" if step is not None else "while the model was set up"
     said = f"out of {'GPU' if device.type == 'cuda' else device.type} memory {where}"
     if asked:
-        said += f" (allocating {asked.group(1)})"
+        said += f" (allocating {asked})"
     if device.type == "cuda":
         gib = 1024**3
         total = torch.cuda.get_device_properties(device).total_memory / gib
