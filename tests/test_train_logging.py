@@ -42,6 +42,7 @@ def test_jsonl_tensorboard_and_progress_bar(tmp_path: Path, capsys) -> None:
         logger.log(1, {"loss": torch.tensor(2.5), "temperature": 0.9, "lr": 1e-3, "pairs_per_s": 123.4})
         logger.log(2, {"loss": float("nan"), "skipped": {"corrupt": 2, "empty": 1}, "note": "text is kept"})
         logger.log(4, {"loss": np.float32(1.25), "eval/t2i_r1": 40.0})
+        logger.say("a line of its own")
     records = lines(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 4]
     assert records[0]["loss"] == 2.5 and records[0]["lr"] == 1e-3 and isinstance(records[0]["time"], float)
@@ -52,6 +53,8 @@ def test_jsonl_tensorboard_and_progress_bar(tmp_path: Path, capsys) -> None:
     assert records[2]["loss"] == 1.25 and records[2]["eval/t2i_r1"] == 40.0
     err = capsys.readouterr().err
     assert "4/4" in err and "pairs/s=123.4" in err and "loss=2.5000" in err and "lr=1.00e-03" in err
+    # Above the bar, not run into its line.
+    assert "a line of its own" in [line.strip("\r") for line in err.replace("\r", "\n").splitlines()]
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()

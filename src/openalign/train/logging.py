@@ -145,6 +145,15 @@ class RunLogger:
                 total=total_steps, initial=start_step, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True
             )
 
+    def say(self, line: str) -> None:
+        """``line`` on stderr (main rank), above the progress bar rather than run into it."""
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr)
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` at ``step`` (JSONL line, TensorBoard scalars) and move the progress bar."""
         if not self.is_main:

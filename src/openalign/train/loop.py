@@ -452,9 +452,9 @@ class _Run:
             if buffers:
                 torch._foreach_copy_(saved_buffers, buffers)
             first = time.perf_counter() if compiling else 0.0
-            if compiling and info.is_main:
+            if compiling:
                 # Minutes on a large model with nothing else on screen: said first, not to be taken for a hang.
-                print("compiling the towers (once, in the first step) ...", file=sys.stderr)
+                self.logger.say("compiling the towers (once, in the first step) ...")
             loss = self._forward_backward(batch, loss_fn, text_widths)
             if self.fsdp:
                 average_replicated_grads(replicated_params(self.model))
@@ -463,8 +463,7 @@ class _Run:
             loss_value, finite, checkpoint_due, norm_value, temperature = self._reduce(loss, norm)
             if compiling:
                 compiling = False
-                if info.is_main:
-                    print(f"compiled towers in {time.perf_counter() - first:.1f} s (first step)", file=sys.stderr)
+                self.logger.say(f"compiled towers in {time.perf_counter() - first:.1f} s (first step)")
                 # The rate starts after the compiling step, as it would count minutes of compilation as training.
                 tick, tick_step = time.perf_counter(), self.step + 1
             if not finite:
