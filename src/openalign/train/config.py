@@ -231,11 +231,8 @@ def check_compile(cfg: TrainConfig, world_size: int, device: Any = None) -> None
 def gpu_compile_blocker(device: Any) -> str | None:
     """``hardware.cuda_compile_blocker`` for ``device`` (a ``torch.device`` or its name); None for a CPU, or where
     no CUDA device can be asked (a config checked on a machine without one)."""
-    import torch
-
-    if _device_kind(device) != "cuda" or not torch.cuda.is_available():
-        return None
-    return cuda_compile_blocker(torch.device(device) if isinstance(device, str) else device)
+    cuda = _cuda_device(device)
+    return None if cuda is None else cuda_compile_blocker(cuda)
 
 
 def sharded(cfg: TrainConfig, world_size: int) -> bool:
@@ -246,6 +243,16 @@ def sharded(cfg: TrainConfig, world_size: int) -> bool:
 def _device_kind(device: Any) -> str:
     """The kind ("cuda", "cpu") of a ``torch.device`` or of its name ("cuda:1")."""
     return str(getattr(device, "type", None) or str(device).partition(":")[0])
+
+
+def _cuda_device(device: Any) -> Any:
+    """``device`` (a ``torch.device`` or its name) as the ``torch.device`` of a GPU this process can ask about; None
+    for a CPU, or where CUDA is not available (a config checked on a machine without a GPU)."""
+    import torch
+
+    if _device_kind(device) != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.device(device) if isinstance(device, str) else device
 
 
 Precision = Literal["fp32", "bf16", "bf16-image"]
@@ -274,13 +281,10 @@ def resolve_precision(precision: str, device: Any, image_family: str, *, gpu_bf1
 
 
 def gpu_computes_bfloat16(device: Any) -> bool:
-    """``hardware.cuda_computes_bfloat16`` for ``device`` (a ``torch.device`` or its name); True where no CUDA
-    device can be asked (a config checked on a machine without one)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return True
-    return cuda_computes_bfloat16(torch.device(device) if isinstance(device, str) else device)
+    """``hardware.cuda_computes_bfloat16`` for ``device`` (a ``torch.device`` or its name); True for a CPU, or where
+    no CUDA device can be asked (a config checked on a machine without one)."""
+    cuda = _cuda_device(device)
+    return True if cuda is None else cuda_computes_bfloat16(cuda)
 
 
 # --------------------------------------------------------------------------------------------------

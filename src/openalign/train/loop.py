@@ -225,9 +225,10 @@ class _Run:
         self.total_steps = cfg.total_steps
         self.per_rank = cfg.per_rank_batch(info.world_size)
         self.global_batch = self.per_rank * info.world_size
-        self.precision = resolve_precision(t.precision, info.device, self.model_config.image.family)
+        gpu_bf16 = gpu_computes_bfloat16(info.device)  # asked once; True on a CPU
+        self.precision = resolve_precision(t.precision, info.device, self.model_config.image.family, gpu_bf16=gpu_bf16)
         self.bf16 = self.precision == "bf16"
-        if info.device.type == "cuda" and info.is_main and not gpu_computes_bfloat16(info.device):
+        if info.device.type == "cuda" and info.is_main and not gpu_bf16:
             _say_precision_on_an_older_gpu(info.device, t.precision, self.precision)
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
@@ -253,9 +254,9 @@ class _Run:
                     file=sys.stderr,
                 )
         model.to(info.device).train()
-        check_compile(cfg, info.world_size, info.device)
-        self.compiled = compile_enabled(cfg, info.device, info.world_size)
+        check_compile(cfg, info.world_size, info.device)  # asks the GPU only when train.compile is true
         blocker = gpu_compile_blocker(info.device) if t.compile is None else None
+        self.compiled = compile_enabled(cfg, info.device, info.world_size, gpu_compiles=blocker is None)
         if blocker is not None and info.is_main:
             print(f"train.compile: eager, as {blocker}", file=sys.stderr)
         prepare_towers(model, self.compiled, info.device)
