@@ -369,7 +369,8 @@ def length_buckets(attention_mask: torch.Tensor, min_saving: float = 0.2) -> lis
     A batch of captions is padded to its longest: where a few long captions (noisy alt-text runs long) pad a
     batch of short ones, encoding the short rows apart skips that padding. The split is the one that pads
     least; it is used only when it saves at least ``min_saving`` of the batch's token positions, and only for
-    right padding (what ``trim_padding`` cuts). Each row's embedding is unchanged: rows never see each other.
+    right padding (what ``trim_padding`` cuts). Each row's embedding is unchanged, as rows never see each other, to
+    float rounding: attention then sums over fewer masked keys, which vectorised CPU kernels may add in another order.
     Only for a mask the host reads for free (``host_readable``): on a GPU the choice would take several host syncs,
     and a second pass doubles the kernel launches that bound a batch of captions there.
     """
