@@ -591,6 +591,51 @@ def test_the_logged_rate_leaves_out_evaluations_and_checkpoints(
     assert min(rates[1:]) > 2 * 16, rates
 
 
+class SlowStream:
+    """A stream whose every batch costs ``delay`` seconds of busy work before it is handed over: workers that do
+    not keep up."""
+
+    def __init__(self, stream: MemoryStream, delay: float) -> None:
+        self.stream, self.delay = stream, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    def __iter__(self) -> Any:
+        for batch in self.stream:
+            end = time.perf_counter() + self.delay
+            while time.perf_counter() < end:  # busy, as in the test above
+                pass
+            yield batch
+
+
+def test_the_log_says_what_share_of_training_waited_for_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``data_wait``: the share of each window's training time the loop spent waiting for its next batch; the
+    run's last line gives it for the whole run. Starved, it approaches 1; fed from memory, it stays near 0."""
+    shares, lines, bars = {}, {}, {}
+    for delay in (0.0, 0.4):
+        make = factory()
+        cfg = tiny_config(tmp_path / str(delay), log={"every": 2})
+        train(cfg, stream_factory=lambda *a, make=make, delay=delay, **k: SlowStream(make(*a, **k), delay))
+        records = [json.loads(line) for line in (tmp_path / str(delay) / "metrics.jsonl").read_text().splitlines()]
+        shares[delay] = [r["data_wait"] for r in records if "pairs_per_s" in r]
+        err = capsys.readouterr().err
+        # A line of its own, above the progress bar (printed plainly, it ran on from the bar's last state).
+        (lines[delay],) = [line for line in err.splitlines() if line.startswith("finished")]
+        bars[delay] = err
+    assert len(shares[0.4]) == len(shares[0.0]) == 3
+    # Starved: each step waited 0.4 s for a few milliseconds of the tiny model's work.
+    assert min(shares[0.4]) > 0.75 and max(shares[0.4]) <= 1.0, shares
+    # Fed from memory: a step's own work dominates.
+    assert max(shares[0.0]) < 0.5 and min(shares[0.0]) >= 0.0, shares
+    run_share = float(lines[0.4].rsplit("waited for data ", 1)[1].split("%")[0]) / 100
+    assert min(shares[0.4]) - 0.01 <= run_share <= max(shares[0.4]) + 0.01, (lines[0.4], shares)
+    assert lines[0.0].startswith("finished 6 steps;") and "of the training time" in lines[0.0]
+    assert f", data={shares[0.4][-1]:.0%}," in bars[0.4]  # the progress bar shows the last window's share
+
+
 TORCH_OOM = (
     "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.02 GiB is "
     "free. Of the allocated memory 75.10 GiB is allocated by PyTorch, and 1.50 GiB is reserved but unallocated."

@@ -91,9 +91,10 @@ class RunLogger:
     """Metrics of one run: JSONL and TensorBoard on the main rank, a progress bar on its stderr.
 
     ``log(step, metrics)`` takes any flat or nested mapping of numbers (tensors allowed; nested keys are
-    joined with "/"); ``loss``, ``temperature``, ``lr`` and ``pairs_per_s`` also go into the progress bar,
-    which shows the steps done, their rate and the ETA. ``wandb`` holds ``wandb.init`` arguments (project,
-    name, tags, config) to log the numeric records to W&B as well. On other ranks every method does nothing.
+    joined with "/"); ``loss``, ``temperature``, ``lr``, ``pairs_per_s`` and ``data_wait`` also go into the
+    progress bar, which shows the steps done, their rate and the ETA. ``wandb`` holds ``wandb.init`` arguments
+    (project, name, tags, config) to log the numeric records to W&B as well. On other ranks every method does
+    nothing.
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class RunLogger:
             shown = self._shown
             for key, label, fmt in (
                 ("pairs_per_s", "pairs/s", "{:.1f}"),
+                ("data_wait", "data", "{:.0%}"),
                 ("loss", "loss", "{:.4f}"),
                 ("temperature", "temp", "{:.4f}"),
                 ("lr", "lr", "{:.2e}"),

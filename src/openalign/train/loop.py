@@ -126,7 +126,7 @@ def train(
         except KeyboardInterrupt:
             # Ctrl-C keeps the work done so far; under torchrun the other ranks are gone, so no collective save.
             if not is_distributed() and run.step > 0:
-                print(f"interrupted: saving step {run.step}", file=sys.stderr)
+                _say(f"interrupted: saving step {run.step}")
                 run.save()
             raise
         except torch.OutOfMemoryError as err:
@@ -139,7 +139,15 @@ def train(
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    _say(f"warning: {message}")
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, above the progress bar of a run under way (tqdm clears and redraws it) rather than run
+    into its line."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 @dataclass
@@ -287,6 +295,9 @@ class _Run:
         self.last_checkpoint_time = time.monotonic()
         self.started = started  # when train() was called: this process's share of the run's time
         self.seconds_before = 0.0  # spent by the processes before a resume
+        # This process's training time in logged windows and the part of it spent waiting for the next batch
+        # (``data_wait``), for the run's last line.
+        self.trained_s = self.data_wait_s = 0.0
         self.logger: Any = None
         self.eval_set: Any = None
         self.pixels: Pixels | None = None
@@ -333,7 +344,7 @@ class _Run:
                     keep=self.cfg.train.keep_checkpoints,
                 )
             except ckpt.CheckpointError as err:
-                print(f"checkpoint not written, the previous ones are kept: {err}", file=sys.stderr)
+                _say(f"checkpoint not written, the previous ones are kept: {err}")
         if is_distributed():
             dist.barrier()
         self.last_checkpoint_time = time.monotonic()
@@ -436,12 +447,15 @@ class _Run:
         metrics: dict[str, float] = {}
         batches = iter(self.stream)
         tick, tick_step = time.perf_counter(), self.step
+        waited = 0.0  # this window's wait for batches: the loop blocked on the stream, a GPU left without work
         small_data_warned = info.is_main and self._warn_small_shards()
         # The first step compiles the towers' graphs (forward and backward; with gradient caching, the no-grad
         # pass's too): its time is reported once.
         compiling = self.compiled
         while self.step < self.total_steps:
+            asked = time.perf_counter()
             batch, text_widths = next(batches), None
+            waited += time.perf_counter() - asked
             if self.model.caller_cuts_captions:
                 # Checked and measured here, on the host, for free: the model then reads no token on the device,
                 # and its text tower takes each chunk cut to its own width.
@@ -466,7 +480,7 @@ class _Run:
                 compiling = False
                 self.logger.say(f"compiled towers in {time.perf_counter() - first:.1f} s (first step)")
                 # The rate starts after the compiling step, as it would count minutes of compilation as training.
-                tick, tick_step = time.perf_counter(), self.step + 1
+                tick, tick_step, waited = time.perf_counter(), self.step + 1, 0.0
             if not finite:
                 self._skip_step(buffers, saved_buffers, guard)
                 continue
@@ -491,7 +505,12 @@ class _Run:
                 }
                 if self.step > tick_step:
                     metrics["pairs_per_s"] = self.global_batch * (self.step - tick_step) / max(now - tick, 1e-9)
-                tick, tick_step = now, self.step
+                    # The share of the window's training time the loop waited for data: above a few percent on a
+                    # GPU, the workers (data.workers) do not keep up with the steps.
+                    metrics["data_wait"] = min(waited / max(now - tick, 1e-9), 1.0)
+                    self.trained_s += now - tick
+                    self.data_wait_s += waited
+                tick, tick_step, waited = now, self.step, 0.0
                 self.logger.log(self.step, metrics)
             paused = time.perf_counter()
             if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == self.total_steps):
@@ -668,10 +687,11 @@ class _Run:
                 ) from None
             if stats:
                 self.logger.log(self.step, {f"skipped/{k}": v for k, v in stats.items()})
-            print(
+            share = self.data_wait_s / self.trained_s if self.trained_s > 0 else None
+            waits = "" if share is None else f"; waited for data {share:.1%} of the training time"
+            self.logger.say(
                 f"finished {self.step} steps; model in {final}; {self.skipped_steps} non-finite steps skipped; "
-                f"samples skipped: {dict(stats) or 'none'}",
-                file=sys.stderr,
+                f"samples skipped: {dict(stats) or 'none'}{waits}"
             )
         return TrainResult(
             self.step, self.run_dir, final, self.skipped_steps, dict(stats), metrics, self.seconds(), self.precision
