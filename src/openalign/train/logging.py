@@ -87,6 +87,14 @@ def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def say(line: str) -> None:
+    """``line`` on stderr, above the progress bar of a run under way (tqdm clears and redraws any bar) rather than
+    run into its line; printed plainly where there is none."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 class RunLogger:
     """Metrics of one run: JSONL and TensorBoard on the main rank, a progress bar on its stderr.
 
@@ -147,13 +155,9 @@ class RunLogger:
             )
 
     def say(self, line: str) -> None:
-        """``line`` on stderr (main rank), above the progress bar rather than run into it."""
-        if not self.is_main:
-            return
-        if self._bar is not None:
-            self._bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr)
+        """``line`` on stderr (main rank), above the progress bar rather than run into it (``say``)."""
+        if self.is_main:
+            say(line)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` at ``step`` (JSONL line, TensorBoard scalars) and move the progress bar."""

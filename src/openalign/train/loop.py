@@ -59,6 +59,7 @@ from openalign.train.distributed import (
     wrap_model,
 )
 from openalign.train.grad_cache import Pixels, cached_step, caption_widths, plain_step
+from openalign.train.logging import say
 
 if TYPE_CHECKING:
     from openalign.eval.retrieval import RetrievalSet
@@ -126,7 +127,7 @@ def train(
         except KeyboardInterrupt:
             # Ctrl-C keeps the work done so far; under torchrun the other ranks are gone, so no collective save.
             if not is_distributed() and run.step > 0:
-                _say(f"interrupted: saving step {run.step}")
+                say(f"interrupted: saving step {run.step}")
                 run.save()
             raise
         except torch.OutOfMemoryError as err:
@@ -139,15 +140,7 @@ def train(
 
 
 def _warn(message: str) -> None:
-    _say(f"warning: {message}")
-
-
-def _say(line: str) -> None:
-    """``line`` on stderr, above the progress bar of a run under way (tqdm clears and redraws it) rather than run
-    into its line."""
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stderr)
+    say(f"warning: {message}")
 
 
 @dataclass
@@ -344,7 +337,7 @@ class _Run:
                     keep=self.cfg.train.keep_checkpoints,
                 )
             except ckpt.CheckpointError as err:
-                _say(f"checkpoint not written, the previous ones are kept: {err}")
+                say(f"checkpoint not written, the previous ones are kept: {err}")
         if is_distributed():
             dist.barrier()
         self.last_checkpoint_time = time.monotonic()
