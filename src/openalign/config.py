@@ -6,7 +6,9 @@ names the key and lists the valid ones, so a typo in a YAML file never silently 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -298,10 +300,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 # Presets: data files under openalign/presets, named "<image>-<text>" plus "nano".
 
 
-def _preset_data(name: str) -> dict[str, Any]:
+@functools.cache
+def _parsed_preset(name: str) -> dict[str, Any]:
+    # Parsed once a process: resolving every preset (as finding a model's family does) parsed it 60 times.
     text = resources.files("openalign.presets").joinpath(f"{name}.yaml").read_text()
     data: dict[str, Any] = parse_yaml(text)
     return data
+
+
+def _preset_data(name: str) -> dict[str, Any]:
+    # A copy: callers build configurations from its nested mappings and may change them.
+    return copy.deepcopy(_parsed_preset(name))
 
 
 def _towers() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
