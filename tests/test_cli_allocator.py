@@ -38,16 +38,19 @@ def test_freed_blocks_are_reused_without_new_pages() -> None:
     assert retained < 2 * largest and 4 * retained < default, (retained, default)
 
 
-def test_only_the_process_command_line_changes_the_allocator_and_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_the_process_command_line_changes_the_allocator_the_threads_and_the_exit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import openalign.cli as cli
 
     calls: list[str] = []
     monkeypatch.setattr(cli, "retain_freed_memory", lambda: calls.append("allocator") or True)
     monkeypatch.setattr(cli, "sleep_when_idle", lambda: calls.append("threads") or True)  # cli/threads.py
+    monkeypatch.setattr(cli.gc, "freeze", lambda: calls.append("exit"))  # recorded: this process goes on collecting
     with pytest.raises(SystemExit):
         cli.main(["plan", "--help"])  # as a library or a test calls it
     assert calls == []
     monkeypatch.setattr(sys, "argv", ["openalign", "plan", "--help"])
     with pytest.raises(SystemExit):
         cli.main()  # as the openalign command and python -m openalign call it
-    assert calls == ["allocator", "threads"]
+    assert calls == ["allocator", "threads", "exit"]  # the exit's pass skipped, even when the command raises

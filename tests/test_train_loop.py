@@ -630,7 +630,7 @@ def test_the_log_says_what_share_of_training_waited_for_data(
     # Starved: each step waited at least its batch's 0.4 s, whatever else the cores were doing. The share times
     # the window's seconds a step (its batch of 8 over pairs_per_s) gives back the wait a step.
     for record in windows[0.4]:
-        assert 0.4 <= record["data_wait"] * 8 / record["pairs_per_s"] and record["data_wait"] <= 1.0, record
+        assert record["data_wait"] * 8 / record["pairs_per_s"] >= 0.4 and record["data_wait"] <= 1.0, record
     # Fed from memory: a step's own work dominates.
     assert max(shares[0.0]) < 0.5 and min(shares[0.0]) >= 0.0, shares
     assert min(shares[0.4]) > max(shares[0.0]), shares

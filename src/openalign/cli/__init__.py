@@ -10,6 +10,7 @@ its commands with :func:`register`. Settings flags come from the config dataclas
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from openalign.cli import bench, convert, copy_detector, data, demo, embed, eval, plan, search, train
@@ -79,12 +80,23 @@ def _out_of_gpu_memory(message: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command ``argv`` names; without ``argv``, the process's own command line, in a process whose
-    allocator keeps freed memory for reuse (``openalign.cli.allocator``) and whose idle compute threads sleep
-    rather than spin (``openalign.cli.threads``)."""
+    allocator keeps freed memory for reuse (``openalign.cli.allocator``), whose idle compute threads sleep
+    rather than spin (``openalign.cli.threads``), and whose exit skips the garbage collector's last pass."""
     if argv is None:
         retain_freed_memory()
         sleep_when_idle()
-    argv = list(sys.argv[1:] if argv is None else argv)
+        try:
+            return _run(sys.argv[1:])
+        finally:
+            # The interpreter's exit collects every object it tracks, torch's hundreds of thousands among them.
+            # The command is done and has closed what it wrote: nothing left needs that pass, so the objects
+            # alive now are kept out of it. `openalign plan --config nano_cpu --device cpu --no-search` took
+            # 7.55 s against 9.53 s (0.78x the wall time, median of 6 pairs, two cores).
+            gc.freeze()
+    return _run(argv)
+
+
+def _run(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), "")
     try:
         args = build_parser().parse_args(argv)
