@@ -17,7 +17,9 @@ from openalign.train import plan as P
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def run_limited(code: str, gib: float, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run_limited(
+    code: str, gib: float, timeout: float = 900, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter whose address space is capped, so a plan that allocated real
     memory fails the test instead of the machine."""
     limit = int(gib * 2**30)
@@ -27,36 +29,92 @@ def run_limited(code: str, gib: float, timeout: float = 900) -> subprocess.Compl
 
     env = {**os.environ, "PYTHONPATH": SRC}
     return subprocess.run(
-        [sys.executable, "-c", code], preexec_fn=cap, capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-c", code],
+        preexec_fn=cap,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        input=stdin,
     )
 
 
-VALIDATE = """
-import json, sys
-from openalign.train import plan as P
-cases = tuple(c for c in P.VALIDATION_CASES if c[0] in sys.argv[1:])
-print(json.dumps([[c.label, c.predicted_peak, c.measured_peak, c.predicted_flops, c.measured_flops]
-                  for c in P.validate(cases)]))
+# The capped cases below run one after another in one interpreter (as `openalign plan --validate` plans and
+# steps in one process): each pays for importing torch and for PyTorch's first fake step (its dispatch and
+# sharding caches) once, not once a case. Each case's output, its spawned ranks' included, goes to files of
+# its own through file descriptors 1 and 2; an exception ends that case only.
+CASES: dict[str, str] = {}
+
+RUN_CASES = """
+import gc, json, os, sys, tempfile, traceback
+results = {}
+for key, code in json.load(sys.stdin).items():
+    gc.collect()  # a case's garbage is not freed inside the next case's measured step
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        try:
+            exec(compile(code, key, "exec"), {})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        os.close(saved[0]); os.close(saved[1])
+        out.seek(0); err.seek(0)
+        results[key] = [status, out.read().decode(errors="replace"), err.read().decode(errors="replace")]
+print(json.dumps(results))
 """
 
 
-@pytest.mark.parametrize(
-    "labels",
-    [
-        ["nano b32", "nano b32 chunk 8 ckpt"],
-        ["nano b64 bf16", "nano ghost-bn b32 chunk 16"],
-        ["b0-mini 32px b8 chunk 4"],
-        ["nano fsdp×2 b32 chunk 8"],
-        ["nano fsdp×2 b64 ckpt", "nano fsdp×2 b128 chunk 8"],
-    ],
+@pytest.fixture(scope="module")
+def capped(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every selected test's case run in one interpreter capped at 6 GiB: its exit status, stdout and stderr."""
+    keys = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
+    run = run_limited(RUN_CASES, gib=6, timeout=1800, stdin=json.dumps({k: CASES[k] for k in dict.fromkeys(keys)}))
+    try:
+        results = json.loads(run.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):  # the interpreter itself died: every case fails with its tail
+        results = {k: [run.returncode or 1, run.stdout, run.stderr] for k in keys}
+    return {k: subprocess.CompletedProcess(k, *v) for k, v in results.items()}
+
+
+VALIDATE = """
+import json
+from openalign.train import plan as P
+cases = tuple(c for c in P.VALIDATION_CASES if c[0] == LABEL)
+print(json.dumps([[c.label, c.predicted_peak, c.measured_peak, c.predicted_flops, c.measured_flops]
+                  for c in P.validate(cases)]))
+"""
+VALIDATED = (
+    "nano b32",
+    "nano b32 chunk 8 ckpt",
+    "nano b64 bf16",
+    "nano ghost-bn b32 chunk 16",
+    "b0-mini 32px b8 chunk 4",
+    "nano fsdp×2 b32 chunk 8",
+    "nano fsdp×2 b64 ckpt",
+    "nano fsdp×2 b128 chunk 8",
 )
-def test_planned_peak_and_flops_match_a_real_cpu_step(labels: list[str]) -> None:
+CASES.update({f"validate {label}": VALIDATE.replace("LABEL", repr(label)) for label in VALIDATED})
+
+
+@pytest.mark.parametrize("case", [f"validate {label}" for label in VALIDATED])
+def test_planned_peak_and_flops_match_a_real_cpu_step(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # The measured peak comes from the CPU allocator's own events (the profiler), the prediction from a
     # fake step; FLOPs must agree exactly, memory within the tolerance.
-    out = run_limited(VALIDATE.replace("sys.argv[1:]", repr(labels)), gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [r[0] for r in rows] == labels
+    assert [r[0] for r in rows] == [case.removeprefix("validate ")]
     for label, predicted, measured, flops, real_flops in rows:
         assert measured > 0
         assert abs(predicted - measured) / measured <= P.TOLERANCE, (label, predicted, measured)
@@ -83,9 +141,8 @@ def test_the_papers_b7_batch_is_planned_without_allocating_it() -> None:
 
 
 EXTENDED_PLAN = """
-import sys
 from openalign.train import plan as P
-world, overrides = int(sys.argv[1]), eval(sys.argv[2])
+world, overrides = WORLD, OVERRIDES
 cfg = P.load_plan_config('nano_cpu', {'train.chunk_size': 4, **overrides})
 cpu = P.device_spec('cpu')
 with P.session(cfg, cpu, world) as steps:
@@ -93,33 +150,37 @@ with P.session(cfg, cpu, world) as steps:
     full = steps.measure(cfg, cfg.per_rank_batch(world))
 print(a.extrapolated, a.peak, full.peak, a.flops, full.flops)
 """
-
-
-@pytest.mark.parametrize(
-    ("world", "overrides"),
-    [
-        (1, {"train.batch_size": 32, "train.precision": "fp32"}),
-        # FSDP2, checkpointed, with a large embedding table: the middle chunks (adding to gradients held
-        # unsharded) peak higher than the first, so a line through two and three chunks overshoots.
-        (
-            2,
-            {
-                "train.batch_size": 80,
-                "train.precision": "bf16",
-                "train.strategy": "fsdp",
-                "train.grad_checkpointing": True,
-                "model.text.vocab_size": 60000,
-            },
-        ),
-    ],
-    ids=["single", "fsdp×2"],
+EXTENDED = {
+    "extended single": (1, {"train.batch_size": 32, "train.precision": "fp32"}),
+    # FSDP2, checkpointed, with a large embedding table: the middle chunks (adding to gradients held
+    # unsharded) peak higher than the first, so a line through two and three chunks overshoots.
+    "extended fsdp×2": (
+        2,
+        {
+            "train.batch_size": 80,
+            "train.precision": "bf16",
+            "train.strategy": "fsdp",
+            "train.grad_checkpointing": True,
+            "model.text.vocab_size": 60000,
+        },
+    ),
+}
+CASES.update(
+    {
+        key: EXTENDED_PLAN.replace("WORLD", repr(world)).replace("OVERRIDES", repr(overrides))
+        for key, (world, overrides) in EXTENDED.items()
+    }
 )
-def test_chunked_plan_extends_measured_chunk_counts_to_the_batch(world: int, overrides: dict[str, object]) -> None:
+
+
+@pytest.mark.parametrize("case", list(EXTENDED))
+def test_chunked_plan_extends_measured_chunk_counts_to_the_batch(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # Memory outside the loss grows by the same bytes per row once every kind of chunk is in the step, so the
     # plan of 8 or 10 chunks extended from 3 and 4 must equal the plan of the whole per-rank batch run in full
     # (up to the loss, measured at full size in both).
-    code = EXTENDED_PLAN.replace("sys.argv[1]", repr(str(world))).replace("sys.argv[2]", repr(repr(overrides)))
-    out = run_limited(code, gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     extrapolated, peak, full_peak, flops, full_flops = out.stdout.split()[-5:]
     assert extrapolated == "True"
@@ -127,7 +188,7 @@ def test_chunked_plan_extends_measured_chunk_counts_to_the_batch(world: int, ove
     assert abs(int(peak) - int(full_peak)) / int(full_peak) < 0.002, (peak, full_peak)
 
 
-CHECKPOINTED_CHUNKS = """
+CASES["checkpointed chunks"] = """
 import json
 from openalign.train import plan as P
 base = {"train.chunk_size": 4, "train.grad_checkpointing": True}
@@ -136,11 +197,14 @@ print(json.dumps([[c.label, c.predicted_peak, c.measured_peak] for c in P.valida
 """
 
 
-def test_checkpointed_chunks_hold_one_chunk_of_activations_planned_and_real() -> None:
+@pytest.mark.parametrize("case", ["checkpointed chunks"])
+def test_checkpointed_chunks_hold_one_chunk_of_activations_planned_and_real(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # With checkpointing, a block recomputed in backward must be freed once its chunk's backward is done: at
     # 6 chunks of 4 the real peak is that of 2 chunks of 4 plus a few inputs, and the plan follows it at
     # both. (Blocks kept alive to the end of the step raised it by half.)
-    out = run_limited(CHECKPOINTED_CHUNKS, gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     (_, two_planned, two_real), (_, six_planned, six_real) = json.loads(out.stdout.strip().splitlines()[-1])
     for predicted, measured in ((two_planned, two_real), (six_planned, six_real)):
@@ -148,19 +212,25 @@ def test_checkpointed_chunks_hold_one_chunk_of_activations_planned_and_real() ->
     assert six_real < 1.1 * two_real and six_planned < 1.1 * two_planned
 
 
-@pytest.mark.parametrize(("strategy", "world"), [("ddp", 1), ("fsdp", 4)])
-def test_planned_activations_shrink_with_the_chunk(strategy: str, world: int) -> None:
+SHRINKING = """
+from openalign.train import plan as P
+cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 64 * WORLD, 'train.precision': 'fp32',
+                                      'train.grad_checkpointing': True, 'train.strategy': STRATEGY})
+dev = P.device_spec('cpu')
+with P.session(cfg, dev, WORLD) as s:
+    print(*(P.plan(P._with_chunk(cfg, c), dev, WORLD, steps=s).activations for c in (32, 16, 4)))
+"""
+for strategy, world in (("ddp", 1), ("fsdp", 4)):
+    CASES[f"shrinking {strategy}×{world}"] = SHRINKING.replace("WORLD", str(world)).replace("STRATEGY", repr(strategy))
+
+
+@pytest.mark.parametrize("case", ["shrinking ddp×1", "shrinking fsdp×4"])
+def test_planned_activations_shrink_with_the_chunk(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # 64 rows per rank, checkpointed: chunks of 4 hold a quarter of the activations chunks of 16 hold, so
     # what a plan calls activations must fall with the chunk, not stay at (chunks x one chunk's worth).
-    code = (
-        "from openalign.train import plan as P\n"
-        f"cfg = P.load_plan_config('nano_cpu', {{'train.batch_size': {64 * world}, 'train.precision': 'fp32', "
-        f"'train.grad_checkpointing': True, 'train.strategy': '{strategy}'}})\n"
-        "dev = P.device_spec('cpu')\n"
-        f"with P.session(cfg, dev, {world}) as s:\n"
-        f"    print(*(P.plan(P._with_chunk(cfg, c), dev, {world}, steps=s).activations for c in (32, 16, 4)))\n"
-    )
-    out = run_limited(code, gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     c32, c16, c4 = map(int, out.stdout.split()[-3:])
     assert c4 < c16 < c32
@@ -177,34 +247,41 @@ cfg = load_train_config("nano_cpu", {"train.batch_size": 16, "train.chunk_size":
     "train.strategy": "fsdp", "train.precision": "bf16"})
 print(json.dumps(P.measured_ranks(cfg, 2, True)))
 """
+CASES.update({f"fsdp bf16 ghost={ghost}": FSDP_BF16.replace("GHOST", repr(ghost)) for ghost in (False, True)})
 
 
-@pytest.mark.parametrize("ghost", [False, True])
-def test_fsdp_bf16_step_runs_on_two_gloo_ranks_without_view_warnings(ghost: bool) -> None:
+@pytest.mark.parametrize("case", ["fsdp bf16 ghost=False", "fsdp bf16 ghost=True"])
+def test_fsdp_bf16_step_runs_on_two_gloo_ranks_without_view_warnings(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # FSDP2 casts parameters to bf16 but not batch norm's running statistics: the real step on two gloo
     # processes must run (per-device and ghost batch norm, gradient-cached, checkpointed), and no block may
     # hand FSDP2 a view as its output.
-    out = run_limited(FSDP_BF16.replace("GHOST", repr(ghost)), gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     assert "returned a view tensor" not in out.stderr
     (peak0, flops0), (peak1, flops1) = json.loads(out.stdout.strip().splitlines()[-1])
     assert peak0 > 0 and flops0 == flops1 > 0 and peak1 > 0
 
 
+CASES["largest chunk"] = """
+from openalign.train import plan as P
+cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 16, 'train.precision': 'fp32'})
+whole = P.plan(cfg, P.device_spec('cpu'))
+c4 = P.plan(P._with_chunk(cfg, 4), P.device_spec('cpu'))
+budget = (c4.peak + whole.peak) / 2 / 2**30
+dev = P.Device('small', budget, None, None, cuda=False)
+chunk, p = P.largest_chunk(cfg, dev)
+print(chunk, p.fits, P.plan(P._with_chunk(cfg, 8), dev).fits, whole.fits, P.plan(cfg, dev).fits)
+"""
+
+
 @pytest.mark.slow
-def test_largest_chunk_is_the_boundary_of_fitting() -> None:
-    code = (
-        "import dataclasses\n"
-        "from openalign.train import plan as P\n"
-        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 16, 'train.precision': 'fp32'})\n"
-        "whole = P.plan(cfg, P.device_spec('cpu'))\n"
-        "c4 = P.plan(P._with_chunk(cfg, 4), P.device_spec('cpu'))\n"
-        "budget = (c4.peak + whole.peak) / 2 / 2**30\n"
-        "dev = P.Device('small', budget, None, None, cuda=False)\n"
-        "chunk, p = P.largest_chunk(cfg, dev)\n"
-        "print(chunk, p.fits, P.plan(P._with_chunk(cfg, 8), dev).fits, whole.fits, P.plan(cfg, dev).fits)\n"
-    )
-    out = run_limited(code, gib=6)
+@pytest.mark.parametrize("case", ["largest chunk"])
+def test_largest_chunk_is_the_boundary_of_fitting(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     chunk, fits, eight_fits, _, whole_fits = out.stdout.split()[-5:]
     assert whole_fits == "False" and fits == "True"
@@ -212,17 +289,21 @@ def test_largest_chunk_is_the_boundary_of_fitting() -> None:
     assert chunk == ("8" if eight_fits == "True" else "4")
 
 
-def test_data_parallel_plan_gathers_the_global_batch() -> None:
+CASES["data parallel"] = """
+from openalign.train import plan as P
+cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 8, 'train.precision': 'fp32'})
+one = P.plan(P._with_batch(cfg, 8), P.device_spec('cpu'))
+four = P.plan(cfg, P.device_spec('cpu'), 4)
+print(one.per_rank, four.per_rank, one.loss, four.loss, four.ddp_buckets, four.grads, one.ddp_buckets)
+"""
+
+
+@pytest.mark.parametrize("case", ["data parallel"])
+def test_data_parallel_plan_gathers_the_global_batch(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # Four ranks of 8 rows: the loss scores 8 rows against 32 columns, and DDP keeps a gradient bucket copy.
-    code = (
-        "from openalign.train import plan as P\n"
-        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 8, "
-        "'train.precision': 'fp32'})\n"
-        "one = P.plan(P._with_batch(cfg, 8), P.device_spec('cpu'))\n"
-        "four = P.plan(cfg, P.device_spec('cpu'), 4)\n"
-        "print(one.per_rank, four.per_rank, one.loss, four.loss, four.ddp_buckets, four.grads, one.ddp_buckets)\n"
-    )
-    out = run_limited(code, gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     one_rows, four_rows, one_loss, four_loss, buckets, grads, one_buckets = map(int, out.stdout.split()[-7:])
     assert one_rows == four_rows == 8
@@ -230,19 +311,23 @@ def test_data_parallel_plan_gathers_the_global_batch() -> None:
     assert buckets == grads > 0 and one_buckets == 0
 
 
-def test_fsdp_plan_shards_the_state_and_gathers_units() -> None:
+CASES["fsdp shards"] = """
+from openalign.train import plan as P
+cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 4, 'train.precision': 'fp32'})
+ddp = P.plan(P._with_strategy(cfg, 'ddp'), P.device_spec('cpu'), 4)
+fsdp = P.plan(P._with_strategy(cfg, 'fsdp'), P.device_spec('cpu'), 4)
+print(*(getattr(p, k) for p in (ddp, fsdp) for k in ('params', 'grads', 'optimizer', 'gathered', 'ddp_buckets',
+                                                      'flops', 'strategy')))
+"""
+
+
+@pytest.mark.parametrize("case", ["fsdp shards"])
+def test_fsdp_plan_shards_the_state_and_gathers_units(
+    case: str, capped: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     # The real fully_shard step under fake tensors: this rank holds a quarter of parameters, gradients and
     # optimizer state (each tensor's shard padded to divide by 4), no DDP bucket, and gathered units at its peak.
-    code = (
-        "from openalign.train import plan as P\n"
-        "cfg = P.load_plan_config('nano_cpu', {'train.batch_size': 32, 'train.chunk_size': 4, "
-        "'train.precision': 'fp32'})\n"
-        "ddp = P.plan(P._with_strategy(cfg, 'ddp'), P.device_spec('cpu'), 4)\n"
-        "fsdp = P.plan(P._with_strategy(cfg, 'fsdp'), P.device_spec('cpu'), 4)\n"
-        "print(*(getattr(p, k) for p in (ddp, fsdp) for k in ('params', 'grads', 'optimizer', 'gathered', "
-        "'ddp_buckets', 'flops', 'strategy')))\n"
-    )
-    out = run_limited(code, gib=6)
+    out = capped[case]
     assert out.returncode == 0, out.stderr[-2000:]
     values = out.stdout.split()[-14:]
     ddp, fsdp = [
