@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "openalign"
 
 # Bottom to top; the package __init__ (lazy public names) may reach every layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "outputs", "hardware"),
+    ("config", "outputs", "hardware", "process"),
     ("data",),
     ("text",),
     ("model",),

@@ -58,6 +58,7 @@ from typing import Any
 from openalign.bench import gpu_memory
 from openalign.bench.gpu_report import markdown
 from openalign.config import ImageTowerConfig
+from openalign.process import skip_exit_collection
 
 __all__ = ["GpuCheckSettings", "run_gpu_check"]
 
@@ -544,4 +545,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    skip_exit_collection()  # the part's report is written
+    sys.exit(code)

@@ -25,6 +25,7 @@ from openalign.config import model_config
 from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
+from openalign.process import skip_exit_collection
 from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import prepare_towers
 
@@ -224,6 +225,7 @@ def _child(which: str, settings: BenchSettings, profile: str | None, queue: Any)
         queue.put(measure(which, settings, profile))
     except Exception as err:  # reported by the parent as one line
         queue.put({"model": which, "error": f"{type(err).__name__}: {err}"})
+    skip_exit_collection()  # the parent joins this process before its next contender starts
 
 
 def _in_subprocess(which: str, settings: BenchSettings, profile: str | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
+from openalign.process import skip_exit_collection
 from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import prepare_towers
 
@@ -374,6 +375,7 @@ def _child(fn_name: str, args: tuple[Any, ...], queue: Any) -> None:
         queue.put(globals()[fn_name](*args))
     except Exception as err:  # reported by the parent as one line
         queue.put({"error": f"{type(err).__name__}: {err}"})
+    skip_exit_collection()  # the parent joins this process before its next contender starts
 
 
 def _in_subprocess(fn_name: str, *args: Any) -> Any:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from openalign.config import ConfigError
 from openalign.data.sources import TOKENIZER_JSON
+from openalign.process import skip_exit_collection
 
 __all__ = [
     "ABLATIONS",
@@ -669,7 +670,9 @@ def _execute(
 
 def _run_job(job: tuple[int, tuple[RunSpec, int, Path | None]]) -> tuple[int, dict[str, Any]]:
     index, (spec, eval_images, batches) = job
-    return index, _run_one(spec, eval_images, _EvalSets(), batches)
+    run = _run_one(spec, eval_images, _EvalSets(), batches)
+    skip_exit_collection()  # the worker's one task: it ends once the result is sent
+    return index, run
 
 
 def _shared_vocabulary(settings: ExperimentSettings, log: Callable[[str], None]) -> None:

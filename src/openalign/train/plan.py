@@ -51,6 +51,7 @@ from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
 from openalign.model.efficientnet import direct_depthwise
 from openalign.optim import build_optimizer
+from openalign.process import skip_exit_collection
 from openalign.train import flops as flop_formulas
 from openalign.train.config import TrainConfig, resolve_precision, sharded
 from openalign.train.grad_cache import cached_step, plain_step
@@ -1074,3 +1075,4 @@ def _measured_rank(rank: int, world_size: int, cfg: TrainConfig, bf16: bool, tmp
     finally:
         cleanup()
     torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    skip_exit_collection()
