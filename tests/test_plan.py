@@ -77,7 +77,7 @@ def capped(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProc
         for item in request.session.items
         if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})
     ]
-    run = run_limited(RUN_CASES, gib=6, timeout=1800, stdin=json.dumps({k: CASES[k] for k in dict.fromkeys(keys)}))
+    run = run_limited(RUN_CASES, gib=6, timeout=1800, stdin=json.dumps({k: CASES[k] for k in keys}))
     try:
         results = json.loads(run.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):  # the interpreter itself died: every case fails with its tail
