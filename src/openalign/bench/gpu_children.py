@@ -257,12 +257,12 @@ def _train_bench_without_webdataset(s: Any, report: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="openalign-bench-train-") as tmp:
         shards, tok = bt.prepare_data(s, Path(tmp))
         training = {
-            w: bt._in_subprocess("measure_training", w, s, shards, str(tok)) for w in ("openalign", "transformers")
+            w: bt.in_own_process(bt.measure_training, w, s, shards, str(tok)) for w in ("openalign", "transformers")
         }
-        one = bt._in_subprocess("measure_pipeline", "openalign", s, shards, str(tok), 0)
+        one = bt.in_own_process(bt.measure_pipeline, "openalign", s, shards, str(tok), 0)
         ours = {"in_process": one["samples_per_s"], "workers": 0.0, "cpu_ms": one["cpu_ms"]}
         if s.workers:
-            many = bt._in_subprocess("measure_pipeline", "openalign", s, shards, str(tok), s.workers)
+            many = bt.in_own_process(bt.measure_pipeline, "openalign", s, shards, str(tok), s.workers)
             ours["workers"] = many["samples_per_s"]
     peak = matmul_peak(s.device, s.bf16)
     nominal = training["transformers"]["flops_per_step"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import resource
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from openalign.config import model_config
 from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
-from openalign.process import skip_exit_collection
+from openalign.process import run_spawned
 from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import prepare_towers
 
@@ -220,27 +219,6 @@ def matmul_peak(device: str, bf16: bool) -> float:
     return 2 * n**3 / best
 
 
-def _child(which: str, settings: BenchSettings, profile: str | None, queue: Any) -> None:
-    try:
-        queue.put(measure(which, settings, profile))
-    except Exception as err:  # reported by the parent as one line
-        queue.put({"model": which, "error": f"{type(err).__name__}: {err}"})
-    skip_exit_collection()  # the parent joins this process before its next contender starts
-
-
-def _in_subprocess(which: str, settings: BenchSettings, profile: str | None) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(which, settings, profile, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    if "error" in result:
-        raise RuntimeError(f"{which} benchmark failed: {result['error']}")
-    out: dict[str, Any] = result
-    return out
-
-
 def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
     cfg = bench_config(settings)
     contenders = ["openalign", "transformers"] if settings.baseline else ["openalign"]
@@ -248,7 +226,7 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
     for r in range(settings.rounds):
         for which in contenders if r % 2 == 0 else contenders[::-1]:
             # The first round also profiles, after its timed steps.
-            res = _in_subprocess(which, settings, settings.profile if r == 0 else None)
+            res = run_spawned(measure, which, settings, settings.profile if r == 0 else None)
             print(f"  round {r + 1} {which:>12}: {settings.batch_size / res['step_s']:.2f} pairs/s", flush=True)
             profiled = res["profile"] or (best.get(which) or {}).get("profile")
             if which not in best or res["step_s"] < best[which]["step_s"]:

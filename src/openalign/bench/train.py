@@ -23,9 +23,9 @@ import dataclasses
 import itertools
 import json
 import math
-import multiprocessing as mp
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,7 +34,7 @@ import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.data.transforms import model_resize
-from openalign.process import skip_exit_collection
+from openalign.process import run_spawned
 from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import prepare_towers
 
@@ -367,27 +367,10 @@ def _webdataset_loader(
 # ---------------------------------------------------------------------------------------------- processes
 
 
-def _child(fn_name: str, args: tuple[Any, ...], queue: Any) -> None:
-    # DataLoader workers fork from this process, as they do from a training process started by a shell
-    # or torchrun; inheriting spawn from the parent would add interpreter start-ups to the first steps.
-    mp.set_start_method("fork", force=True)
-    try:
-        queue.put(globals()[fn_name](*args))
-    except Exception as err:  # reported by the parent as one line
-        queue.put({"error": f"{type(err).__name__}: {err}"})
-    skip_exit_collection()  # the parent joins this process before its next contender starts
-
-
-def _in_subprocess(fn_name: str, *args: Any) -> Any:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn_name, args, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    if isinstance(result, dict) and "error" in result:
-        raise RuntimeError(f"{fn_name}({args[0]}) failed: {result['error']}")
-    return result
+def in_own_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """A contender measured in a spawned interpreter whose DataLoader workers fork from it, as a training
+    process's do."""
+    return run_spawned(fn, *args, fork_workers=True)
 
 
 def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
@@ -403,9 +386,9 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         best: dict[str, dict[str, Any]] = {}
         for r in range(s.rounds):
             for which in contenders if r % 2 == 0 else contenders[::-1]:
-                measure = "measure_recipe" if which == "recipe" else "measure_training"
+                measure = measure_recipe if which == "recipe" else measure_training
                 # The first round also profiles, after its timed steps.
-                res = _in_subprocess(measure, which, s, shards, str(tok), s.profile if r == 0 else None)
+                res = in_own_process(measure, which, s, shards, str(tok), s.profile if r == 0 else None)
                 print(f"  round {r + 1} {which:>12}: {res['pairs_per_s']:.2f} pairs/s", flush=True)
                 if which not in best or res["step_s"] < best[which]["step_s"]:
                     best[which] = res
@@ -413,11 +396,11 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         pipeline = {which: {"in_process": 0.0, "workers": 0.0, "cpu_ms": math.inf} for which in pipelines}
         for r in range(s.rounds):
             for which in pipelines if r % 2 == 0 else pipelines[::-1]:
-                one = _in_subprocess("measure_pipeline", which, s, shards, str(tok), 0)
+                one = in_own_process(measure_pipeline, which, s, shards, str(tok), 0)
                 pipeline[which]["in_process"] = max(pipeline[which]["in_process"], one["samples_per_s"])
                 pipeline[which]["cpu_ms"] = min(pipeline[which]["cpu_ms"], one["cpu_ms"])
                 if s.workers:
-                    many = _in_subprocess("measure_pipeline", which, s, shards, str(tok), s.workers)
+                    many = in_own_process(measure_pipeline, which, s, shards, str(tok), s.workers)
                     pipeline[which]["workers"] = max(pipeline[which]["workers"], many["samples_per_s"])
     peak = matmul_peak(s.device, s.bf16)
     nominal = best["transformers"]["flops_per_step"] if "transformers" in best else 0
