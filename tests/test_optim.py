@@ -1,5 +1,7 @@
 import copy
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from openalign.optim import (
     GroupLRScheduler,
     Lamb,
     OptimConfig,
+    _base_method,
     build_optimizer,
     build_schedule,
     build_scheduler,
@@ -470,3 +473,47 @@ def test_bad_config_raises_one_line(kw, match):
     cfg.name = "adam"  # mutated after construction: the builder checks again
     with pytest.raises(ValueError, match="valid: adamw, lamb, sgd"):
         build_optimizer(Tiny(), cfg)
+
+
+# A fresh interpreter: LAMB's methods and an eager training run on a CPU with checkpoints, then whether
+# torch._dynamo was imported (the pytest process has it loaded by other tests).
+NO_DYNAMO = """
+import copy, sys, tempfile
+import torch
+from openalign.optim import OptimConfig, build_optimizer
+model = torch.nn.Linear(4, 4)
+opt = build_optimizer(model, OptimConfig(lr=0.01, weight_decay=0.01, warmup_steps=1, total_steps=4))
+opt.zero_grad()
+model(torch.ones(2, 4)).sum().backward()
+opt.step()
+twin = build_optimizer(copy.deepcopy(model), OptimConfig(lr=0.01, weight_decay=0.01, warmup_steps=1, total_steps=4))
+twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+assert str(twin.state_dict()) == str(opt.state_dict())
+from openalign.train.config import load_train_config
+from openalign.train.loop import train
+cfg = load_train_config("nano_cpu", {
+    "data.source": "synthetic", "data.workers": 0, "model.image_size": 32, "train.batch_size": 8, "train.steps": 2,
+    "train.run_dir": tempfile.mkdtemp(), "train.checkpoint_every": 1, "eval.every": 0,
+    "log.progress": False, "log.tensorboard": False,
+})
+assert train(cfg).step == 2
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_eager_training_with_lamb_never_imports_dynamo() -> None:
+    # torch.optim wraps four Optimizer methods so that their first call imports torch._dynamo (2.8 s of a
+    # two-core CPU, as long as torch's own import); a process that compiles nothing has no use for it.
+    out = subprocess.run([sys.executable, "-c", NO_DYNAMO], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"
+
+
+def test_lamb_calls_torchs_own_optimizer_methods_once_dynamo_is_loaded() -> None:
+    import torch._dynamo
+
+    opt = Lamb(nn.Linear(2, 2).parameters())
+    for method in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        assert _base_method(method) is getattr(torch.optim.Optimizer, method)
+    opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -80,6 +81,18 @@ def _check_hparams(
         raise ValueError(f"max_trust_ratio must be finite and > 0, or None, got {max_trust}")
 
 
+# torch.optim.Optimizer wraps these methods in torch._disable_dynamo, which imports torch._dynamo at their first
+# call: 2.8 s of a two-core CPU, as long as importing torch itself, paid by every eager training process (each
+# spawned run, each rank) that never compiles anything. Lamb's own step leaves it unimported; torch's AdamW and
+# SGD import it in theirs.
+def _base_method(name: str) -> Callable[..., Any]:
+    wrapped = getattr(torch.optim.Optimizer, name)
+    if "torch._dynamo" in sys.modules:
+        return cast(Callable[..., Any], wrapped)
+    # Without torch._dynamo loaded nothing is being compiled, so the wrapper's only effect would be the import.
+    return cast(Callable[..., Any], getattr(wrapped, "__wrapped__", wrapped))
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020, Algorithm 2) with per-group control of the trust ratio.
 
@@ -121,10 +134,20 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        _base_method("add_param_group")(self, param_group)
         # Groups may override any default, so validate what they ended up with, not just the constructor args.
         g = self.param_groups[-1]
         _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["max_trust_ratio"])
+
+    # Optimizer's own methods, without importing torch._dynamo where nothing compiles (``_base_method``).
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _base_method("zero_grad")(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return cast(dict[str, Any], _base_method("state_dict")(self))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _base_method("load_state_dict")(self, state_dict)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
