@@ -20,6 +20,7 @@ from openalign.config import ConfigError
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import check_compile, compile_enabled, load_train_config
 from openalign.train.loop import train
+from openalign.train.plan import fake_world
 from test_train_loop import MemoryStream, factory, tiny_config, weights
 from test_train_resume import LAMB, ddp_config
 
@@ -310,10 +311,9 @@ def _compiled_run(rank: int, world: int, run_dir: str, strategy: str) -> None:
     )
 
 
-def test_compiled_towers_train_under_ddp_as_one_process_does_and_fsdp_refuses_them(tmp_path: Path) -> None:
+def test_compiled_towers_train_under_ddp_as_one_process_does(tmp_path: Path) -> None:
     """Two gloo ranks, each with its half of the batch and gradient caching in chunks of 4, the towers compiled one
-    graph each inside DDP: the weights of one process training the whole batch eager. FSDP2 across ranks asked to
-    compile says why it cannot, in one line, before any step."""
+    graph each inside DDP: the weights of one process training the whole batch eager."""
     (tmp_path / "ddp").mkdir()
     run_gloo(_compiled_run, 2, tmp_path / "ddp", str(tmp_path / "compiled"), "ddp")
     single = train(ddp_config(tmp_path / "single", steps=2, optim=LAMB, group=4), stream_factory=factory(blocked=True))
@@ -322,6 +322,12 @@ def test_compiled_towers_train_under_ddp_as_one_process_does_and_fsdp_refuses_th
     assert want.keys() == got.keys()
     for name in (k for k in want if "running" not in k and "num_batches" not in k):
         torch.testing.assert_close(got[name], want[name], atol=3e-5, rtol=1e-4, msg=name)
-    (tmp_path / "fsdp").mkdir()
-    with pytest.raises(Exception, match=r"does not combine with train\.strategy fsdp"):
-        run_gloo(_compiled_run, 2, tmp_path / "fsdp", str(tmp_path / "sharded"), "fsdp")
+
+
+def test_fsdp_across_ranks_refuses_compiled_towers_before_any_step(tmp_path: Path) -> None:
+    """FSDP2 across ranks asked to compile says why it cannot, in one line, before any step: ``train`` as rank 0
+    of two (a process group whose collectives move no data; the refusal reads only the world's size)."""
+    config = ddp_config(tmp_path / "sharded", strategy="fsdp", steps=2, optim=LAMB, group=4, chunk=4)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile=True))
+    with fake_world(2), pytest.raises(ConfigError, match=r"does not combine with train\.strategy fsdp"):
+        train(config, stream_factory=factory(blocked=True))
