@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -1027,28 +1028,37 @@ def measured_step(cfg: TrainConfig, rows: int, bf16: bool) -> tuple[int, int]:
 
 def validate(cases: tuple[tuple[str, dict[str, Any], int], ...] = VALIDATION_CASES) -> list[Check]:
     """Plan each case on the CPU, run it for real, compare peaks and FLOPs (with several processes: the
-    largest rank's peak, and rank 0's FLOPs, against the plan of rank 0)."""
+    largest rank's peak, and rank 0's FLOPs, against the plan of rank 0). The cases of one world size run on
+    one set of gloo ranks, one after another."""
     from openalign.train.config import load_train_config
 
     cpu = device_spec("cpu")
-    out = []
-    for label, overrides, world in cases:
-        cfg = load_train_config(
-            "nano_cpu", {"train.precision": "fp32", "model.image.family": "efficientnet", **overrides}
-        )
-        p = plan(cfg, cpu, world)
-        bf16 = p.precision == "bf16"
+    configs = [
+        load_train_config("nano_cpu", {"train.precision": "fp32", "model.image.family": "efficientnet", **overrides})
+        for _, overrides, _ in cases
+    ]
+    plans = [plan(cfg, cpu, world) for cfg, (_, _, world) in zip(configs, cases, strict=True)]
+    measured: dict[int, tuple[int, int]] = {}
+    for world in sorted({world for *_, world in cases}):
+        ours = [i for i, (*_, w) in enumerate(cases) if w == world]
+        steps = [(configs[i], plans[i].precision == "bf16") for i in ours]
         if world == 1:
-            peak, flops = measured_step(cfg, p.per_rank, bf16)
+            for i, (cfg, bf16) in zip(ours, steps, strict=True):
+                measured[i] = measured_step(cfg, cfg.per_rank_batch(1), bf16)
         else:
-            ranks = measured_ranks(cfg, world, bf16)
-            peak, flops = max(r[0] for r in ranks), ranks[0][1]
+            for i, ranks in zip(ours, measured_ranks(steps, world), strict=True):
+                measured[i] = (max(r[0] for r in ranks), ranks[0][1])
+    out = []
+    for i, ((label, _, _), p) in enumerate(zip(cases, plans, strict=True)):
+        peak, flops = measured[i]
         out.append(Check(label, p.peak, peak, p.flops, flops))
     return out
 
 
-def measured_ranks(cfg: TrainConfig, world_size: int, bf16: bool) -> list[tuple[int, int]]:
-    """(peak bytes, FLOPs) of one real step on each of ``world_size`` CPU processes joined over gloo."""
+def measured_ranks(steps: list[tuple[TrainConfig, bool]], world_size: int) -> list[list[tuple[int, int]]]:
+    """(peak bytes, FLOPs) of one real step of each (config, bf16) on each of ``world_size`` CPU processes
+    joined over gloo: ``[step][rank]``. The ranks are spawned and joined once and run the steps in turn, each
+    measured from its own start (``measured_step``), as one process runs single-rank steps."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -1056,23 +1066,27 @@ def measured_ranks(cfg: TrainConfig, world_size: int, bf16: bool) -> list[tuple[
     with tempfile.TemporaryDirectory(prefix="openalign-plan-") as tmp:
         mp.start_processes(
             _measured_rank,
-            args=(world_size, cfg, bf16, tmp),
+            args=(world_size, steps, tmp),
             nprocs=world_size,
             start_method="spawn",
         )
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
+        by_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
+    return [[by_rank[r][i] for r in range(world_size)] for i in range(len(steps))]
 
 
-def _measured_rank(rank: int, world_size: int, cfg: TrainConfig, bf16: bool, tmp: str) -> None:
+def _measured_rank(rank: int, world_size: int, steps: list[tuple[TrainConfig, bool]], tmp: str) -> None:
     from openalign.train.distributed import cleanup, open_group
 
     # One thread per rank: the ranks share the cores, and kernels' scratch should not depend on their count.
     torch.set_num_threads(1)
     store = f"file://{os.path.join(tmp, 'store')}"
     open_group("gloo", init_method=store, rank=rank, world_size=world_size)
+    results = []
     try:
-        result = measured_step(cfg, cfg.per_rank_batch(world_size), bf16)
+        for cfg, bf16 in steps:
+            gc.collect()  # the last step's garbage is not freed inside this one's measured step
+            results.append(measured_step(cfg, cfg.per_rank_batch(world_size), bf16))
     finally:
         cleanup()
-    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
     skip_exit_collection()
