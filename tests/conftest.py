@@ -40,6 +40,19 @@ def tiny_model() -> openalign.DualEncoder:
     return openalign.create_model("nano", **tiny_overrides())
 
 
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local Spark session for every test that runs the Spark engine: a session takes ~14 s to start on two
+    cores and its first job ~6 s more. The library's own sessions (``spark_session``) reuse the active one."""
+    pytest.importorskip("pyspark")
+    from openalign.data.filters.spark_engine import SparkSettings, spark_session
+
+    session = spark_session(SparkSettings("local[2]", {"spark.sql.shuffle.partitions": "2"}))
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """One torch thread for a test, then the old count back: on busy shared cores, intra-op threads of tiny

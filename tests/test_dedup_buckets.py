@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -121,9 +122,9 @@ def test_duckdb_and_numpy_equal_brute_force_on_pairs_sharing_a_bucket(planted: d
 
 
 @pytest.mark.slow
-def test_spark_local_mode_gives_the_duckdb_pairs(planted: dict, tmp_path: Path) -> None:
-    pytest.importorskip("pyspark")
-    # Few partitions: the fixture is tiny, and each shuffle partition is a task to schedule.
+def test_spark_local_mode_gives_the_duckdb_pairs(planted: dict, tmp_path: Path, spark: Any) -> None:
+    # The run's session (conftest's `spark`) is active, and the engine's own session reuses it. Few partitions:
+    # the fixture is tiny, and each shuffle partition is a task to schedule.
     conf = {"spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2"}
     found = _run(planted, tmp_path / "spark", engine="spark", spark_master="local[2]", spark_conf=conf)
     assert found == _run(planted, tmp_path / "duckdb", engine="duckdb")

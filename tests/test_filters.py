@@ -476,18 +476,7 @@ def test_duckdb_matches_reference(tmp_path, preset):
 
 
 # --------------------------------------------------------------------------------------------------
-# Spark keeps the same rows (one session for the module: Spark starts slowly)
-
-
-@pytest.fixture(scope="module")
-def spark():
-    pytest.importorskip("pyspark")
-    from openalign.data.filters.spark_engine import SparkSettings, spark_session
-
-    session = spark_session(SparkSettings("local[2]", {"spark.sql.shuffle.partitions": "2"}))
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+# Spark keeps the same rows (one session for the whole run, conftest's `spark`: Spark starts slowly)
 
 
 @pytest.mark.slow

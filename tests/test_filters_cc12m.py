@@ -349,9 +349,7 @@ def test_a_pipeline_without_the_tagger_or_ner_a_rule_needs_is_refused_up_front(t
 
 
 @pytest.mark.slow
-def test_spark_and_duckdb_agree_on_every_cc12m_rule(tmp_path, pipeline):
-    pytest.importorskip("pyspark")
-    from openalign.data.filters.spark_engine import SparkSettings, spark_session
+def test_spark_and_duckdb_agree_on_every_cc12m_rule(tmp_path, pipeline, spark):
 
     captions = ["Barack Obama walks a dog", "dog runs", "a red car", "the cat sleeps on the sofa", "a cat", "猫"]
     formats = ["jpeg", "JPG", "png"]
@@ -365,7 +363,6 @@ def test_spark_and_duckdb_agree_on_every_cc12m_rule(tmp_path, pipeline):
     )
     src = write_rows(tmp_path / "in.parquet", rows)
     duck = filter_corpus(src, tmp_path / "duck.parquet", rules, nlp=pipeline)
-    spark = spark_session(SparkSettings("local[2]", {"spark.sql.shuffle.partitions": "2"}))
     sprk = filter_corpus(src, tmp_path / "spark.parquet", rules, nlp=pipeline, engine="spark", spark=spark)
     assert duck.steps == sprk.steps and duck.transformed == sprk.transformed and duck.rows_out == sprk.rows_out
     assert {k: v for k, v in duck.removed.items() if v}.keys() >= {"image_format", "tag_overlap", "missing_pos"}

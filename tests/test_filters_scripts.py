@@ -69,16 +69,10 @@ def test_long_and_repeated_word_rules_count_paired_characters():
 
 
 @pytest.mark.parametrize("engine", ["duckdb", pytest.param("spark", marks=pytest.mark.slow)])
-def test_scripts_without_spaces_are_not_too_many_or_repeated_words_per_character(tmp_path, engine):
+def test_scripts_without_spaces_are_not_too_many_or_repeated_words_per_character(tmp_path, engine, request):
     """ALIGN's 20-word cap keeps a 21-character Chinese caption; CC12M's repetition rule keeps
     我的朋友和我的狗 and a Thai caption, and still drops genuinely repeated captions in any script."""
-    spark = None
-    if engine == "spark":
-        pytest.importorskip("pyspark")
-        from openalign.data.filters.spark_engine import SparkSettings, spark_session
-
-        spark = spark_session(SparkSettings("local[2]", {"spark.sql.shuffle.partitions": "2"}))
-    kw = {"engine": engine, "spark": spark}
+    kw = {"engine": engine, "spark": request.getfixturevalue("spark") if engine == "spark" else None}
     long = ZH21 + "的狗坐在沙发上的角落里休息了一个下午里面"  # 40 characters: 20 paired words, 41: 21
     rows = [row(0, ZH21), row(1, long[:40]), row(2, long[:41]), row(3, " ".join(["car"] * 21)), row(4, "白猫。黑")]
     report, kept = run(tmp_path, rows, load_rules("align", **{**OFF, "min_words": 3, "max_words": 20}), "align", **kw)
@@ -105,8 +99,7 @@ def test_rare_ngrams_are_counted_over_characters(tmp_path):
 
 
 @pytest.mark.slow
-def test_spark_segments_like_duckdb(tmp_path):
-    pytest.importorskip("pyspark")
+def test_spark_segments_like_duckdb(tmp_path, spark):
     from test_filters import kept_ids
 
     texts = [*random_texts(300, 1), ZH, JA, TH]
@@ -114,9 +107,8 @@ def test_spark_segments_like_duckdb(tmp_path):
     rules = load_rules("cc12m", **{**OFF, "min_word_count": 2, "min_words": 2, "max_words": 8})
     src = write_rows(tmp_path / "in.parquet", rows)
     duck = filter_corpus(src, tmp_path / "duck.parquet", rules)
-    from openalign.data.filters.spark_engine import SparkSettings, norm_column, spark_session
+    from openalign.data.filters.spark_engine import norm_column
 
-    spark = spark_session(SparkSettings("local[2]", {"spark.sql.shuffle.partitions": "2"}))
     sprk = filter_corpus(src, tmp_path / "spark.parquet", rules, engine="spark", spark=spark)
     assert kept_ids(tmp_path / "duck.parquet") == kept_ids(tmp_path / "spark.parquet")
     assert duck.steps == sprk.steps and duck.stats == sprk.stats
