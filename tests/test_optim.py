@@ -478,7 +478,7 @@ def test_bad_config_raises_one_line(kw, match):
 # A fresh interpreter: LAMB's methods and an eager training run on a CPU with checkpoints, then whether
 # torch._dynamo was imported (the pytest process has it loaded by other tests).
 NO_DYNAMO = """
-import copy, sys, tempfile
+import copy, sys
 import torch
 from openalign.optim import OptimConfig, build_optimizer
 model = torch.nn.Linear(4, 4)
@@ -493,7 +493,7 @@ from openalign.train.config import load_train_config
 from openalign.train.loop import train
 cfg = load_train_config("nano_cpu", {
     "data.source": "synthetic", "data.workers": 0, "model.image_size": 32, "train.batch_size": 8, "train.steps": 2,
-    "train.run_dir": tempfile.mkdtemp(), "train.checkpoint_every": 1, "eval.every": 0,
+    "train.run_dir": sys.argv[1], "train.checkpoint_every": 1, "eval.every": 0,
     "log.progress": False, "log.tensorboard": False,
 })
 assert train(cfg).step == 2
@@ -501,10 +501,11 @@ print("torch._dynamo" in sys.modules)
 """
 
 
-def test_eager_training_with_lamb_never_imports_dynamo() -> None:
+def test_eager_training_with_lamb_never_imports_dynamo(tmp_path) -> None:
     # torch.optim wraps four Optimizer methods so that their first call imports torch._dynamo (2.8 s of a
     # two-core CPU, as long as torch's own import); a process that compiles nothing has no use for it.
-    out = subprocess.run([sys.executable, "-c", NO_DYNAMO], capture_output=True, text=True, timeout=300)
+    run = [sys.executable, "-c", NO_DYNAMO, str(tmp_path / "run")]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "False"
 
