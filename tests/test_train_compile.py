@@ -301,10 +301,10 @@ def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_the
         train(tiny_config(tmp_path / "bad", train={"steps": 1, "compile": True}), stream_factory=BadIds)
 
 
-def _compiled_run(rank: int, world: int, run_dir: str, strategy: str) -> None:
+def _compiled_run(rank: int, world: int, run_dir: str) -> None:
     # Dynamo's eager backend, as above: graph capture is Dynamo's whatever the backend.
     DualEncoder.compile_towers = partialmethod(DualEncoder.compile_towers, backend="eager")  # type: ignore[method-assign]
-    config = ddp_config(run_dir, strategy=strategy, steps=2, optim=LAMB, group=4, chunk=4)
+    config = ddp_config(run_dir, steps=2, optim=LAMB, group=4, chunk=4)
     train(
         dataclasses.replace(config, train=dataclasses.replace(config.train, compile=True)),
         stream_factory=factory(blocked=True),
@@ -315,7 +315,7 @@ def test_compiled_towers_train_under_ddp_as_one_process_does(tmp_path: Path) -> 
     """Two gloo ranks, each with its half of the batch and gradient caching in chunks of 4, the towers compiled one
     graph each inside DDP: the weights of one process training the whole batch eager."""
     (tmp_path / "ddp").mkdir()
-    run_gloo(_compiled_run, 2, tmp_path / "ddp", str(tmp_path / "compiled"), "ddp")
+    run_gloo(_compiled_run, 2, tmp_path / "ddp", str(tmp_path / "compiled"))
     single = train(ddp_config(tmp_path / "single", steps=2, optim=LAMB, group=4), stream_factory=factory(blocked=True))
     assert single.final_dir is not None
     want, got = weights(single.final_dir), weights(tmp_path / "compiled" / "final")
