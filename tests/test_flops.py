@@ -109,3 +109,33 @@ def test_b7_bert_base_step_counts_three_forwards() -> None:
             forward = _count(F.counter(), lambda: steps.model(pixels, batch["input_ids"], batch["attention_mask"]))
     assert math.isclose(step, 3 * forward, rel_tol=0.02), (step / rows / 1e9, forward / rows / 1e9)
     assert 80e9 < step / rows < 95e9  # ≈ 3 × (19.2 + 10.2) GFLOP per pair
+
+
+def _tracked_flops(fn: object) -> int:
+    tracker = P.LiveBytes(count_flops=True)
+    with tracker:
+        fn()  # type: ignore[operator]
+    return tracker.flops
+
+
+def test_the_plans_tracker_counts_what_the_flop_counter_counts() -> None:
+    # The plan counts FLOPs in its memory tracker, one dispatch mode instead of two; it must agree with
+    # FlopCounterMode (the project's formulas) op for op: a training step of nano under fake tensors, and, under
+    # inference mode, ops that reach the mode whole and are counted by their parts (linear, attention).
+    cfg = P.load_plan_config("nano_cpu", {"train.batch_size": 8, "train.chunk_size": 4, "train.precision": "fp32"})
+    with P.session(cfg, P.device_spec("cpu")) as steps, steps.mode:
+        s = P._setup(cfg, steps.model, steps.optimizer, P.make_batch(cfg, 8), False)
+        step = lambda: P.run_step(s)  # noqa: E731
+        counted, tracked = _count(P.flop_counter(), step), _tracked_flops(step)
+    assert tracked == counted > 0
+
+    linear = torch.nn.Linear(24, 40)
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+
+    def inference() -> None:
+        with torch.inference_mode():
+            linear(torch.randn(5, 24))
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    counted, tracked = _count(P.flop_counter(), inference), _tracked_flops(inference)
+    assert tracked == counted >= 2 * 5 * 24 * 40
