@@ -517,6 +517,25 @@ def test_a_jsonl_table_is_read_a_line_at_a_time_under_a_memory_limit(crawl: Path
     assert _tar_keys(out) == ["a", "b"]
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz"])
+def test_a_line_over_the_limit_is_stepped_over_in_plain_and_gzipped_tables(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gzip
+
+    from openalign.data import sources
+
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1000)
+    good = [{"key": str(i), "caption": f"row {i}"} for i in range(3)]
+    lines = [json.dumps(good[0]), '{"key": "long", "caption": "' + "x" * 5000 + '"}', *map(json.dumps, good[1:])]
+    data = "\n".join(lines).encode() + b"\n"
+    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    skipped: list[tuple[str, str]] = []
+    rows = list(sources._jsonl_rows(tmp_path / name, lambda reason, detail: skipped.append((reason, detail))))
+    assert rows == good
+    assert skipped == [("bad_json", f"{tmp_path / name}: line 2: longer than 1000 bytes")]
+
+
 def test_a_jsonl_table_without_a_text_caption_is_an_error_and_lines_are_named(tmp_path: Path) -> None:
     from openalign.data.sources import read_table_batches
 

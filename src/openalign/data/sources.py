@@ -39,6 +39,7 @@ when an image is actually decoded.
 from __future__ import annotations
 
 import glob
+import io
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -171,6 +172,7 @@ DEFAULT_MAX_ANNOTATION_MB = 512.0
 DEFAULT_MAX_ANNOTATION_BYTES = int(DEFAULT_MAX_ANNOTATION_MB * 2**20)
 # The longest line of a JSON Lines table (one row); longer ones are skipped unread as malformed.
 MAX_LINE_BYTES = DEFAULT_MAX_FILE_BYTES
+_LINE_BUFFER = 1 << 20
 
 ErrorHandler = Callable[[str, str], None]
 SourceKind = Literal["folder", "table", "shards"]
@@ -1016,21 +1018,41 @@ def _json_type(values: list[Any]) -> Any:
         return pa.struct([])  # mixed kinds that include no string: neither text nor a number
 
 
+def line_reader(path: str | os.PathLike) -> BinaryIO:
+    """``path`` (``.gz`` decompressed) opened for ``bounded_lines``, through a 1 MiB buffer: with io's default of
+    8 KiB, stepping over a 3 GB line took 390,000 reads (11 s; 0.8 s so)."""
+    import gzip
+
+    if str(path).lower().endswith(".gz"):
+        return io.BufferedReader(gzip.GzipFile(path, "rb"), buffer_size=_LINE_BUFFER)
+    return open(path, "rb", buffering=_LINE_BUFFER)
+
+
+def bounded_lines(fh: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of ``fh``, each read with a limit (``MAX_LINE_BYTES``), so that a file of one endless line cannot
+    fill memory: a longer line is stepped over without being kept, and stands as None."""
+    while raw := fh.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES:
+            while raw and not raw.endswith(b"\n"):
+                raw = fh.readline(_LINE_BUFFER)
+            yield None
+        else:
+            yield raw
+
+
 def _jsonl_rows(path: Path, on_skip: ErrorHandler | None) -> Iterator[dict]:
     """The objects of a JSON Lines file (``.gz`` decompressed as it is read), one line at a time, each line
     read with a limit (``MAX_LINE_BYTES``) so that a file of one endless line cannot fill memory. A line that
     is too long, does not parse or is not an object goes to ``on_skip("bad_json", ...)``, or raises a
     ``ValueError`` naming its line. A file that is a JSON array instead is read whole within the annotation
     limit (it cannot be read in parts)."""
-    import gzip
 
     def bad(number: int, why: str) -> None:
         if on_skip is None:
             raise ValueError(f"{path}: line {number}: {why}")
         on_skip("bad_json", f"{path}: line {number}: {why}")
 
-    opener = gzip.open if path.suffix.lower() == ".gz" else open
-    with opener(path, "rb") as fh:
+    with line_reader(path) as fh:
         if fh.read(4096).lstrip().startswith(b"["):
             rows = read_annotation_json(path)
             if not isinstance(rows, list):
@@ -1042,12 +1064,8 @@ def _jsonl_rows(path: Path, on_skip: ErrorHandler | None) -> Iterator[dict]:
                     bad(item, f"item {item} is a JSON {type(row).__name__}, not an object")
             return
         fh.seek(0)
-        number = 0
-        while raw := fh.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            if len(raw) > MAX_LINE_BYTES:
-                while raw and not raw.endswith(b"\n"):  # step over the rest of the line without keeping it
-                    raw = fh.readline(1 << 20)
+        for number, raw in enumerate(bounded_lines(fh), 1):
+            if raw is None:
                 bad(number, f"longer than {_size(MAX_LINE_BYTES)}")
                 continue
             if not raw.strip():

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 from tqdm import tqdm
@@ -22,10 +22,11 @@ from openalign.config import ConfigError
 from openalign.data.sources import (
     CAPTION_MEMBER,
     CAPTION_TEXT_SUFFIXES,
-    MAX_LINE_BYTES,
     SHARD_SUFFIXES,
+    bounded_lines,
     expand_urls,
     iter_samples,
+    line_reader,
     open_parquet,
     parquet_batches,
     read_annotation_json,
@@ -117,7 +118,7 @@ def _csv_header(path: Path, column: str) -> None:
 
 
 def _json_rows(path: Path, skipped: Counter[str]) -> Iterator[bytes | Any]:
-    with open(path, "rb") as f:
+    with line_reader(path) as f:
         head = f.read(4096).lstrip()
         f.seek(0)
         if head.startswith(b"["):
@@ -128,16 +129,13 @@ def _json_rows(path: Path, skipped: Counter[str]) -> Iterator[bytes | Any]:
         yield from _bounded_lines(f, skipped)
 
 
-def _bounded_lines(f: IO[bytes], skipped: Counter[str]) -> Iterator[bytes]:
-    """The file's lines, each read with a limit: a longer one is stepped over unkept and counted (``too_long``),
-    so that a file of one endless line cannot fill memory."""
-    while line := f.readline(MAX_LINE_BYTES + 1):
-        if len(line) > MAX_LINE_BYTES:
-            while line and not line.endswith(b"\n"):
-                line = f.readline(1 << 20)
+def _bounded_lines(f: BinaryIO, skipped: Counter[str]) -> Iterator[bytes]:
+    """The file's lines (``bounded_lines``), a line over the limit counted (``too_long``)."""
+    for line in bounded_lines(f):
+        if line is None:
             skipped["too_long"] += 1
-            continue
-        yield line
+        else:
+            yield line
 
 
 def _jsonl(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
@@ -164,7 +162,7 @@ def _jsonl(path: Path, column: str, skipped: Counter[str]) -> Iterator[str]:
 
 
 def _lines(path: Path, skipped: Counter[str]) -> Iterator[str]:
-    with open(path, "rb") as f:
+    with line_reader(path) as f:
         for line in _bounded_lines(f, skipped):
             if (text := _decode(line.rstrip(b"\r\n"), skipped)) is not None:
                 yield text

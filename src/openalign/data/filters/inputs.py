@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from openalign.data.filters.images import HIDDEN_PREFIX, TAG_WORDS_COLUMN, ImageAnnotator, annotate_table
 from openalign.data.filters.rules import TEXT_COLUMN_CANDIDATES, ColumnNames
-from openalign.data.sources import MAX_LINE_BYTES, read_annotation
+from openalign.data.sources import bounded_lines, line_reader, read_annotation
 from openalign.data.tables import (
     MalformedRow,
     clean_text,
@@ -428,7 +428,7 @@ def _chunks(records: Iterator[list[str]], size: int) -> Iterator[list[list[str]]
 def _iter_json_records(path: str) -> Iterator[tuple[str, Any]]:
     """(where, record) for each record of a JSON Lines file (or a JSON array), ``where`` being ``line N``
     (``item N`` in an array); an unparseable line yields ``_MALFORMED``."""
-    with open(path, "rb") as fh:
+    with line_reader(path) as fh:
         head = fh.read(4096).lstrip()
         fh.seek(0)
         if head.startswith(b"["):
@@ -441,12 +441,8 @@ def _iter_json_records(path: str) -> Iterator[tuple[str, Any]]:
             for i, rec in enumerate(records, 1):
                 yield f"item {i}", rec
             return
-        number = 0
-        while raw := fh.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            if len(raw) > MAX_LINE_BYTES:  # a line without an end is stepped over, never held whole
-                while raw and not raw.endswith(b"\n"):
-                    raw = fh.readline(1 << 20)
+        for number, raw in enumerate(bounded_lines(fh), 1):
+            if raw is None:  # a line over the limit, stepped over, never held whole
                 yield f"line {number}", _MALFORMED
                 continue
             line = raw.strip()
