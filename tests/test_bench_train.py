@@ -25,10 +25,13 @@ def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pyt
     summary = json.loads(out.read_text())
     loop, bare = summary["training"]["recipe"], summary["training"]["openalign"]
     # Each step profiled after its timing: the bare step and the loop's (which runs its optimizer, LAMB, in it).
-    for name in ("openalign", "recipe"):
-        table = (tmp_path / "profile" / f"{name}.txt").read_text()
+    for name, file in (("openalign", "openalign"), ("recipe", "recipe-eager")):
+        table = (tmp_path / "profile" / f"{file}.txt").read_text()
         assert "2 steps profiled on cpu" in table and "host synchronisations in one step: 0" in table
         assert "aten::convolution_backward" in table and "Optimizer.step#Lamb.step" in table
+        # The table's totals in the results, and a line under the printed table.
+        totals = summary["training"][name]["profile"]
+        assert totals["ops"] > 0 and totals["host_syncs"] == 0 and f"{name:>12} profiled: wall " in printed
     assert loop["skipped_steps"] == 0 and loop["pairs_per_s"] > 0 and bare["pairs_per_s"] > 0
     assert 0 <= loop["parts_s"]["data"] <= loop["step_s"]
     assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])

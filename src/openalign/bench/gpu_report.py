@@ -61,6 +61,7 @@ def _versus(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {what} | {_steps(ours)} | {peer} | {_ratio(ours['pairs_per_s'], (theirs or {}).get('pairs_per_s'))} |"
         )
+        lines += _profiled(ours, theirs)
     recipe = training.get("recipe")
     if recipe and ours:
         lines.append(
@@ -68,6 +69,7 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"and shards (peer: the bare step above) | {_steps(recipe)} | {ours['pairs_per_s']:.1f} | "
             f"{_ratio(recipe['pairs_per_s'], ours['pairs_per_s'])} |"
         )
+        lines += _profiled(recipe, ours)
     results = compiled.get("results") or {}
     c_ours, c_theirs = results.get("openalign"), results.get("transformers")
     c_settings = compiled.get("settings") or {}
@@ -78,11 +80,7 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"| {what} | {_num(c_ours.get('pairs_per_s'))} | {_num((c_theirs or {}).get('pairs_per_s'))} | "
             f"{_ratio(c_ours.get('pairs_per_s'), (c_theirs or {}).get('pairs_per_s'))} |"
         )
-        if c_ours.get("profile"):
-            # Where a compiled step's time goes: kernels filling little of its wall time wait on the host.
-            theirs_profile = (c_theirs or {}).get("profile")
-            peer = profile_line(theirs_profile) if theirs_profile else "–"
-            lines.append(f"| the same step, profiled | {profile_line(c_ours['profile'])} | {peer} | |")
+        lines += _profiled(c_ours, c_theirs)
     if ours or c_ours:
 
         def mfu(r: Any) -> str:
@@ -130,7 +128,17 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"share of its step spent waiting for data) | {_steps(timed)} | – | "
             f"{_num(None if share is None else 100 * share, '.1f', ' %')} |"
         )
+        lines += _profiled(timed, None)
     return lines if len(lines) > 2 else []
+
+
+def _profiled(ours: dict[str, Any], peer: dict[str, Any] | None) -> list[str]:
+    """The row above's step profiled (``bench.profile``), where it was: kernels filling little of its wall time
+    wait on the host."""
+    if not ours.get("profile"):
+        return []
+    theirs = (peer or {}).get("profile")
+    return [f"| the same, profiled | {profile_line(ours['profile'])} | {profile_line(theirs) if theirs else '–'} | |"]
 
 
 def _runs(summary: dict[str, Any]) -> list[str]:

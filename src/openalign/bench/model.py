@@ -13,6 +13,7 @@ import dataclasses
 import json
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +25,7 @@ from openalign.config import model_config
 from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
-from openalign.process import run_spawned
+from openalign.process import run_spawned, run_spawned_in_turns
 from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import prepare_towers
 
@@ -49,6 +50,9 @@ class BenchSettings:
     # alt-text: captions of 6-32 tokens padded to 64; full: every row uses all 64
     text_lengths: Literal["alt-text", "full"] = "alt-text"
     baseline: bool = True  # also measure transformers' AlignModel (--no-baseline: only ours)
+    # Build, compile and warm up the contenders at once, then time each alone: a round waits for the longest
+    # compilation, not their sum (the device must hold both models and batches at once).
+    together: bool = False
     json_path: str | None = None  # also write the results to this JSON file
     # Also profile two steps of each contender in the first round: DIR/model-<name>.txt (openalign.bench.profile)
     profile: str | None = None
@@ -125,9 +129,12 @@ def forward_flops(forward: Any, *inputs: Any, device: torch.device, bf16: bool) 
     return counter.get_total_flops()
 
 
-def measure(which: str, settings: BenchSettings, profile: str | None = None) -> dict[str, Any]:
+def measure(
+    which: str, settings: BenchSettings, profile: str | None = None, turn: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """One contender's figures, measured in the calling process; with ``profile`` (a directory), then two more
-    steps profiled, without the timing's synchronisations."""
+    steps profiled, without the timing's synchronisations. ``turn`` (``process.run_spawned_in_turns``) is called
+    once warmed up, before the timed steps: it returns when this contender may run alone."""
     torch.manual_seed(0)
     device = torch.device(settings.device)
     cfg = bench_config(settings)
@@ -169,9 +176,15 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(settings.warmup):
+    first_step = time.perf_counter()
+    for i in range(settings.warmup):
         step()
+        if i == 0:
+            sync()
+            first_step = time.perf_counter() - first_step  # compiling, where compiled
     sync()
+    if turn is not None:
+        turn()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -192,6 +205,7 @@ def measure(which: str, settings: BenchSettings, profile: str | None = None) -> 
         "profile": profiled,
         "model": which,
         "step_s": sorted(times)[len(times) // 2],
+        "first_step_s": first_step if settings.warmup else None,
         "flops_per_step": flops,
         "peak_mem_mb": peak,
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS",
@@ -224,10 +238,15 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
     contenders = ["openalign", "transformers"] if settings.baseline else ["openalign"]
     best: dict[str, dict[str, Any]] = {}
     for r in range(settings.rounds):
-        for which in contenders if r % 2 == 0 else contenders[::-1]:
-            # The first round also profiles, after its timed steps.
-            res = run_spawned(measure, which, settings, settings.profile if r == 0 else None)
-            print(f"  round {r + 1} {which:>12}: {settings.batch_size / res['step_s']:.2f} pairs/s", flush=True)
+        order = contenders if r % 2 == 0 else contenders[::-1]
+        # The first round also profiles, after its timed steps.
+        calls = [(which, settings, settings.profile if r == 0 else None) for which in order]
+        # Each result as it ends: a part stopped at its time limit has printed the contenders already timed.
+        together = settings.together and len(calls) > 1
+        results = run_spawned_in_turns(measure, calls) if together else (run_spawned(measure, *c) for c in calls)
+        for which, res in zip(order, results, strict=True):
+            first = f" (first step {res['first_step_s']:.1f} s)" if res["first_step_s"] is not None else ""
+            print(f"  round {r + 1} {which:>12}: {settings.batch_size / res['step_s']:.2f} pairs/s{first}", flush=True)
             profiled = res["profile"] or (best.get(which) or {}).get("profile")
             if which not in best or res["step_s"] < best[which]["step_s"]:
                 best[which] = res

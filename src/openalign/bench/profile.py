@@ -1,11 +1,11 @@
 """Where a training step's time goes: the profiler's per-op table and the host synchronisations of a step.
 
 ``bench train --profile DIR`` writes, for each contender it times (ours, transformers' loop, the real training
-loop with ``--recipe``), ``DIR/<contender>.txt``: a header with the step's wall time, the device time its
-kernels took and how many kernels it launched (on a GPU: a step whose kernels cover little of its wall time
-is waiting on the host, launching or synchronising), the host synchronisations one step made with the Python
-line that made each, and PyTorch's per-op table sorted by self time on the device (the CPU's on a CPU; on a
-GPU a second table sorted by the host's self time follows).
+loop with ``--recipe``, named ``recipe-<compiled|eager>``), ``DIR/<contender>.txt``: a header with the step's
+wall time, the device time its kernels took and how many kernels it launched (on a GPU: a step whose kernels
+cover little of its wall time is waiting on the host, launching or synchronising), the host synchronisations
+one step made with the Python line that made each, and PyTorch's per-op table sorted by self time on the
+device (the CPU's on a CPU; on a GPU a second table sorted by the host's self time follows).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ class TimedStream:
         self.asked: list[float] = []  # when the loop asked for each batch
         self.got: list[float] = []  # when it had it
         self.profile = profile  # (the step to count synchronisations in, device, file): the profile's steps follow
+        self.profiled: dict[str, Any] | None = None  # the profile's totals, once written
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
@@ -54,7 +55,7 @@ class TimedStream:
                 profiler.__enter__()
             elif step == 3:
                 profiler.__exit__(None, None, None)
-                profiler.write(path, "openalign train: the loop's step (bench train --recipe)")
+                self.profiled = profiler.write(path, "openalign train: the loop's step (bench train --recipe)")
             self.asked.append(time.perf_counter())
             batch = next(batches)
             self.got.append(time.perf_counter())
@@ -116,7 +117,8 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
 
     def factory(*_: Any, **__: Any) -> TimedStream:
         # The bare step's stream, not one rebuilt from the run's data section: the same batches, the same work.
-        where = (s.warmup + s.steps, device, Path(profile) / "recipe.txt") if profile else None
+        name = f"recipe-{'compiled' if s.compile else 'eager'}.txt"
+        where = (s.warmup + s.steps, device, Path(profile) / name) if profile else None
         timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), where))
         return timed[0]
 
@@ -141,4 +143,5 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
         "flops_per_step": 0,
         "skipped_steps": result.skipped_steps,
         "final_loss": float(result.metrics.get("loss", float("nan"))),
+        "profile": stream.profiled,
     }

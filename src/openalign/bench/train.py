@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
+from openalign.bench.profile import profile_line
 from openalign.data.transforms import model_resize
 from openalign.process import run_spawned
 from openalign.train.grad_cache import caption_widths, chunk_batch
@@ -264,6 +265,7 @@ def measure_training(
                 times[part].append(end - start)
         if which == "transformers" and step == 0:
             flops = forward_flops(forward, batch, device=device, bf16=s.bf16) * 3
+    profiled = None
     if profile:
         from openalign.bench.profile import profile_steps
 
@@ -271,7 +273,8 @@ def measure_training(
         def whole_step() -> None:
             one_step(next_batch(), lambda: None)
 
-        profile_steps(whole_step, device, 2, Path(profile) / f"{which}.txt", f"bench train: {which}'s bare step")
+        title = f"bench train: {which}'s bare step"
+        profiled = profile_steps(whole_step, device, 2, Path(profile) / f"{which}.txt", title)
     totals = [sum(parts) for parts in zip(*(times[p] for p in PARTS), strict=True)]
     median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     step_s = totals[median]
@@ -284,6 +287,7 @@ def measure_training(
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS of the training process",
         "flops_per_step": flops,
         "final_loss": float(loss.detach()),
+        "profile": profiled,
     }
 
 
@@ -390,8 +394,10 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
                 # The first round also profiles, after its timed steps.
                 res = in_own_process(measure, which, s, shards, str(tok), s.profile if r == 0 else None)
                 print(f"  round {r + 1} {which:>12}: {res['pairs_per_s']:.2f} pairs/s", flush=True)
+                profiled = res["profile"] or (best.get(which) or {}).get("profile")
                 if which not in best or res["step_s"] < best[which]["step_s"]:
                     best[which] = res
+                best[which]["profile"] = profiled
         pipelines = ["openalign", "webdataset"] if s.baseline else ["openalign"]
         pipeline = {which: {"in_process": 0.0, "workers": 0.0, "cpu_ms": math.inf} for which in pipelines}
         for r in range(s.rounds):
@@ -452,6 +458,9 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
             f"{summary['recipe_ratio']:.2f}x; step {loop['step_s']:.3f} s of which data wait "
             f"{loop['parts_s']['data']:.3f} s (bare step {bare['step_s']:.3f} s, data {bare['parts_s']['data']:.3f} s)"
         )
+    for which in contenders:
+        if best[which]["profile"]:
+            print(f"{which:>12} profiled: {profile_line(best[which]['profile'])}")
     print("\ninput pipeline (decode + resize + crop + flip + tokenise), samples/s:")
     print(f"{'pipeline':>12} {'1 process':>10} {f'{s.workers} workers':>10} {'per worker':>11} {'CPU ms/sample':>14}")
     for which, fig in pipeline.items():
