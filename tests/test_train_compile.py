@@ -331,3 +331,24 @@ def test_fsdp_across_ranks_refuses_compiled_towers_before_any_step(tmp_path: Pat
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile=True))
     with fake_world(2), pytest.raises(ConfigError, match=r"does not combine with train\.strategy fsdp"):
         train(config, stream_factory=factory(blocked=True))
+
+
+def test_a_compile_mode_reaches_both_towers_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench model --compile-mode``: the mode goes to every ``torch.compile`` of the towers; the default adds
+    nothing, so a backend without modes (the tests' eager one) still takes the towers."""
+    from openalign.train.loop import prepare_towers
+
+    calls: list[dict[str, Any]] = []
+
+    def record(fn: Any, **options: Any) -> Any:
+        calls.append(options)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
+    model = DualEncoder(cfg.model.resolve())
+    prepare_towers(model, True, torch.device("cpu"), "reduce-overhead")
+    assert calls == [{"fullgraph": True, "mode": "reduce-overhead"}] * 4  # two towers, two grad modes
+    calls.clear()
+    prepare_towers(model, True, torch.device("cpu"))
+    assert calls == [{"fullgraph": True}] * 4 and model.caller_cuts_captions

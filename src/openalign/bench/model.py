@@ -45,6 +45,8 @@ class BenchSettings:
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast (GPU)
     compile: bool = False  # torch.compile: our towers as training compiles them, transformers' whole model
+    # torch.compile's mode for both contenders (reduce-overhead: each step replayed as CUDA graphs, on a GPU)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # image layout: each model's default (ours NHWC, transformers NCHW), or the same for both
     memory_format: Literal["default", "channels_last", "contiguous"] = "default"
     # alt-text: captions of 6-32 tokens padded to 64; full: every row uses all 64
@@ -157,15 +159,18 @@ def measure(
     if isinstance(model, DualEncoder):
         # As `openalign train` and `bench train` run ours: compiled, or on a GPU, it takes captions cut to the
         # batch's longest as measured on the host (eager on a CPU, it measures and cuts them itself).
-        prepare_towers(model, settings.compile, device)
+        prepare_towers(model, settings.compile, device, settings.compile_mode)
         if model.caller_cuts_captions:
             widths = caption_widths({"attention_mask": host_mask})
             (cut,) = chunk_batch({"input_ids": ids, "attention_mask": mask}, len(ids), widths)
             ids, mask = cut["input_ids"], cut["attention_mask"]
     elif settings.compile:
-        forward = torch.compile(forward)
+        forward = torch.compile(forward, mode=settings.compile_mode)
+    graphs = settings.compile and settings.compile_mode == "reduce-overhead"
 
     def step() -> None:
+        if graphs:  # a new step: the last one's graph outputs (its loss, its gradients' buffers) are done with
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
             image_emb, text_emb, temperature = forward(pixels, ids, mask)
             loss = contrastive_loss(image_emb.float(), text_emb.float(), temperature)
@@ -261,7 +266,8 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
         f"\nbench model: {settings.preset} at {cfg.image_size} px, batch {settings.batch_size}, caption tokens "
         f"{lengths}, {settings.device}{' bf16' if settings.bf16 else ''}"
         f"{'' if settings.memory_format == 'default' else ' ' + settings.memory_format}"
-        f"{' compiled' if settings.compile else ''}, "
+        f"{' compiled' if settings.compile else ''}"
+        f"{' (' + settings.compile_mode + ')' if settings.compile and settings.compile_mode != 'default' else ''}, "
         f"{torch.get_num_threads()} threads"
     )
     per_pair = nominal / settings.batch_size / 1e9

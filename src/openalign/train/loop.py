@@ -176,11 +176,12 @@ def reads_wait(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def prepare_towers(model: DualEncoder, compiled: bool, device: torch.device) -> None:
-    """The towers as training runs them: compiled, or eager; either way, where reading values waits (a GPU), or
-    compiled, taking captions that the caller checks and measures on the host (``caption_widths``)."""
+def prepare_towers(model: DualEncoder, compiled: bool, device: torch.device, mode: str = "default") -> None:
+    """The towers as training runs them: compiled (``mode``: ``torch.compile``'s), or eager; either way, where
+    reading values waits (a GPU), or compiled, taking captions that the caller checks and measures on the host
+    (``caption_widths``)."""
     if compiled:
-        model.compile_towers()
+        model.compile_towers(**({} if mode == "default" else {"mode": mode}))
     elif reads_wait(device):
         model.caller_cuts_captions = True
 
