@@ -66,8 +66,8 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
 
 def test_the_gpu_check_fits_two_calls_of_a_short_lease() -> None:
     """The command the GPU holder runs: by default every part gets its whole share (at least what it took on a
-    freshly started H200); the eager parts and the compiled ones each fit one call of a GPU lent for minutes (ten
-    at most), and a budget given scales the shares down to fit it."""
+    freshly started H200); the CUDA tests and the compiled contenders fit one call of a GPU lent for minutes, the
+    rest runs in a second one, and a budget given scales the shares down to fit it."""
     s = gpu.GpuCheckSettings()
     parts = gpu.build_parts(s, Path("out"), Path("work"), "h200-141gb", Path("vocab"))
     limits = gpu._limits(s, parts)
