@@ -8,12 +8,13 @@ recorded with the end of its output, and the next part starts):
 - ``bench``: ``bench train --recipe`` (data, forward, loss, backward, optimizer), ours against transformers'
   AlignModel, eager, the real training loop beside that bare step, and the input pipeline against webdataset's;
   each of the three steps profiled too (``OUT/profile/``: per-op tables, kernels per step, host synchronisations);
-- ``compiled``: ``bench model --compile``, ours against transformers, both compiled;
+- ``compiled``: ``bench model --compile --together``, ours against transformers, both compiled (at once, then
+  timed one at a time);
 - ``towers``: ``bench towers``, each tower alone (forward + backward) against its peer: the text tower against
   transformers' ``BertModel``, the image tower against timm's EfficientNets;
 - ``compiled_loop``: ``bench train --recipe --compile --no-bare``: the real training loop with its towers compiled (as
   ``openalign train`` runs on CUDA), its step and the share of it spent waiting for data, fed by the input pipeline
-  from JPEG shards;
+  from JPEG shards, then its step profiled;
 - ``paper`` (``--paper``; off by default, as ``l2``): ``pretrain_align_b7`` at the paper's batch (16,384 pairs,
   chunks of 64) on synthetic data, while a sampler records the peak memory of the whole process tree (the
   training process and its data workers) and the run reports its peak GPU memory;
