@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from openalign.bench.profile import profile_line
+from openalign.bench.profile import keep_best, print_profiles
 from openalign.config import model_config
 from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
@@ -181,12 +181,12 @@ def measure(
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    first_step = time.perf_counter()
+    start, first_step = time.perf_counter(), None
     for i in range(settings.warmup):
         step()
         if i == 0:
             sync()
-            first_step = time.perf_counter() - first_step  # compiling, where compiled
+            first_step = time.perf_counter() - start  # compiling, where compiled
     sync()
     if turn is not None:
         turn()
@@ -210,7 +210,7 @@ def measure(
         "profile": profiled,
         "model": which,
         "step_s": sorted(times)[len(times) // 2],
-        "first_step_s": first_step if settings.warmup else None,
+        "first_step_s": first_step,
         "flops_per_step": flops,
         "peak_mem_mb": peak,
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS",
@@ -252,10 +252,7 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
         for which, res in zip(order, results, strict=True):
             first = f" (first step {res['first_step_s']:.1f} s)" if res["first_step_s"] is not None else ""
             print(f"  round {r + 1} {which:>12}: {settings.batch_size / res['step_s']:.2f} pairs/s{first}", flush=True)
-            profiled = res["profile"] or (best.get(which) or {}).get("profile")
-            if which not in best or res["step_s"] < best[which]["step_s"]:
-                best[which] = res
-            best[which]["profile"] = profiled
+            keep_best(best, which, res)
     peak = matmul_peak(settings.device, settings.bf16)
     nominal = best.get("transformers", best["openalign"])["flops_per_step"]
     for res in best.values():
@@ -277,9 +274,7 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
         res = best[which]
         pairs, step, mem, mfu = res["pairs_per_s"], res["step_s"], res["peak_mem_mb"], res["mfu"] * 100
         print(f"{which:>12} {res['layout']:>6} {pairs:9.2f} {step:8.3f} {mem:9.0f} {mfu:6.1f}%")
-    for which in contenders:
-        if best[which]["profile"]:
-            print(f"{which:>12} profiled: {profile_line(best[which]['profile'])}")
+    print_profiles(best, contenders)
     summary: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
         "image_size": cfg.image_size,

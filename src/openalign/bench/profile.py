@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepProfiler", "count_syncs", "profile_line", "profile_steps"]
+__all__ = ["StepProfiler", "count_syncs", "keep_best", "print_profiles", "profile_line", "profile_steps"]
 
 
 @contextlib.contextmanager
@@ -134,3 +134,19 @@ def profile_line(totals: dict[str, Any]) -> str:
     else:
         work = f"ops' CPU time {busy * 1e3:.1f} ms, {totals['ops']:.0f} ops"
     return f"wall {wall * 1e3:.1f} ms a step; {work}; {totals['host_syncs']} host syncs"
+
+
+def keep_best(best: dict[str, dict[str, Any]], which: str, result: dict[str, Any]) -> None:
+    """``result`` kept as ``best[which]`` if its step is the shortest so far; the profile, taken in the first
+    round only, stays with whichever round is kept."""
+    profiled = result["profile"] or (best.get(which) or {}).get("profile")
+    if which not in best or result["step_s"] < best[which]["step_s"]:
+        best[which] = result
+    best[which]["profile"] = profiled
+
+
+def print_profiles(best: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """A line each under a benchmark's table for the contenders that were profiled."""
+    for which in names:
+        if best[which]["profile"]:
+            print(f"{which:>12} profiled: {profile_line(best[which]['profile'])}")

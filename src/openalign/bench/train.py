@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
-from openalign.bench.profile import profile_line
+from openalign.bench.profile import keep_best, print_profiles
 from openalign.data.transforms import model_resize
 from openalign.process import run_spawned
 from openalign.train.grad_cache import caption_widths, chunk_batch
@@ -394,10 +394,7 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
                 # The first round also profiles, after its timed steps.
                 res = in_own_process(measure, which, s, shards, str(tok), s.profile if r == 0 else None)
                 print(f"  round {r + 1} {which:>12}: {res['pairs_per_s']:.2f} pairs/s", flush=True)
-                profiled = res["profile"] or (best.get(which) or {}).get("profile")
-                if which not in best or res["step_s"] < best[which]["step_s"]:
-                    best[which] = res
-                best[which]["profile"] = profiled
+                keep_best(best, which, res)
         pipelines = ["openalign", "webdataset"] if s.baseline else ["openalign"]
         pipeline = {which: {"in_process": 0.0, "workers": 0.0, "cpu_ms": math.inf} for which in pipelines}
         for r in range(s.rounds):
@@ -458,9 +455,7 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
             f"{summary['recipe_ratio']:.2f}x; step {loop['step_s']:.3f} s of which data wait "
             f"{loop['parts_s']['data']:.3f} s (bare step {bare['step_s']:.3f} s, data {bare['parts_s']['data']:.3f} s)"
         )
-    for which in contenders:
-        if best[which]["profile"]:
-            print(f"{which:>12} profiled: {profile_line(best[which]['profile'])}")
+    print_profiles(best, contenders)
     print("\ninput pipeline (decode + resize + crop + flip + tokenise), samples/s:")
     print(f"{'pipeline':>12} {'1 process':>10} {f'{s.workers} workers':>10} {'per worker':>11} {'CPU ms/sample':>14}")
     for which, fig in pipeline.items():
