@@ -59,6 +59,8 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     # Each timed step profiled: bench's bare steps (ours beside transformers'), the loop, the compiled part, the
     # compiled loop.
     assert text.count("| the same, profiled | wall ") == 4
+    # ... and each one's host during its timed steps, the compiled part's contenders too.
+    assert text.count("| the same, on the host | main thread busy ") == 4
     assert (out / "profile" / "recipe-eager.txt").is_file()
     assert "`openalign train`'s loop, eager (not compiled here), from JPEG shards" in text
     assert "--no-such-option needs a value" in text

@@ -32,6 +32,10 @@ def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pyt
         # The table's totals in the results, and a line under the printed table.
         totals = summary["training"][name]["profile"]
         assert totals["ops"] > 0 and totals["host_syncs"] == 0 and f"{name:>12} profiled: wall " in printed
+        # The timed steps on the host: the stepping thread's share of them, a line under the table too.
+        host = summary["training"][name]["host"]
+        assert host["steps"] == 1 and 0 < host["busy"] <= 1.05 and host["thread_cpu_s"] > 0
+        assert f"{name:>12} on the host: main thread busy " in printed
     assert loop["skipped_steps"] == 0 and loop["pairs_per_s"] > 0 and bare["pairs_per_s"] > 0
     assert 0 <= loop["parts_s"]["data"] <= loop["step_s"]
     assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])

@@ -14,13 +14,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TreeSampler", "tree_memory"]
+__all__ = ["TreeSampler", "process_tree", "tree_memory"]
 
 PROC = Path("/proc")
 GiB = 2**30
 
 
-def _children(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
     """``root`` and every process below it."""
     parents: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
@@ -66,7 +66,7 @@ def tree_memory(root: int) -> dict[str, int]:
     if not (PROC / "self").exists():
         return _psutil_tree(root)
     pss = rss = n = 0
-    for pid in _children(root):
+    for pid in process_tree(root):
         got = _rollup(pid)
         if got is not None:
             pss, rss, n = pss + got[0], rss + got[1], n + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openalign.bench.host import host_line
 from openalign.bench.profile import profile_line
 
 __all__ = ["markdown"]
@@ -133,12 +134,14 @@ def _versus(summary: dict[str, Any]) -> list[str]:
 
 
 def _profiled(ours: dict[str, Any], peer: dict[str, Any] | None) -> list[str]:
-    """The row above's step profiled (``bench.profile``), where it was: kernels filling little of its wall time
-    wait on the host."""
-    if not ours.get("profile"):
-        return []
-    theirs = (peer or {}).get("profile")
-    return [f"| the same, profiled | {profile_line(ours['profile'])} | {profile_line(theirs) if theirs else '–'} | |"]
+    """The row above's steps on the host (``bench.host``: busy, or waiting for the device, the GIL or a core) and
+    profiled (``bench.profile``: kernels filling little of its wall time wait on the host), where measured."""
+    lines = []
+    for key, what, line in (("host", "on the host", host_line), ("profile", "profiled", profile_line)):
+        if ours.get(key):
+            theirs = (peer or {}).get(key)
+            lines.append(f"| the same, {what} | {line(ours[key])} | {line(theirs) if theirs else '–'} | |")
+    return lines
 
 
 def _runs(summary: dict[str, Any]) -> list[str]:

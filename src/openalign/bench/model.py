@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from openalign.bench.host import HostClock
 from openalign.bench.profile import keep_best, print_profiles
 from openalign.config import model_config
 from openalign.loss import contrastive_loss
@@ -193,11 +194,14 @@ def measure(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
+    clock = HostClock()
+    clock.start()
     for _ in range(settings.steps):
         start = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - start)
+    host = clock.stop(settings.steps)
     peak = peak_memory_mb(device)
     profiled = None
     if profile:
@@ -208,6 +212,7 @@ def measure(
         profiled = profile_steps(step, device, 2, Path(profile) / f"model-{which}-{how}.txt", title)
     return {
         "profile": profiled,
+        "host": host,
         "model": which,
         "step_s": sorted(times)[len(times) // 2],
         "first_step_s": first_step,

@@ -146,7 +146,12 @@ def keep_best(best: dict[str, dict[str, Any]], which: str, result: dict[str, Any
 
 
 def print_profiles(best: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """A line each under a benchmark's table for the contenders that were profiled."""
+    """Lines under a benchmark's table: each contender's host during its timed steps (``bench.host``), and its
+    profile where it was profiled."""
+    from openalign.bench.host import host_line
+
     for which in names:
+        if best[which].get("host"):
+            print(f"{which:>12} on the host: {host_line(best[which]['host'])}")
         if best[which]["profile"]:
             print(f"{which:>12} profiled: {profile_line(best[which]['profile'])}")

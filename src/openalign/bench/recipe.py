@@ -28,24 +28,33 @@ if TYPE_CHECKING:
 class TimedStream:
     """A training stream whose batches are timed as the loop asks for them; everything else is the stream's."""
 
-    def __init__(self, stream: Any, profile: tuple[int, torch.device, Path] | None = None) -> None:
+    def __init__(
+        self, stream: Any, timed: tuple[int, int], profile: tuple[int, torch.device, Path] | None = None
+    ) -> None:
         self.stream = stream
         self.asked: list[float] = []  # when the loop asked for each batch
         self.got: list[float] = []  # when it had it
+        self.timed = timed  # (first, end): the steps whose host figures are read (``bench.host``)
         self.profile = profile  # (the step to count synchronisations in, device, file): the profile's steps follow
         self.profiled: dict[str, Any] | None = None  # the profile's totals, once written
+        self.host: dict[str, Any] | None = None  # the timed steps' host figures, once read
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        from openalign.bench.host import HostClock
         from openalign.bench.profile import StepProfiler, count_syncs
 
         batches = iter(self.stream)
         first, device, path = self.profile or (None, torch.device("cpu"), Path())
         profiler = StepProfiler(device, 2)
         counting = contextlib.ExitStack()
+        clock = HostClock()
         while True:
+            # Read at the timed steps' ends, outside them: before the first one's ask, after the last one's end.
+            if len(self.asked) == self.timed[0]:
+                clock.start()
             # The loop asks for step i's batch when step i - 1 has ended: steps counted from the first profiled one.
             step = -1 if first is None else len(self.asked) - first
             if step == 0:
@@ -57,6 +66,8 @@ class TimedStream:
                 profiler.__exit__(None, None, None)
                 self.profiled = profiler.write(path, "openalign train: the loop's step (bench train --recipe)")
             self.asked.append(time.perf_counter())
+            if len(self.asked) == self.timed[1] + 1:
+                self.host = clock.stop(self.timed[1] - self.timed[0])
             batch = next(batches)
             self.got.append(time.perf_counter())
             yield batch
@@ -119,7 +130,8 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
         # The bare step's stream, not one rebuilt from the run's data section: the same batches, the same work.
         name = f"recipe-{'compiled' if s.compile else 'eager'}.txt"
         where = (s.warmup + s.steps, device, Path(profile) / name) if profile else None
-        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), where))
+        steps = (s.warmup, s.warmup + s.steps)
+        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), steps, where))
         return timed[0]
 
     with tempfile.TemporaryDirectory(prefix="openalign-bench-recipe-") as run_dir:
@@ -144,4 +156,5 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
         "skipped_steps": result.skipped_steps,
         "final_loss": float(result.metrics.get("loss", float("nan"))),
         "profile": stream.profiled,
+        "host": stream.host,
     }

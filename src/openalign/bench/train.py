@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from openalign.bench.host import HostClock
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.bench.profile import keep_best, print_profiles
 from openalign.data.transforms import model_resize
@@ -253,9 +254,12 @@ def measure_training(
 
     flops = 0
     times: dict[str, list[float]] = {part: [] for part in PARTS}
+    clock = HostClock()
     for step in range(s.warmup + s.steps):
-        if step == s.warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if step == s.warmup:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            clock.start()
         stamps[:] = [time.perf_counter()]
         batch = next_batch()
         stamp()
@@ -263,8 +267,9 @@ def measure_training(
         if step >= s.warmup:
             for part, (start, end) in zip(PARTS, itertools.pairwise(stamps), strict=True):
                 times[part].append(end - start)
-        if which == "transformers" and step == 0:
-            flops = forward_flops(forward, batch, device=device, bf16=s.bf16) * 3
+    host = clock.stop(s.steps)
+    if which == "transformers":  # counted after the timed steps, outside the host's figures
+        flops = forward_flops(forward, batch, device=device, bf16=s.bf16) * 3
     profiled = None
     if profile:
         from openalign.bench.profile import profile_steps
@@ -288,6 +293,7 @@ def measure_training(
         "flops_per_step": flops,
         "final_loss": float(loss.detach()),
         "profile": profiled,
+        "host": host,
     }
 
 

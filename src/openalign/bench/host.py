@@ -1,0 +1,111 @@
+"""What the host did while a benchmark's steps were timed: the stepping thread's CPU time and how often the
+kernel took its core away, the CPU time of the process's other threads, and of its child processes (the data
+workers).
+
+On a GPU a step whose kernels fill little of its wall time (``bench.profile``) is bound by the host, in one of
+two ways that call for different remedies: the stepping thread is busy for the whole step (launching and
+dispatching is the limit: fewer kernels, CUDA graphs), or it is not (it waits: for the device at a
+synchronisation, for the GIL another thread holds, or for a core other processes hold, which shows as
+involuntary context switches). A training loop slower than its bare step on the same model tells the two apart
+by these figures beside its profile.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HostClock", "host_line"]
+
+PROC = Path("/proc")
+
+
+def _child_cpu_s() -> float | None:
+    """CPU seconds (user + system) used so far by the processes below this one, alive now; None without
+    ``/proc``. A child that ends between two readings drops out of the later one."""
+    if not (PROC / "self").exists():
+        return None
+    from openalign.bench.gpu_memory import process_tree
+
+    me, ticks, total = os.getpid(), os.sysconf("SC_CLK_TCK"), 0
+    for pid in process_tree(me):
+        if pid == me:
+            continue
+        try:
+            stat = (PROC / str(pid) / "stat").read_text()
+        except OSError:  # ended since the listing
+            continue
+        # After the command name's last ")": state is field 3; utime and stime are fields 14 and 15.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def _switches() -> int | None:
+    """The calling thread's involuntary context switches so far (Linux), else None."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else resource.getrusage(who).ru_nivcsw
+
+
+@dataclass(frozen=True)
+class _Reading:
+    wall: float
+    thread_cpu: float
+    process_cpu: float
+    child_cpu: float | None
+    switches: int | None
+
+    @classmethod
+    def now(cls) -> _Reading:
+        # The slow reading (the process tree) first: the clocks then start after it, not before.
+        child = _child_cpu_s()
+        return cls(time.perf_counter(), time.thread_time(), time.process_time(), child, _switches())
+
+
+class HostClock:
+    """Read ``start()`` before the first timed step and ``stop(steps)`` after the last, in the thread that runs
+    the steps; ``stop`` returns per-step figures (``host_line`` prints them)."""
+
+    def __init__(self) -> None:
+        self._start: _Reading | None = None
+
+    def start(self) -> None:
+        self._start = _Reading.now()
+
+    def stop(self, steps: int) -> dict[str, Any]:
+        end, start = _Reading.now(), self._start
+        if start is None:
+            raise RuntimeError("HostClock.stop() without start()")
+        wall = max(end.wall - start.wall, 1e-9)
+        thread = end.thread_cpu - start.thread_cpu
+        children = None if start.child_cpu is None or end.child_cpu is None else end.child_cpu - start.child_cpu
+        switches = None if start.switches is None or end.switches is None else end.switches - start.switches
+        return {
+            "steps": steps,
+            "wall_s": wall / steps,
+            "thread_cpu_s": thread / steps,  # the stepping thread's own CPU time
+            "busy": thread / wall,  # its share of the wall time
+            # Other threads of the process (PyTorch's CPU op pool, batch assembly, compile workers): CPU s a step.
+            "other_threads_cpu_s": max(end.process_cpu - start.process_cpu - thread, 0.0) / steps,
+            "involuntary_switches": None if switches is None else switches / steps,
+            "child_cores": None if children is None else children / wall,  # cores the child processes kept busy
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        }
+
+
+def host_line(host: dict[str, Any]) -> str:
+    """``HostClock.stop``'s figures in one line."""
+    line = (
+        f"main thread busy {100 * host['busy']:.0f} % of the step ({host['thread_cpu_s'] * 1e3:.1f} ms CPU of "
+        f"{host['wall_s'] * 1e3:.1f})"
+    )
+    if host["involuntary_switches"] is not None:
+        line += f", {host['involuntary_switches']:.1f} involuntary switches a step"
+    line += f"; other threads {host['other_threads_cpu_s'] * 1e3:.1f} ms CPU a step"
+    if host["child_cores"] is not None:
+        line += f"; child processes {host['child_cores']:.1f} of {host['cores']} cores"
+    return line
