@@ -17,7 +17,7 @@ import openalign
 from conftest import declare_accelerator, tiny_overrides
 from openalign.train.checkpoint import list_checkpoints, load_trainer_state
 from openalign.train.config import load_train_config
-from openalign.train.loop import NonFiniteError, train
+from openalign.train.loop import BufferSnapshot, NonFiniteError, train
 
 NO_DROPOUT = {"text": {"hidden_dropout": 0.0, "attention_dropout": 0.0}, "image": {"drop_connect_rate": 0.0}}
 
@@ -205,6 +205,24 @@ def test_nan_batch_is_skipped_as_if_it_never_came(tmp_path: Path) -> None:
     a, b = weights(poisoned.final_dir), weights(clean.final_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.isfinite(v.float()).all() for v in a.values())
+
+
+def test_buffer_snapshot_puts_back_every_buffer_with_one_copy_per_dtype() -> None:
+    """Batch norm's float statistics and int64 counters, snapshotted in lists of one dtype each (CUDA's foreach copy
+    takes a list of mixed dtypes tensor by tensor), and put back exactly after a poisoned forward."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4)).train()
+    model(torch.randn(2, 3, 8, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    snapshot = BufferSnapshot(model.buffers())
+    assert sorted(str(g[0].dtype) for g in snapshot.live) == ["torch.float32", "torch.int64"]
+    assert all(len({t.dtype for t in group}) == 1 for group in snapshot.live + snapshot.saved)
+    assert sum(map(len, snapshot.live)) == len(list(model.buffers()))
+    snapshot.take()
+    model(torch.full((2, 3, 8, 8), float("nan")))  # running statistics NaN, counters one up
+    assert not torch.equal(model.state_dict()["1.num_batches_tracked"], before["1.num_batches_tracked"])
+    snapshot.restore()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_nan_guard_aborts_after_k_in_a_row_and_keeps_the_last_good_state(tmp_path: Path) -> None:
