@@ -3,11 +3,12 @@ kernel took its core away, the CPU time of the process's other threads, and of i
 workers).
 
 On a GPU a step whose kernels fill little of its wall time (``bench.profile``) is bound by the host, in one of
-two ways that call for different remedies: the stepping thread is busy for the whole step (launching and
-dispatching is the limit: fewer kernels, CUDA graphs), or it is not (it waits: for the device at a
-synchronisation, for the GIL another thread holds, or for a core other processes hold, which shows as
-involuntary context switches). A training loop slower than its bare step on the same model tells the two apart
-by these figures beside its profile.
+two ways that call for different remedies: the stepping thread works for the whole step (launching and
+dispatching is the limit: fewer kernels, CUDA graphs), or it is kept from working: by the GIL another thread
+holds, or by other processes holding its core, which shows as involuntary context switches. Neither of those
+counts as the thread's CPU time; waiting for the device does (CUDA spins at a synchronisation, on a host with
+more cores than GPUs), so the profile's kernel time and synchronisations tell that part. A training loop
+slower than its bare step on the same model tells the cases apart by these figures beside its profile.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ record every step, TensorBoard when installed), on the model ``bench train`` bui
 (the same preset, image size, embedding width, text pooling and vocabulary), fed by the same stream over the
 same synthetic shards. The stream is wrapped so that the loop's own requests for the next batch are timed: a
 step is the time from one request to the next, and the part of it spent waiting for the batch is reported
-apart, as the bare step's ``data`` part is. With ``--profile`` the loop runs three steps more: one with its
-host synchronisations counted, then two under the profiler (``openalign.bench.profile``).
+apart, as the bare step's ``data`` part is; the timed steps are also read on the host (``openalign.bench.host``).
+With ``--profile`` the loop runs three steps more: one with its host synchronisations counted, then two under the
+profiler (``openalign.bench.profile``).
 """
 
 from __future__ import annotations
