@@ -19,6 +19,7 @@ from dist_utils import run_gloo
 from openalign.config import ConfigError
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import check_compile, compile_enabled, load_train_config
+from openalign.train.grad_cache import caption_widths, chunk_batch
 from openalign.train.loop import train
 from openalign.train.plan import fake_world
 from test_train_loop import MemoryStream, factory, tiny_config, weights
@@ -178,6 +179,29 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
     # batch norm, whose true gradient is zero) differ by their whole size.
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-3, atol=2e-4, msg=name)
+
+
+def test_a_caption_batch_at_its_full_width_after_cut_ones_compiles_nothing_again(fresh_dynamo: Any) -> None:
+    """Cut below their padded width, captions are views a padded row apart; a batch whose longest caption fills
+    every column (alt-text truncated at ``max_length``) is not cut, and Dynamo guarded on the difference: its
+    graph was compiled a second time, minutes on a GPU, in the middle of a run."""
+    torch.manual_seed(0)
+    cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
+    model = DualEncoder(cfg.model.resolve()).train()
+    model.compile_towers(backend="eager")
+    columns = cfg.model.resolve().text.max_length
+    widths = []
+    for longest in (columns, 5, 9, columns, 3):  # full, cut, cut, full, cut
+        mask = torch.zeros(4, columns, dtype=torch.long)
+        for row, n in enumerate((2, 3, longest, 2)):
+            mask[row, :n] = 1
+        batch = {"input_ids": torch.randint(5, 101, (4, columns)) * mask, "attention_mask": mask}
+        (cut,) = chunk_batch(batch, 4, caption_widths(batch))
+        widths.append(cut["input_ids"].shape[1])
+        model.text_features(cut["input_ids"], cut["attention_mask"]).sum().backward()
+    assert widths == [columns, 5, 9, columns, 3]
+    assert counters["stats"]["unique_graphs"] == 1  # the text tower with a graph, compiled once
+    assert not guard_failures, {code.co_name: reasons for code, reasons in guard_failures.items()}
 
 
 def test_compiled_towers_with_activation_checkpointing_train_as_eager_ones(

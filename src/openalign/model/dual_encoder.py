@@ -349,7 +349,14 @@ def _any_width(
     error. Inductor does narrow them on a CPU, whose code sums a float reduction of over 4,096 elements (batch ×
     width) in chunks and so guards on the width's side of that line (its CUDA lowering checks that attention's mask
     rows are 8-aligned, which ``additive_mask``'s are for every width). A width on the other side of such a line
-    compiles once more."""
+    compiles once more.
+
+    The captions come contiguous: a batch cut to a width below its padded one is a view whose rows lie a padded
+    row apart, one at its full width is not, and Dynamo guards on which (the view's row stride is a separate
+    symbol), so a full-width batch after a cut one (long alt-text truncated at ``max_length`` does it) compiled a
+    second graph. Copying a cut view is a small kernel per tensor; a contiguous one is passed as it is."""
+    input_ids = input_ids.contiguous()
+    mask = mask.contiguous() if mask is not None else None
     for t in (input_ids, mask):
         if t is not None and t.shape[1] >= 2:
             torch._dynamo.maybe_mark_dynamic(t, 1)
