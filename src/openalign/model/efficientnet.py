@@ -173,14 +173,23 @@ class ConvBN(nn.Module):
 
 
 class SqueezeExcite(nn.Module):
+    """Squeeze-and-excitation: the block's channels scaled by a gate computed from their spatial means.
+
+    The gate's two 1×1 convolutions see a 1×1 map, so they are matrix products and run as such (``F.linear`` on
+    the weights viewed as matrices): a convolution call costs a GPU's host several times a GEMM's (cuDNN's
+    dispatch), and these are two of a block's five convolutions, forward and backward, for a few thousand
+    multiply-adds each. The weights keep their convolution shape, so checkpoints and the peers' layouts match."""
+
     def __init__(self, channels: int, reduced: int):
         super().__init__()
         self.reduce = nn.Conv2d(channels, reduced, 1)
         self.expand = nn.Conv2d(reduced, channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.mean((2, 3), keepdim=True)
-        return x * torch.sigmoid(self.expand(F.silu(self.reduce(s))))
+        s = x.mean((2, 3))
+        s = F.silu(F.linear(s, self.reduce.weight.flatten(1), self.reduce.bias))
+        s = F.linear(s, self.expand.weight.flatten(1), self.expand.bias)
+        return x * torch.sigmoid(s)[:, :, None, None]
 
 
 class MBConv(nn.Module):
