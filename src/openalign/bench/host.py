@@ -100,9 +100,10 @@ class HostClock:
 
 def host_line(host: dict[str, Any]) -> str:
     """``HostClock.stop``'s figures in one line."""
+    # The mean step, where the tables print the median: a mean far above it is an outlier (a step that compiled).
     line = (
-        f"main thread busy {100 * host['busy']:.0f} % of the step ({host['thread_cpu_s'] * 1e3:.1f} ms CPU of "
-        f"{host['wall_s'] * 1e3:.1f})"
+        f"main thread busy {100 * host['busy']:.0f} % of the steps ({host['thread_cpu_s'] * 1e3:.1f} ms CPU of a mean "
+        f"{host['wall_s'] * 1e3:.1f} ms step)"
     )
     if host["involuntary_switches"] is not None:
         line += f", {host['involuntary_switches']:.1f} involuntary switches a step"
