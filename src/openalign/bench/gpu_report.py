@@ -134,8 +134,9 @@ def _versus(summary: dict[str, Any]) -> list[str]:
 
 
 def _profiled(ours: dict[str, Any], peer: dict[str, Any] | None) -> list[str]:
-    """The row above's steps on the host (``bench.host``: busy, or waiting for the device, the GIL or a core) and
-    profiled (``bench.profile``: kernels filling little of its wall time wait on the host), where measured."""
+    """The row above's steps on the host (``bench.host``: the stepping thread busy, or kept off its core by the GIL
+    or other processes) and profiled (``bench.profile``: kernels filling little of its wall time wait on the
+    host), where measured."""
     lines = []
     for key, what, line in (("host", "on the host", host_line), ("profile", "profiled", profile_line)):
         if ours.get(key):
