@@ -14,10 +14,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TreeSampler", "process_tree", "tree_memory"]
+__all__ = ["TreeSampler", "process_tree", "stat_fields", "tree_memory"]
 
 PROC = Path("/proc")
 GiB = 2**30
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (the first is the state, field 3 of proc(5)), or None
+    once the process is gone."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:  # gone between listing and reading
+        return None
+    # The command name may hold spaces and parentheses: the fields after its last ")" are fixed.
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def process_tree(root: int) -> list[int]:
@@ -26,13 +37,9 @@ def process_tree(root: int) -> list[int]:
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone between listing and reading
-            continue
-        # The command name may hold spaces and parentheses: the fields after its last ")" are fixed.
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
+        fields = stat_fields(entry.name)
+        if fields is not None:
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()

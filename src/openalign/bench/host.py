@@ -17,12 +17,11 @@ import os
 import resource
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-__all__ = ["HostClock", "host_line"]
+from openalign.bench.gpu_memory import PROC, process_tree, stat_fields
 
-PROC = Path("/proc")
+__all__ = ["HostClock", "host_line"]
 
 
 def _child_cpu_s() -> float | None:
@@ -30,19 +29,11 @@ def _child_cpu_s() -> float | None:
     ``/proc``. A child that ends between two readings drops out of the later one."""
     if not (PROC / "self").exists():
         return None
-    from openalign.bench.gpu_memory import process_tree
-
     me, ticks, total = os.getpid(), os.sysconf("SC_CLK_TCK"), 0
     for pid in process_tree(me):
-        if pid == me:
-            continue
-        try:
-            stat = (PROC / str(pid) / "stat").read_text()
-        except OSError:  # ended since the listing
-            continue
-        # After the command name's last ")": state is field 3; utime and stime are fields 14 and 15.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])
+        fields = stat_fields(pid) if pid != me else None
+        if fields is not None:  # utime and stime: fields 14 and 15 of proc(5), 12th and 13th after the name
+            total += int(fields[11]) + int(fields[12])
     return total / ticks
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from openalign.bench.host import host_line
+
 __all__ = ["StepProfiler", "count_syncs", "keep_best", "print_profiles", "profile_line", "profile_steps"]
 
 
@@ -148,8 +150,6 @@ def keep_best(best: dict[str, dict[str, Any]], which: str, result: dict[str, Any
 def print_profiles(best: dict[str, dict[str, Any]], names: list[str]) -> None:
     """Lines under a benchmark's table: each contender's host during its timed steps (``bench.host``), and its
     profile where it was profiled."""
-    from openalign.bench.host import host_line
-
     for which in names:
         if best[which].get("host"):
             print(f"{which:>12} on the host: {host_line(best[which]['host'])}")
