@@ -64,6 +64,18 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo with no compiled code, recorded guard failures or counters, before the test and after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
 def text_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The caption widths the text tower is called with, in order."""
     import openalign.model.bert as bert

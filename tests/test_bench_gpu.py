@@ -38,8 +38,9 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
         assert compiled[which]["profile"]["ops"] > 0 and compiled[which]["profile"]["wall_s"] > 0
         assert "bench model: " in (out / "profile" / f"model-{which}-eager.txt").read_text()
         assert compiled[which]["first_step_s"] > 0  # built and warmed up together, then timed one at a time
-    alone = parts["compiled_loop"]["figures"]  # the loop without the bare step, its data wait as a share
-    assert set(alone["training"]) == {"recipe"} and 0 <= alone["recipe_data_share"] < 1
+    loop = parts["compiled_loop"]["figures"]  # the loop beside its bare step, its data wait as a share
+    assert set(loop["training"]) == {"openalign", "recipe"} and 0 <= loop["recipe_data_share"] < 1
+    assert loop["recipe_ratio"] > 0 and len(loop["training"]["recipe"]["steps_s"]) == 1
     towers = parts["towers"]["figures"]
     assert towers["text"][0]["median_ms"] > 0 and towers["text"][1]["model"].startswith("transformers BertModel")
     for run in ("paper", "loop"):
@@ -57,10 +58,11 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     assert "| l2 | pretrain_align batch 32, chunk 16 | failed |" in text
     assert "`bench train --recipe`: the training loop" in text and "| text tower alone, fwd + bwd ms" in text
     # Each timed step profiled: bench's bare steps (ours beside transformers'), the loop, the compiled part, the
-    # compiled loop.
-    assert text.count("| the same, profiled | wall ") == 4
+    # compiled loop's bare step and loop.
+    assert text.count("| the same, profiled | wall ") == 5
     # ... and each one's host during its timed steps, the compiled part's contenders too.
-    assert text.count("| the same, on the host | main thread busy ") == 4
+    assert text.count("| the same, on the host | main thread busy ") == 5
+    assert "| `bench train`'s bare step, eager, from JPEG shards |" in text
     assert (out / "profile" / "recipe-eager.txt").is_file()
     assert "`openalign train`'s loop, eager (not compiled here), from JPEG shards" in text
     assert "--no-such-option needs a value" in text
@@ -147,5 +149,5 @@ def test_the_compiled_loop_trains_the_model_the_compiled_part_leaves_in_the_cach
     model, loop = gpu._bench_settings(s, "compiled"), gpu._bench_settings(s, "compiled_loop")
     for key in ("preset", "batch_size", "bf16", "device", "compile", "image_size", "virtual_batch_size"):
         assert model.get(key) == loop.get(key), key
-    assert loop["compile"] and loop["recipe"] and not loop["bare"]
+    assert loop["compile"] and loop["recipe"] and loop.get("bare", True)  # compiled once, for both
     assert gpu.PARTS.index("compiled") < gpu.PARTS.index("compiled_loop")

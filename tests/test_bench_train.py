@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partialmethod
 from pathlib import Path
+from typing import Any
 
 import pytest
+from torch._dynamo.utils import counters, guard_failures
 
 from conftest import declare_accelerator
 from openalign.cli import main
+from openalign.model.dual_encoder import DualEncoder
 
 
 def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,6 +43,39 @@ def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pyt
     assert loop["skipped_steps"] == 0 and loop["pairs_per_s"] > 0 and bare["pairs_per_s"] > 0
     assert 0 <= loop["parts_s"]["data"] <= loop["step_s"]
     assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])
+
+
+def test_compiled_the_loop_runs_in_its_bare_steps_process_on_the_graphs_it_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fresh_dynamo: None
+) -> None:
+    """Compiled, ``--recipe``'s loop runs after the bare step in the bare step's process, and its model (a second
+    one of the same config) passes the guards of the graphs the first compiled: one compilation serves both, where
+    each costs minutes on a GPU."""
+    from openalign.bench import train as bench_train
+    from openalign.bench.train import TrainBenchSettings, run_train_bench
+
+    # Dynamo's eager backend: graph capture and guards are Dynamo's whatever the backend (tests/test_train_compile).
+    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="eager"))
+    processes: list[str] = []
+
+    def in_this_process(fn: Any, *args: Any) -> Any:
+        processes.append(fn.__name__)
+        if fn is bench_train.measure_pipeline:  # not what this test is about
+            return {"samples_per_s": 1.0, "cpu_ms": 1.0}
+        return fn(*args)
+
+    monkeypatch.setattr(bench_train, "in_own_process", in_this_process)
+    s = TrainBenchSettings(preset="nano", image_size=32, batch_size=8, steps=2, warmup=1, rounds=1, workers=0,
+                           shard_samples=16, pipeline_samples=8, compile=True, recipe=True, baseline=False)  # fmt: skip
+    summary = run_train_bench(s)
+    assert processes == ["measure_bare_then_loop", "measure_pipeline"]
+    # The image and the text tower's graphs with gradients, compiled by the bare step; the loop compiled nothing.
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not guard_failures, {code.co_name: reasons for code, reasons in guard_failures.items()}
+    loop, bare = summary["training"]["recipe"], summary["training"]["openalign"]
+    assert len(loop["steps_s"]) == 2 and len(bare["steps_s"]) == 2 and loop["first_step_s"] > 0
+    assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])
+    assert capsys.readouterr().err.count("compiled towers in ") == 1  # the loop's first step, on ready graphs
 
 
 def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:

@@ -28,15 +28,6 @@ from test_train_resume import LAMB, ddp_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def fresh_dynamo() -> Any:
-    torch._dynamo.reset()  # compiled code and recorded guard failures
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def test_compile_is_on_by_default_on_cuda_only() -> None:
     auto = load_train_config({"data": {"source": "synthetic"}})
     assert auto.train.compile is None

@@ -122,12 +122,21 @@ def _versus(summary: dict[str, Any]) -> list[str]:
     compiled_loop = _figures(summary, "compiled_loop")
     timed = (compiled_loop.get("training") or {}).get("recipe")
     if timed:
-        how = "compiled" if (compiled_loop.get("settings") or {}).get("compile") else "eager (not compiled here)"
+        compiling = (compiled_loop.get("settings") or {}).get("compile")
+        how = "compiled, in the bare step's process on its graphs" if compiling else "eager (not compiled here)"
+        bare = (compiled_loop.get("training") or {}).get("openalign")
+        if bare:
+            which = "compiled" if compiling else "eager"
+            lines.append(f"| `bench train`'s bare step, {which}, from JPEG shards | {_steps(bare)} | – | |")
+            lines += _profiled(bare, None)
         share = compiled_loop.get("recipe_data_share")
+        first = timed.get("first_step_s")
         lines.append(
-            f"| `openalign train`'s loop, {how}, from JPEG shards (`bench train --recipe --compile`; ratio: the "
-            f"share of its step spent waiting for data) | {_steps(timed)} | – | "
-            f"{_num(None if share is None else 100 * share, '.1f', ' %')} |"
+            f"| `openalign train`'s loop, {how}, from JPEG shards "
+            f"(`bench train --recipe --compile`; peer: the bare step; ratio: loop / bare step pairs/s) | "
+            f"{_steps(timed)}; waiting for data {_num(None if share is None else 100 * share, '.1f', ' %')} of its "
+            f"step; first step {_num(first, '.1f', ' s')} | {_num((bare or {}).get('pairs_per_s'))} | "
+            f"{_ratio(timed['pairs_per_s'], (bare or {}).get('pairs_per_s'))} |"
         )
         lines += _profiled(timed, None)
     return lines if len(lines) > 2 else []

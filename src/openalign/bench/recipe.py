@@ -30,13 +30,14 @@ class TimedStream:
     """A training stream whose batches are timed as the loop asks for them; everything else is the stream's."""
 
     def __init__(
-        self, stream: Any, timed: tuple[int, int], profile: tuple[int, torch.device, Path] | None = None
+        self, stream: Any, timed: tuple[int, int], device: torch.device, profile: tuple[int, Path] | None = None
     ) -> None:
         self.stream = stream
+        self.device = device
         self.asked: list[float] = []  # when the loop asked for each batch
         self.got: list[float] = []  # when it had it
         self.timed = timed  # (first, end): the steps whose host figures are read (``bench.host``)
-        self.profile = profile  # (the step to count synchronisations in, device, file): the profile's steps follow
+        self.profile = profile  # (the step to count synchronisations in, file): the profile's steps follow
         self.profiled: dict[str, Any] | None = None  # the profile's totals, once written
         self.host: dict[str, Any] | None = None  # the timed steps' host figures, once read
 
@@ -48,7 +49,8 @@ class TimedStream:
         from openalign.bench.profile import StepProfiler, count_syncs
 
         batches = iter(self.stream)
-        first, device, path = self.profile or (None, torch.device("cpu"), Path())
+        device = self.device
+        first, path = self.profile or (None, Path())
         profiler = StepProfiler(device, 2)
         counting = contextlib.ExitStack()
         clock = HostClock()
@@ -56,6 +58,8 @@ class TimedStream:
             # Read at the timed steps' ends, outside them: before the first one's ask, after the last one's end.
             if len(self.asked) == self.timed[0]:
                 clock.start()
+                if device.type == "cuda":  # the peak of the timed steps, as the bare step's
+                    torch.cuda.reset_peak_memory_stats(device)
             # The loop asks for step i's batch when step i - 1 has ended: steps counted from the first profiled one.
             step = -1 if first is None else len(self.asked) - first
             if step == 0:
@@ -130,9 +134,9 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
     def factory(*_: Any, **__: Any) -> TimedStream:
         # The bare step's stream, not one rebuilt from the run's data section: the same batches, the same work.
         name = f"recipe-{'compiled' if s.compile else 'eager'}.txt"
-        where = (s.warmup + s.steps, device, Path(profile) / name) if profile else None
+        where = (s.warmup + s.steps, Path(profile) / name) if profile else None
         steps = (s.warmup, s.warmup + s.steps)
-        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), steps, where))
+        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), steps, device, where))
         return timed[0]
 
     with tempfile.TemporaryDirectory(prefix="openalign-bench-recipe-") as run_dir:
@@ -150,6 +154,9 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
         "parts_s": {"data": waits[median], "compute": step_s - waits[median]},
         "mean_step_s": sum(steps) / len(steps),
         "mean_data_s": sum(waits) / len(waits),
+        "steps_s": steps,  # every timed step, in order: a slow one apart from the rest shows here
+        # The loop's first step (compiled: its towers' compilation, or none where their graphs are compiled already)
+        "first_step_s": stream.asked[1] - stream.asked[0],
         "pairs_per_s": s.batch_size / step_s,
         "peak_mem_mb": peak_memory_mb(device),
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS of the training process",
