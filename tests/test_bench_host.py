@@ -4,6 +4,7 @@ sleeps, a neighbour thread that works while the stepping one waits, a child proc
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 import threading
@@ -68,6 +69,50 @@ def test_a_neighbour_threads_work_is_the_other_threads_cpu() -> None:
     assert host["thread_cpu_s"] < 0.2 * WORK_S
     if host["child_cores"] is not None:  # a thread's work is never a child's
         assert host["child_cores"] * host["wall_s"] < 0.02
+
+
+def _named(name: str) -> None:
+    """Give the calling thread ``name`` as the kernel knows it (``/proc/self/task/TID/comm``), as PyTorch names its
+    autograd threads."""
+    libc = ctypes.CDLL(None)
+    assert libc.prctl(15, name.encode(), 0, 0, 0) == 0  # PR_SET_NAME
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads' CPU is read from /proc")
+@pytest.mark.parametrize("name", ["pt_autograd_0", "worker"])
+def test_an_autograd_device_threads_work_is_read_apart(name: str) -> None:
+    """A GPU's backward runs on the autograd engine's thread for that device while the stepping thread waits: its
+    CPU is the other threads' and read apart by its name; a thread of another name is not."""
+    go, done, finish = threading.Event(), threading.Event(), threading.Event()
+
+    def engine() -> None:
+        _named(name)
+        for _ in range(4):
+            go.wait()
+            go.clear()
+            _work(WORK_S)
+            done.set()
+        finish.wait()  # alive until read, as the engine's threads live as long as the process
+
+    def step() -> None:
+        go.set()
+        done.wait()
+        done.clear()
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        host = _steps(step, 4)
+    finally:
+        finish.set()
+        thread.join(timeout=60)
+    assert host["other_threads_cpu_s"] >= 0.9 * WORK_S and host["thread_cpu_s"] < 0.2 * WORK_S
+    if name.startswith("pt_autograd_"):
+        # /proc counts in clock ticks (10 ms): 0.2 s of work within two of them.
+        assert host["autograd_threads_cpu_s"] * 4 == pytest.approx(4 * WORK_S, abs=0.025)
+        assert "(autograd's device threads, which run the backward, " in host_line(host)
+    else:
+        assert host["autograd_threads_cpu_s"] is None and "autograd" not in host_line(host)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="child processes' CPU is read from /proc")

@@ -9,6 +9,11 @@ holds, or by other processes holding its core, which shows as involuntary contex
 counts as the thread's CPU time; waiting for the device does (CUDA spins at a synchronisation, on a host with
 more cores than GPUs), so the profile's kernel time and synchronisations tell that part. A training loop
 slower than its bare step on the same model tells the cases apart by these figures beside its profile.
+
+On a GPU the backward pass does not run on the stepping thread: PyTorch's autograd engine runs a device's backward
+on a thread of its own (named ``pt_autograd_<device>``) while the thread that called ``backward`` waits, and a
+compiled backward's Python (inductor's launching code) runs there. Its CPU time is read apart from the other
+threads'.
 """
 
 from __future__ import annotations
@@ -37,6 +42,28 @@ def _child_cpu_s() -> float | None:
     return total / ticks
 
 
+AUTOGRAD_THREADS = "pt_autograd_"  # how PyTorch names the threads its autograd engine runs a device's backward on
+
+
+def _autograd_cpu_s() -> float | None:
+    """CPU seconds (user + system) used so far by this process's autograd device threads; None when it has none
+    (a CPU run: the CPU's backward runs on the calling thread) or without ``/proc``."""
+    tasks = PROC / "self" / "task"
+    if not tasks.is_dir():
+        return None
+    ticks, total, found = os.sysconf("SC_CLK_TCK"), 0, False
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # ended between listing and reading
+            continue
+        fields = stat_fields(f"self/task/{task.name}") if name.startswith(AUTOGRAD_THREADS) else None
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
+            found = True
+    return total / ticks if found else None
+
+
 def _switches() -> int | None:
     """The calling thread's involuntary context switches so far (Linux), else None."""
     who = getattr(resource, "RUSAGE_THREAD", None)
@@ -49,13 +76,14 @@ class _Reading:
     thread_cpu: float
     process_cpu: float
     child_cpu: float | None
+    autograd_cpu: float | None
     switches: int | None
 
     @classmethod
     def now(cls) -> _Reading:
         # The slow reading (the process tree) first: the clocks then start after it, not before.
-        child = _child_cpu_s()
-        return cls(time.perf_counter(), time.thread_time(), time.process_time(), child, _switches())
+        child, autograd = _child_cpu_s(), _autograd_cpu_s()
+        return cls(time.perf_counter(), time.thread_time(), time.process_time(), child, autograd, _switches())
 
 
 class HostClock:
@@ -76,6 +104,8 @@ class HostClock:
         thread = end.thread_cpu - start.thread_cpu
         children = None if start.child_cpu is None or end.child_cpu is None else end.child_cpu - start.child_cpu
         switches = None if start.switches is None or end.switches is None else end.switches - start.switches
+        # A thread the engine starts during the timed steps had used nothing before them.
+        autograd = None if end.autograd_cpu is None else end.autograd_cpu - (start.autograd_cpu or 0.0)
         return {
             "steps": steps,
             "wall_s": wall / steps,
@@ -83,6 +113,8 @@ class HostClock:
             "busy": thread / wall,  # its share of the wall time
             # Other threads of the process (PyTorch's CPU op pool, batch assembly, compile workers): CPU s a step.
             "other_threads_cpu_s": max(end.process_cpu - start.process_cpu - thread, 0.0) / steps,
+            # Of which the autograd engine's device threads (a GPU's backward), where the process has any.
+            "autograd_threads_cpu_s": None if autograd is None else autograd / steps,
             "involuntary_switches": None if switches is None else switches / steps,
             "child_cores": None if children is None else children / wall,  # cores the child processes kept busy
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -99,6 +131,8 @@ def host_line(host: dict[str, Any]) -> str:
     if host["involuntary_switches"] is not None:
         line += f", {host['involuntary_switches']:.1f} involuntary switches a step"
     line += f"; other threads {host['other_threads_cpu_s'] * 1e3:.1f} ms CPU a step"
+    if host.get("autograd_threads_cpu_s") is not None:
+        line += f" (autograd's device threads, which run the backward, {host['autograd_threads_cpu_s'] * 1e3:.1f} ms)"
     if host["child_cores"] is not None:
         line += f"; child processes {host['child_cores']:.1f} of {host['cores']} cores"
     return line
