@@ -7,7 +7,8 @@ same synthetic shards. The stream is wrapped so that the loop's own requests for
 step is the time from one request to the next, and the part of it spent waiting for the batch is reported
 apart, as the bare step's ``data`` part is; the timed steps are also read on the host (``openalign.bench.host``).
 With ``--profile`` the loop runs three steps more: one with its host synchronisations counted, then two under the
-profiler (``openalign.bench.profile``).
+profiler (``openalign.bench.profile``), whose table is written once the loop has ended: inside the stream its
+seconds would be the loop's wait for data.
 """
 
 from __future__ import annotations
@@ -39,10 +40,17 @@ class TimedStream:
         self.timed = timed  # (first, end): the steps whose host figures are read (``bench.host``)
         self.profile = profile  # (the step to count synchronisations in, file): the profile's steps follow
         self.profiled: dict[str, Any] | None = None  # the profile's totals, once written
+        self._profiler: Any = None  # the profile's steps, once taken
         self.host: dict[str, Any] | None = None  # the timed steps' host figures, once read
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
+
+    def write_profile(self) -> None:
+        """The profiled steps' table and totals (``profiled``), once the loop has ended."""
+        if self._profiler is not None and self.profile is not None:
+            title = "openalign train: the loop's step (bench train --recipe)"
+            self.profiled = self._profiler.write(self.profile[1], title)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         from openalign.bench.host import HostClock
@@ -50,7 +58,7 @@ class TimedStream:
 
         batches = iter(self.stream)
         device = self.device
-        first, path = self.profile or (None, Path())
+        first = None if self.profile is None else self.profile[0]
         profiler = StepProfiler(device, 2)
         counting = contextlib.ExitStack()
         clock = HostClock()
@@ -69,7 +77,7 @@ class TimedStream:
                 profiler.__enter__()
             elif step == 3:
                 profiler.__exit__(None, None, None)
-                self.profiled = profiler.write(path, "openalign train: the loop's step (bench train --recipe)")
+                self._profiler = profiler
             self.asked.append(time.perf_counter())
             if len(self.asked) == self.timed[1] + 1:
                 self.host = clock.stop(self.timed[1] - self.timed[0])
@@ -143,6 +151,7 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
         config = recipe_config(s, shards, tokenizer_dir, run_dir, 3 if profile else 0)
         result = train(config, stream_factory=factory, tokenizer=tokenizer)
     stream = timed[0]
+    stream.write_profile()
     first = s.warmup
     steps = [stream.asked[i + 1] - stream.asked[i] for i in range(first, first + s.steps)]
     waits = [stream.got[i] - stream.asked[i] for i in range(first, first + s.steps)]
