@@ -44,17 +44,23 @@ def test_a_working_step_is_the_threads_cpu_and_a_sleeping_one_is_not() -> None:
     assert asleep["wall_s"] >= WORK_S
 
 
-def test_a_neighbour_threads_work_is_the_other_threads_cpu() -> None:
-    go, done = threading.Event(), threading.Event()
+def _steps_beside(name: str | None, n: int = 3) -> dict[str, float]:
+    """``n`` steps in each of which the stepping thread waits while a neighbour thread works ``WORK_S`` of CPU; the
+    neighbour takes ``name`` as the kernel knows it (``/proc/self/task/TID/comm``), as PyTorch names its autograd
+    threads, and lives until the steps are read, as those do."""
+    go, done, finish = threading.Event(), threading.Event(), threading.Event()
 
     def neighbour() -> None:
-        for _ in range(3):
+        if name is not None:
+            assert ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0) == 0  # PR_SET_NAME
+        for _ in range(n):
             go.wait()
             go.clear()
             _work(WORK_S)
             done.set()
+        finish.wait()
 
-    def step() -> None:  # the stepping thread waits while its neighbour works
+    def step() -> None:
         go.set()
         done.wait()
         done.clear()
@@ -62,50 +68,26 @@ def test_a_neighbour_threads_work_is_the_other_threads_cpu() -> None:
     thread = threading.Thread(target=neighbour)
     thread.start()
     try:
-        host = _steps(step)
+        return _steps(step, n)
     finally:
+        finish.set()
         thread.join(timeout=60)
+
+
+def test_a_neighbour_threads_work_is_the_other_threads_cpu() -> None:
+    host = _steps_beside(None)
     assert host["other_threads_cpu_s"] >= 0.9 * WORK_S
     assert host["thread_cpu_s"] < 0.2 * WORK_S
     if host["child_cores"] is not None:  # a thread's work is never a child's
         assert host["child_cores"] * host["wall_s"] < 0.02
 
 
-def _named(name: str) -> None:
-    """Give the calling thread ``name`` as the kernel knows it (``/proc/self/task/TID/comm``), as PyTorch names its
-    autograd threads."""
-    libc = ctypes.CDLL(None)
-    assert libc.prctl(15, name.encode(), 0, 0, 0) == 0  # PR_SET_NAME
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="threads' CPU is read from /proc")
+@pytest.mark.skipif(sys.platform != "linux", reason="threads' names and CPU are read from /proc")
 @pytest.mark.parametrize("name", ["pt_autograd_0", "worker"])
 def test_an_autograd_device_threads_work_is_read_apart(name: str) -> None:
     """A GPU's backward runs on the autograd engine's thread for that device while the stepping thread waits: its
     CPU is the other threads' and read apart by its name; a thread of another name is not."""
-    go, done, finish = threading.Event(), threading.Event(), threading.Event()
-
-    def engine() -> None:
-        _named(name)
-        for _ in range(4):
-            go.wait()
-            go.clear()
-            _work(WORK_S)
-            done.set()
-        finish.wait()  # alive until read, as the engine's threads live as long as the process
-
-    def step() -> None:
-        go.set()
-        done.wait()
-        done.clear()
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    try:
-        host = _steps(step, 4)
-    finally:
-        finish.set()
-        thread.join(timeout=60)
+    host = _steps_beside(name, 4)
     assert host["other_threads_cpu_s"] >= 0.9 * WORK_S and host["thread_cpu_s"] < 0.2 * WORK_S
     if name.startswith("pt_autograd_"):
         # /proc counts in clock ticks (10 ms): 0.2 s of work within two of them.
