@@ -151,3 +151,14 @@ def test_the_compiled_loop_trains_the_model_the_compiled_part_leaves_in_the_cach
         assert model.get(key) == loop.get(key), key
     assert loop["compile"] and loop["recipe"] and loop.get("bare", True)  # compiled once, for both
     assert gpu.PARTS.index("compiled") < gpu.PARTS.index("compiled_loop")
+
+
+def test_a_timed_rows_steps_show_their_spread() -> None:
+    """The median step's figures, and with several timed steps the shortest and longest: a loop whose mean is far
+    from its median (a slow step in a few, or two kinds of step) shows which."""
+    from openalign.bench.gpu_report import _steps
+
+    loop = {"pairs_per_s": 258.3, "parts_s": {"data": 0.001, "compute": 0.247}, "steps_s": [0.248, 0.151, 0.26]}
+    assert _steps(loop) == "258.3 (data 0.001 s, compute 0.247 s; 3 steps of 0.151–0.260 s)"
+    assert _steps({**loop, "steps_s": [0.248]}) == "258.3 (data 0.001 s, compute 0.247 s)"
+    assert _steps({"pairs_per_s": 20.0, "steps_s": [0.3, 0.5]}) == "20.0 (2 steps of 0.300–0.500 s)"

@@ -45,8 +45,12 @@ def _parts(summary: dict[str, Any]) -> list[str]:
 
 
 def _steps(t: dict[str, Any]) -> str:
+    """Pairs/s of the median step, its parts, and the spread of the timed steps where they are recorded."""
     parts = t.get("parts_s") or {}
     shown = ", ".join(f"{k} {v:.3f} s" for k, v in parts.items() if k != "loss")
+    steps = t.get("steps_s") or []
+    if len(steps) > 1:
+        shown += f"{'; ' if shown else ''}{len(steps)} steps of {min(steps):.3f}–{max(steps):.3f} s"
     return f"{t['pairs_per_s']:.1f} ({shown})" if shown else f"{t['pairs_per_s']:.1f}"
 
 
