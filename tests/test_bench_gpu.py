@@ -38,6 +38,7 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
         assert compiled[which]["profile"]["ops"] > 0 and compiled[which]["profile"]["wall_s"] > 0
         assert "bench model: " in (out / "profile" / f"model-{which}-eager.txt").read_text()
         assert compiled[which]["first_step_s"] > 0  # built and warmed up together, then timed one at a time
+        assert len(compiled[which]["steps_s"]) == 1
     loop = parts["compiled_loop"]["figures"]  # the loop beside its bare step, its data wait as a share
     assert set(loop["training"]) == {"openalign", "recipe"} and 0 <= loop["recipe_data_share"] < 1
     assert loop["recipe_ratio"] > 0 and len(loop["training"]["recipe"]["steps_s"]) == 1
@@ -62,7 +63,7 @@ def test_the_check_runs_every_part_and_records_a_broken_one(tmp_path: Path, caps
     assert text.count("| the same, profiled | wall ") == 5
     # ... and each one's host during its timed steps, the compiled part's contenders too.
     assert text.count("| the same, on the host | main thread busy ") == 5
-    assert "| `bench train`'s bare step, eager, from JPEG shards |" in text
+    assert "| `bench train`'s bare step, eager, from JPEG shards |" in text and "; first step " in text
     assert (out / "profile" / "recipe-eager.txt").is_file()
     assert "`openalign train`'s loop, eager (not compiled here), from JPEG shards" in text
     assert "--no-such-option needs a value" in text

@@ -82,7 +82,7 @@ def _versus(summary: dict[str, Any]) -> list[str]:
         how = "compiled" if c_settings.get("compile") else "eager (not compiled on this device)"
         what = f"`bench model --preset {c_settings.get('preset')}` pairs/s, {how}"
         lines.append(
-            f"| {what} | {_num(c_ours.get('pairs_per_s'))} | {_num((c_theirs or {}).get('pairs_per_s'))} | "
+            f"| {what} | {_steps(c_ours)} | {_steps(c_theirs) if c_theirs else '–'} | "
             f"{_ratio(c_ours.get('pairs_per_s'), (c_theirs or {}).get('pairs_per_s'))} |"
         )
         lines += _profiled(c_ours, c_theirs)
@@ -131,7 +131,10 @@ def _versus(summary: dict[str, Any]) -> list[str]:
         bare = (compiled_loop.get("training") or {}).get("openalign")
         if bare:
             which = "compiled" if compiling else "eager"
-            lines.append(f"| `bench train`'s bare step, {which}, from JPEG shards | {_steps(bare)} | – | |")
+            lines.append(
+                f"| `bench train`'s bare step, {which}, from JPEG shards | {_steps(bare)}; first step "
+                f"{_num(bare.get('first_step_s'), '.1f', ' s')} | – | |"
+            )
             lines += _profiled(bare, None)
         share = compiled_loop.get("recipe_data_share")
         first = timed.get("first_step_s")

@@ -215,6 +215,7 @@ def measure(
         "host": host,
         "model": which,
         "step_s": sorted(times)[len(times) // 2],
+        "steps_s": times,  # every timed step, in order
         "first_step_s": first_step,
         "flops_per_step": flops,
         "peak_mem_mb": peak,

@@ -256,7 +256,7 @@ def measure_training(
         sync()
         stamps.append(time.perf_counter())
 
-    flops = 0
+    flops, first_step = 0, 0.0
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     clock = HostClock()
     for step in range(s.warmup + s.steps):
@@ -268,6 +268,8 @@ def measure_training(
         batch = next_batch()
         stamp()
         loss = one_step(batch, stamp)
+        if step == 0:  # compiled: the towers' compilation, where their graphs are not compiled already
+            first_step = stamps[-1] - stamps[0]
         if step >= s.warmup:
             for part, (start, end) in zip(PARTS, itertools.pairwise(stamps), strict=True):
                 times[part].append(end - start)
@@ -292,6 +294,7 @@ def measure_training(
         "step_s": step_s,
         "parts_s": {part: times[part][median] for part in PARTS},
         "steps_s": totals,  # every timed step, in order
+        "first_step_s": first_step,
         "pairs_per_s": s.batch_size / step_s,
         "peak_mem_mb": peak_memory_mb(device),
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "peak RSS of the training process",
