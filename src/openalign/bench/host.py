@@ -29,17 +29,22 @@ from openalign.bench.gpu_memory import PROC, process_tree, stat_fields
 __all__ = ["HostClock", "host_line"]
 
 
+def _cpu_ticks(entry: int | str) -> int | None:
+    """User + system CPU time so far of a process (``PID``) or thread (``self/task/TID``) in clock ticks, or None
+    once it is gone."""
+    fields = stat_fields(entry)
+    # utime and stime: fields 14 and 15 of proc(5), the 12th and 13th after the command name.
+    return None if fields is None else int(fields[11]) + int(fields[12])
+
+
 def _child_cpu_s() -> float | None:
     """CPU seconds (user + system) used so far by the processes below this one, alive now; None without
     ``/proc``. A child that ends between two readings drops out of the later one."""
     if not (PROC / "self").exists():
         return None
-    me, ticks, total = os.getpid(), os.sysconf("SC_CLK_TCK"), 0
-    for pid in process_tree(me):
-        fields = stat_fields(pid) if pid != me else None
-        if fields is not None:  # utime and stime: fields 14 and 15 of proc(5), 12th and 13th after the name
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    me = os.getpid()
+    ticks = (_cpu_ticks(pid) for pid in process_tree(me) if pid != me)
+    return sum(t for t in ticks if t is not None) / os.sysconf("SC_CLK_TCK")
 
 
 AUTOGRAD_THREADS = "pt_autograd_"  # how PyTorch names the threads its autograd engine runs a device's backward on
@@ -51,17 +56,16 @@ def _autograd_cpu_s() -> float | None:
     tasks = PROC / "self" / "task"
     if not tasks.is_dir():
         return None
-    ticks, total, found = os.sysconf("SC_CLK_TCK"), 0, False
+    ticks: list[int] = []
     for task in tasks.iterdir():
         try:
             name = (task / "comm").read_text().strip()
         except OSError:  # ended between listing and reading
             continue
-        fields = stat_fields(f"self/task/{task.name}") if name.startswith(AUTOGRAD_THREADS) else None
-        if fields is not None:
-            total += int(fields[11]) + int(fields[12])
-            found = True
-    return total / ticks if found else None
+        used = _cpu_ticks(f"self/task/{task.name}") if name.startswith(AUTOGRAD_THREADS) else None
+        if used is not None:
+            ticks.append(used)
+    return sum(ticks) / os.sysconf("SC_CLK_TCK") if ticks else None
 
 
 def _switches() -> int | None:
