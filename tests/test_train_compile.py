@@ -195,6 +195,33 @@ def test_a_caption_batch_at_its_full_width_after_cut_ones_compiles_nothing_again
     assert not guard_failures, {code.co_name: reasons for code, reasons in guard_failures.items()}
 
 
+def test_captions_anywhere_in_their_storage_compile_nothing_again(fresh_dynamo: Any) -> None:
+    """The stream's captions share one storage, the mask after the token ids. An uncut batch was passed where it
+    lay, a cut one copied to the start of a storage of its own, and Dynamo guarded on the mask's storage offset
+    (2 or more, against 0): on a CPU, the first cut batch after an uncut one compiled the graph a second time,
+    mid-run. A gradient-cached step's later chunks start rows into their storage too."""
+    torch.manual_seed(0)
+    cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
+    model = DualEncoder(cfg.model.resolve()).train()
+    model.compile_towers(backend="eager")
+    columns = cfg.model.resolve().text.max_length
+    handed = []
+    for longest in (columns, 5, columns, 9):  # uncut, cut, uncut, cut
+        captions = torch.zeros(2, 4, columns, dtype=torch.long)  # ids, then mask: one storage
+        for row, n in enumerate((longest, 3, 2, longest)):
+            captions[1, row, :n] = 1
+        captions[0] = torch.randint(5, 101, (4, columns)) * captions[1]
+        batch = {"input_ids": captions[0], "attention_mask": captions[1]}
+        for chunk in chunk_batch(batch, 2, caption_widths(batch, 2)):  # the second chunk two rows in
+            mask = chunk["attention_mask"]
+            handed.append((mask.shape[1], mask.storage_offset()))
+            model.text_features(chunk["input_ids"], mask).sum().backward()
+    rows = [4 * columns, 6 * columns]  # the two chunks' masks, where they lie
+    assert handed == [(w, at) for w in (columns, 5, columns, 9) for at in rows]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not guard_failures, {code.co_name: reasons for code, reasons in guard_failures.items()}
+
+
 def test_compiled_towers_with_activation_checkpointing_train_as_eager_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo: Any
 ) -> None:

@@ -351,16 +351,26 @@ def _any_width(
     rows are 8-aligned, which ``additive_mask``'s are for every width). A width on the other side of such a line
     compiles once more.
 
-    The captions come contiguous: a batch cut to a width below its padded one is a view whose rows lie a padded
-    row apart, one at its full width is not, and Dynamo guards on which (the view's row stride is a separate
-    symbol), so a full-width batch after a cut one (long alt-text truncated at ``max_length`` does it) compiled a
-    second graph. Copying a cut view is a small kernel per tensor; a contiguous one is passed as it is."""
-    input_ids = input_ids.contiguous()
-    mask = mask.contiguous() if mask is not None else None
+    The captions come contiguous and at the start of their storage: a batch cut to a width below its padded one is
+    a view whose rows lie a padded row apart, one at its full width is not, and Dynamo guards on which (the view's
+    row stride is a separate symbol), so a full-width batch after a cut one (long alt-text truncated at
+    ``max_length`` does it) compiled a second graph. Dynamo guards on a tensor's storage offset too (0, or 2 and
+    more): the stream's mask lies after the token ids in one storage, and a gradient-cached step's later chunks
+    rows into theirs, while a cut copy starts its own. On a CPU, where the batch is not copied to a device, a first
+    uncut batch compiled the graph for masks 2 or more in, and the first cut one compiled it again. Copying is a
+    small kernel per tensor; captions already contiguous at the start of their storage (a GPU's copy of a whole
+    batch) are passed as they are."""
+    input_ids = _own_storage(input_ids)
+    mask = _own_storage(mask) if mask is not None else None
     for t in (input_ids, mask):
         if t is not None and t.shape[1] >= 2:
             torch._dynamo.maybe_mark_dynamic(t, 1)
     return compiled(tower, input_ids, mask)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at the start of its storage: itself if it is, else a copy."""
+    return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
