@@ -172,15 +172,21 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
         torch.testing.assert_close(got[name], value, rtol=1e-3, atol=2e-4, msg=name)
 
 
-def test_a_caption_batch_at_its_full_width_after_cut_ones_compiles_nothing_again(fresh_dynamo: Any) -> None:
-    """Cut below their padded width, captions are views a padded row apart; a batch whose longest caption fills
-    every column (alt-text truncated at ``max_length``) is not cut, and Dynamo guarded on the difference: its
-    graph was compiled a second time, minutes on a GPU, in the middle of a run."""
+def _nano_compiled_by_dynamo() -> tuple[DualEncoder, int]:
+    """A tiny nano model in training mode, its towers compiled with Dynamo's eager backend (its guards are
+    Dynamo's whatever the backend), and its captions' padded width."""
     torch.manual_seed(0)
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve()).train()
     model.compile_towers(backend="eager")
-    columns = cfg.model.resolve().text.max_length
+    return model, cfg.model.resolve().text.max_length
+
+
+def test_a_caption_batch_at_its_full_width_after_cut_ones_compiles_nothing_again(fresh_dynamo: Any) -> None:
+    """Cut below their padded width, captions are views a padded row apart; a batch whose longest caption fills
+    every column (alt-text truncated at ``max_length``) is not cut, and Dynamo guarded on the difference: its
+    graph was compiled a second time, minutes on a GPU, in the middle of a run."""
+    model, columns = _nano_compiled_by_dynamo()
     widths = []
     for longest in (columns, 5, 9, columns, 3):  # full, cut, cut, full, cut
         mask = torch.zeros(4, columns, dtype=torch.long)
@@ -200,11 +206,7 @@ def test_captions_anywhere_in_their_storage_compile_nothing_again(fresh_dynamo: 
     lay, a cut one copied to the start of a storage of its own, and Dynamo guarded on the mask's storage offset
     (2 or more, against 0): on a CPU, the first cut batch after an uncut one compiled the graph a second time,
     mid-run. A gradient-cached step's later chunks start rows into their storage too."""
-    torch.manual_seed(0)
-    cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
-    model = DualEncoder(cfg.model.resolve()).train()
-    model.compile_towers(backend="eager")
-    columns = cfg.model.resolve().text.max_length
+    model, columns = _nano_compiled_by_dynamo()
     handed = []
     for longest in (columns, 5, columns, 9):  # uncut, cut, uncut, cut
         captions = torch.zeros(2, 4, columns, dtype=torch.long)  # ids, then mask: one storage
