@@ -179,7 +179,7 @@ def _nano_compiled_by_dynamo() -> tuple[DualEncoder, int]:
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve()).train()
     model.compile_towers(backend="eager")
-    return model, cfg.model.resolve().text.max_length
+    return model, model.config.text.max_length
 
 
 def test_a_caption_batch_at_its_full_width_after_cut_ones_compiles_nothing_again(fresh_dynamo: Any) -> None:
