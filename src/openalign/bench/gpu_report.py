@@ -86,6 +86,12 @@ def _versus(summary: dict[str, Any]) -> list[str]:
             f"{_ratio(c_ours.get('pairs_per_s'), (c_theirs or {}).get('pairs_per_s'))} |"
         )
         lines += _profiled(c_ours, c_theirs)
+        if c_ours.get("gradients"):
+            peer = _gradients(c_theirs["gradients"]) if c_theirs and c_theirs.get("gradients") else "–"
+            lines.append(
+                f"| the same, its gradients against its eager step's (one step, same weights and batch) | "
+                f"{_gradients(c_ours['gradients'])} | {peer} | |"
+            )
     if ours or c_ours:
 
         def mfu(r: Any) -> str:
@@ -147,6 +153,15 @@ def _versus(summary: dict[str, Any]) -> list[str]:
         )
         lines += _profiled(timed, None)
     return lines if len(lines) > 2 else []
+
+
+def _gradients(result: dict[str, Any]) -> str:
+    """A compiled step's gradients against eager (``bench.gradients``): agreeing, or which groups and how far."""
+    if result["agree"]:
+        return "agree"
+    groups = result["groups"]
+    apart = [f"{g} {groups[g]['norm_ratio']:.2g}x norm" if g in groups else f"{g} one-sided" for g in result["apart"]]
+    return f"**do not agree**: {', '.join(apart)}"
 
 
 def _profiled(ours: dict[str, Any], peer: dict[str, Any] | None) -> list[str]:
