@@ -302,7 +302,7 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
         ratio = best["openalign"]["pairs_per_s"] / best["transformers"]["pairs_per_s"]
         summary["speedup"] = ratio
         # A compiled contender whose gradients are not its eager ones trains another model: said with its ratio.
-        wrong = [w for w in contenders if (best[w].get("gradients") or {"agree": True})["agree"] is False]
+        wrong = [w for w in contenders if best[w].get("gradients") and not best[w]["gradients"]["agree"]]
         note = f" ({' and '.join(wrong)} compiled: gradients unlike its eager ones)" if wrong else ""
         print(f"openalign / transformers pairs/s: {ratio:.2f}x{note}")
     if settings.json_path:
