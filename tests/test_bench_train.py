@@ -76,7 +76,11 @@ def test_compiled_the_loop_runs_in_its_bare_steps_process_on_the_graphs_it_compi
     assert len(loop["steps_s"]) == 2 and len(bare["steps_s"]) == 2
     assert bare["first_step_s"] > 0 and loop["first_step_s"] > 0  # the bare step's first compiled the towers
     assert summary["recipe_ratio"] == pytest.approx(loop["pairs_per_s"] / bare["pairs_per_s"])
-    assert capsys.readouterr().err.count("compiled towers in ") == 1  # the loop's first step, on ready graphs
+    printed = capsys.readouterr()
+    assert printed.err.count("compiled towers in ") == 1  # the loop's first step, on ready graphs
+    # The bare step's compiled gradients against its eager ones, after the warm-up (the check compiles nothing).
+    assert bare["gradients"]["agree"] and set(bare["gradients"]["groups"]) >= {"image", "text"}
+    assert "   openalign compiled gradients against eager, one step: " in printed.out
 
 
 def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:

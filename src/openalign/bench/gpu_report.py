@@ -79,7 +79,12 @@ def _versus(summary: dict[str, Any]) -> list[str]:
     c_ours, c_theirs = results.get("openalign"), results.get("transformers")
     c_settings = compiled.get("settings") or {}
     if c_ours:
-        how = "compiled" if c_settings.get("compile") else "eager (not compiled on this device)"
+        # Compiled, the peer pools its image map as the mean it computes (openalign.bench.peer).
+        how = (
+            "compiled (transformers' image pooler as a mean)"
+            if c_settings.get("compile")
+            else "eager (not compiled on this device)"
+        )
         what = f"`bench model --preset {c_settings.get('preset')}` pairs/s, {how}"
         lines.append(
             f"| {what} | {_steps(c_ours)} | {_steps(c_theirs) if c_theirs else '–'} | "

@@ -8,7 +8,8 @@ Dropout draws other masks in the two steps, so the verdict reads each group's gr
 which dropout moves by a few percent and a lost or rescaled term moves by its whole size (transformers'
 ``AlignModel`` pools its image features with ``AvgPool2d(hidden_dim, ceil_mode=True)``, whose backward inductor
 divides by the whole kernel, ``hidden_dim``², not by the part of it inside the map: its compiled image tower gets
-gradients 65,000 times too small on B7 at 289 px).
+gradients 65,000 times too small on B7 at 289 px; the benches race it with that pooling as a mean,
+``openalign.bench.peer``).
 The relative difference of the two gradients is reported beside it: near rounding without dropout.
 """
 
@@ -79,3 +80,13 @@ def describe(which: str, result: dict[str, Any]) -> str:
     parts = [f"{name} {g['norm_ratio']:.3g}x norm, {100 * g['rel_error']:.2g} % apart" for name, g in groups]
     verdict = "agree" if result["agree"] else f"DO NOT AGREE ({', '.join(result['apart'])})"
     return f"{which:>12} compiled gradients against eager, one step: {'; '.join(parts)}: {verdict}"
+
+
+def report(results: dict[str, dict[str, Any]], contenders: list[str]) -> tuple[list[str], str]:
+    """A bench's verdicts: ``describe``'s line for each contender checked, and the note its ratio line carries
+    (empty when every checked contender agrees): a compiled contender whose gradients are not its eager ones
+    trains another model."""
+    checked = [w for w in contenders if results.get(w, {}).get("gradients") is not None]
+    lines = [describe(w, results[w]["gradients"]) for w in checked]
+    wrong = [w for w in checked if not results[w]["gradients"]["agree"]]
+    return lines, f" ({' and '.join(wrong)} compiled: gradients unlike its eager ones)" if wrong else ""

@@ -21,8 +21,9 @@ from typing import Any, Literal
 import torch
 
 from openalign.bench.gradients import check as check_gradients
-from openalign.bench.gradients import describe as describe_gradients
+from openalign.bench.gradients import report as report_gradients
 from openalign.bench.host import HostClock
+from openalign.bench.peer import align_model
 from openalign.bench.profile import keep_best, print_profiles
 from openalign.config import model_config
 from openalign.loss import contrastive_loss
@@ -47,7 +48,8 @@ class BenchSettings:
     rounds: int = 2  # alternating rounds; the best round counts
     device: str = "cpu"  # cpu or cuda
     bf16: bool = False  # bf16 autocast (GPU)
-    compile: bool = False  # torch.compile: our towers as training compiles them, transformers' whole model
+    # torch.compile: our towers as training compiles them, transformers' whole model (its pooler as a mean: bench.peer)
+    compile: bool = False
     # torch.compile's mode for both contenders (reduce-overhead: each step replayed as CUDA graphs, on a GPU)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # image layout: each model's default (ours NHWC, transformers NCHW), or the same for both
@@ -93,21 +95,11 @@ def make_batch(cfg: Any, settings: BenchSettings) -> tuple[torch.Tensor, torch.T
     return pixels, ids, mask
 
 
-def _build(which: str, cfg: Any) -> tuple[torch.nn.Module, Any]:
+def _build(which: str, cfg: Any, compiled: bool) -> tuple[torch.nn.Module, Any]:
     if which == "openalign":
         ours = DualEncoder(cfg)
         return ours, lambda p, i, m: (*ours(p, i, m), ours.temperature)
-    import transformers
-
-    from openalign.model.hf import model_config_to_hf
-
-    hf_dict = model_config_to_hf(cfg)
-    hf_cfg = transformers.AlignConfig(
-        text_config=hf_dict["text_config"],
-        vision_config=hf_dict["vision_config"],
-        projection_dim=hf_dict["projection_dim"],
-    )
-    hf = transformers.AlignModel(hf_cfg)
+    hf = align_model(cfg, compiled)
 
     def forward(p: torch.Tensor, i: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = hf(pixel_values=p, input_ids=i, attention_mask=m)
@@ -143,7 +135,7 @@ def measure(
     torch.manual_seed(0)
     device = torch.device(settings.device)
     cfg = bench_config(settings)
-    model, forward = _build(which, cfg)
+    model, forward = _build(which, cfg, settings.compile)
     model.to(device).train()
     # transformers' model has no layout option: its default is contiguous (NCHW).
     channels_last = cfg.image.channels_last if which == "openalign" else settings.memory_format == "channels_last"
@@ -288,9 +280,9 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
         res = best[which]
         pairs, step, mem, mfu = res["pairs_per_s"], res["step_s"], res["peak_mem_mb"], res["mfu"] * 100
         print(f"{which:>12} {res['layout']:>6} {pairs:9.2f} {step:8.3f} {mem:9.0f} {mfu:6.1f}%")
-    for which in contenders:
-        if best[which].get("gradients") is not None:
-            print(describe_gradients(which, best[which]["gradients"]))
+    verdicts, note = report_gradients(best, contenders)
+    for line in verdicts:
+        print(line)
     print_profiles(best, contenders)
     summary: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
@@ -301,9 +293,6 @@ def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
     if "transformers" in best:
         ratio = best["openalign"]["pairs_per_s"] / best["transformers"]["pairs_per_s"]
         summary["speedup"] = ratio
-        # A compiled contender whose gradients are not its eager ones trains another model: said with its ratio.
-        wrong = [w for w in contenders if best[w].get("gradients") and not best[w]["gradients"]["agree"]]
-        note = f" ({' and '.join(wrong)} compiled: gradients unlike its eager ones)" if wrong else ""
         print(f"openalign / transformers pairs/s: {ratio:.2f}x{note}")
     if settings.json_path:
         with open(settings.json_path, "w") as f:

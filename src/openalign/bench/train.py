@@ -4,7 +4,7 @@ Both contenders read the same synthetic WebDataset shards through the same input
 the same work for both), with the same per-step batch:
 
 - openalign: our dual encoder, the normalised-softmax loss, LAMB (the paper's optimiser);
-- transformers: ``AlignModel`` built from the same config (as ``bench model`` builds it), its own
+- transformers: ``AlignModel`` built from the same config (``openalign.bench.peer``, as ``bench model``), its own
   ``align_loss`` and ``torch.optim.AdamW`` — the loop one would write with the public port.
 
 Each runs in a fresh process (its peak memory is its own), in alternating rounds, keeping its best round.
@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from openalign.bench.gradients import check as check_gradients
+from openalign.bench.gradients import report as report_gradients
 from openalign.bench.host import HostClock
 from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
 from openalign.bench.profile import keep_best, print_profiles
@@ -183,16 +185,11 @@ def _build(
             return contrastive_loss(out[0].float(), out[1].float(), model.temperature)
 
         return model, forward, loss, optimizer
-    import transformers
     from transformers.models.align.modeling_align import align_loss
 
-    from openalign.model.hf import model_config_to_hf
+    from openalign.bench.peer import align_model
 
-    hf = model_config_to_hf(cfg)
-    config = transformers.AlignConfig(
-        text_config=hf["text_config"], vision_config=hf["vision_config"], projection_dim=hf["projection_dim"]
-    )
-    model = transformers.AlignModel(config).to(device).train()  # type: ignore[arg-type]  # transformers' stub
+    model = align_model(cfg, compiled).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-5)
     call = torch.compile(model) if compiled else model
 
@@ -259,8 +256,23 @@ def measure_training(
     flops, first_step = 0, 0.0
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     clock = HostClock()
+
+    def check_compiled() -> dict[str, Any]:
+        """One step's gradients, compiled against eager, on a batch of its own and the weights the warm-up left."""
+        checked = next_batch()
+
+        def forward_backward() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
+                step_loss = loss_fn(forward(checked))
+            step_loss.backward()
+
+        return check_gradients(forward_backward, module)
+
+    gradients = None
     for step in range(s.warmup + s.steps):
         if step == s.warmup:
+            if s.compile:
+                gradients = check_compiled()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             clock.start()
@@ -302,6 +314,7 @@ def measure_training(
         "final_loss": float(loss.detach()),
         "profile": profiled,
         "host": host,
+        "gradients": gradients,
     }
 
 
@@ -473,10 +486,13 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
         "training": best,
         "pipeline_samples_per_s": pipeline,
     }
+    verdicts, note = report_gradients(best, contenders)
+    for line in verdicts:
+        print(line)
     if "transformers" in best:
         ratio = best["openalign"]["pairs_per_s"] / best["transformers"]["pairs_per_s"]
         summary["speedup"] = ratio
-        print(f"openalign / transformers pairs/s: {ratio:.2f}x")
+        print(f"openalign / transformers pairs/s: {ratio:.2f}x{note}")
     if "recipe" in best and "openalign" not in best:
         loop = best["recipe"]
         summary["recipe_data_share"] = loop["parts_s"]["data"] / loop["step_s"]
