@@ -84,20 +84,51 @@ def test_a_compiled_step_whose_backward_rescales_a_tower_is_caught() -> None:
 
 
 def test_a_group_with_a_gradient_in_one_step_only_does_not_agree() -> None:
-    a = [torch.ones(3)]
+    a = {"w": torch.ones(3)}
     assert gradients.compare({"image": a, "text": a}, {"image": a})["apart"] == ["text"]
-    same = gradients.compare({"image": a}, {"image": [torch.ones(3)]})
+    assert gradients.compare({"image": a}, {"image": a, "text": a})["apart"] == ["text"]
+    same = gradients.compare({"image": a}, {"image": {"w": torch.ones(3)}})
     assert same["agree"] and same["groups"]["image"] == {"norm_ratio": 1.0, "rel_error": 0.0}
-    # A group with no eager gradient (a zero norm) has nothing to compare against.
-    assert gradients.compare({"bias": [torch.zeros(2)]}, {"bias": [torch.ones(2)]}) == {
-        "groups": {},
-        "apart": [],
-        "agree": True,
-    }
+    # Zero gradients in one step against a gradient in the other: compiled only, the eager norm is no yardstick.
+    assert gradients.compare({"bias": {"b": torch.zeros(2)}}, {"bias": {"b": torch.ones(2)}})["apart"] == ["bias"]
+    # No gradient in either step: nothing to compare.
+    assert gradients.compare({"bias": {"b": torch.zeros(2)}}, {}) == {"groups": {}, "apart": [], "agree": True}
+
+
+def test_a_parameter_given_zeros_where_eager_gives_none_agrees_and_a_real_gradient_does_not() -> None:
+    e = {"text": {"w": torch.ones(3)}}
+    zeros = {"text": {"w": torch.ones(3), "pooler": torch.zeros(4)}}
+    assert gradients.compare(e, zeros)["agree"] and gradients.compare(zeros, e)["agree"]
+    extra = {"text": {"w": torch.ones(3), "pooler": torch.full((4,), 2.0)}}
+    assert gradients.compare(e, extra)["apart"] == ["text"] and gradients.compare(extra, e)["apart"] == ["text"]
+    shapes = {"text": {"w": torch.ones(4)}}
+    assert gradients.compare(e, shapes)["apart"] == ["text"]
+
+
+def test_a_whole_model_compiled_with_an_output_the_loss_leaves_unused_agrees() -> None:
+    # transformers' AlignModel compiled whole returns its text pooler's output, which the loss does not use: the
+    # compiled step hands the pooler zero gradients where eager leaves none. The same training.
+    torch.manual_seed(0)
+    model = _Tiny()
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(32, 8, generator=g), torch.randn(32, 6, generator=g)
+
+    def forward(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return model.image(x), model.text(t), model.unused(t[:, :2])
+
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
+
+    def step() -> None:
+        image, text, _ = compiled(x, t)
+        (image * text).sum().square().backward()
+
+    result = gradients.check(step, model)
+    assert result["agree"], result
+    assert set(result["groups"]) == {"image", "text"}
 
 
 def test_the_line_names_each_group_and_the_verdict() -> None:
-    result = gradients.compare({"image": [torch.ones(2)]}, {"image": [torch.full((2,), 1e-6)]})
+    result = gradients.compare({"image": {"w": torch.ones(2)}}, {"image": {"w": torch.full((2,), 1e-6)}})
     line = gradients.describe("transformers", result)
     assert line.startswith("transformers compiled gradients against eager, one step: image ")
     assert line.endswith("DO NOT AGREE (image)")
