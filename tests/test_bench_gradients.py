@@ -17,7 +17,7 @@ class _Tiny(nn.Module):
         super().__init__()
         self.image = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 4))
         self.text = nn.Linear(6, 4)
-        self.unused = nn.Linear(2, 2)  # no gradient in either step: in no group
+        self.unused = nn.Linear(2, 2)  # out of the loss: no gradient eager, zeros from a graph returning its output
 
 
 class _ScaleGrad(torch.autograd.Function):
