@@ -95,11 +95,12 @@ def declare_accelerator(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Declares the device an accelerator (reading a value there waits for all queued work), so that training and
     the model take a GPU's paths on the CPU; returns the widths of the batches whose token values are read."""
     import openalign.model.bert as bert
+    import openalign.model.captions as captions
     import openalign.model.dual_encoder as dual_encoder
-    import openalign.train.loop as loop
+    import openalign.train.towers as towers
 
-    monkeypatch.setattr(loop, "reads_wait", lambda device: True)
-    for module in (dual_encoder, bert):
+    monkeypatch.setattr(towers, "reads_wait", lambda device: True)
+    for module in (dual_encoder, bert, captions):
         monkeypatch.setattr(module, "host_readable", lambda t: False)
     checked: list[int] = []
     check = dual_encoder.DualEncoder.check_token_values

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partialmethod
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters, guard_failures
 
 from conftest import declare_accelerator
 from openalign.cli import main
-from openalign.model.dual_encoder import DualEncoder
+from openalign.train import towers
 
 
 def test_recipe_prints_the_loop_beside_the_bare_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,10 +52,11 @@ def test_compiled_the_loop_runs_in_its_bare_steps_process_on_the_graphs_it_compi
     one of the same config) passes the guards of the graphs the first compiled: one compilation serves both, where
     each costs minutes on a GPU."""
     from openalign.bench import train as bench_train
-    from openalign.bench.train import TrainBenchSettings, run_train_bench
+    from openalign.bench.train import run_train_bench
+    from openalign.bench.train_setup import TrainBenchSettings
 
     # Dynamo's eager backend: graph capture and guards are Dynamo's whatever the backend (tests/test_train_compile).
-    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="eager"))
+    monkeypatch.setattr(towers, "compile_towers", partial(towers.compile_towers, backend="eager"))
     processes: list[str] = []
 
     def in_this_process(fn: Any, *args: Any) -> Any:
@@ -86,7 +87,7 @@ def test_compiled_the_loop_runs_in_its_bare_steps_process_on_the_graphs_it_compi
 def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:
     from openalign.bench.model import bench_config
     from openalign.bench.recipe import recipe_config
-    from openalign.bench.train import TrainBenchSettings, _model_settings, model_cfg
+    from openalign.bench.train_setup import TrainBenchSettings, _model_settings, model_cfg
 
     s = TrainBenchSettings(preset="nano", image_size=32, batch_size=8, recipe=True, virtual_batch_size=4)
     cfg = recipe_config(s, "a.tar", "tok", str(tmp_path))
@@ -102,7 +103,7 @@ def test_the_loop_trains_the_bare_step_model(tmp_path: Path) -> None:
 
 
 def test_grad_clip_must_be_positive() -> None:
-    from openalign.bench.train import TrainBenchSettings
+    from openalign.bench.train_setup import TrainBenchSettings
 
     with pytest.raises(ValueError, match="--grad-clip"):
         TrainBenchSettings(grad_clip=0.0).validate()
@@ -112,7 +113,7 @@ def test_bench_model_runs_ours_on_a_gpu_as_training_does(
     monkeypatch: pytest.MonkeyPatch, text_widths: list[int]
 ) -> None:
     """Where reading values waits (a GPU; declared here), ours takes captions cut to the batch's longest as measured
-    on the host, and its forward reads nothing, as in `openalign train`; on the CPU it measures and cuts them itself."""
+    on the host, and its forward reads nothing, as in `openalign train`; on the CPU too its captions are cut on the host."""
     from openalign.bench.model import BenchSettings, measure
 
     settings = BenchSettings(preset="nano", image_size=32, batch_size=8, steps=1, warmup=1)
@@ -124,4 +125,4 @@ def test_bench_model_runs_ours_on_a_gpu_as_training_does(
     checked = declare_accelerator(monkeypatch)
     measure("openalign", settings)
     assert set(text_widths) == {max(on_cpu)}  # the batch's longest caption, measured on the host, every pass
-    assert len(checked) == 1  # only the FLOP count's eager pass, before the towers were set up as training's
+    assert len(checked) == 2  # the FLOP count's eager pass, then the batch on the host, as training checks it

@@ -10,6 +10,7 @@ import torch
 from openalign.config import ModelConfig, model_config
 from openalign.model.dual_encoder import DualEncoder
 from openalign.train.config import load_train_config
+from openalign.train.towers import compile_towers
 
 
 def _compiled(tower: torch.nn.Module) -> torch.nn.Module:
@@ -107,7 +108,7 @@ def _eager_and_compiled(cfg: ModelConfig) -> tuple[DualEncoder, DualEncoder]:
     model.train()
     model.text.eval()
     compiled = copy.deepcopy(model)
-    compiled.compile_towers()
+    compile_towers(compiled)
     return model, compiled
 
 

@@ -11,6 +11,7 @@ from conftest import tiny_overrides
 from openalign.config import ConfigError, model_config
 from openalign.model.convnet import ConvNet
 from openalign.model.dual_encoder import DualEncoder
+from openalign.train.towers import autocast_image
 
 CONV = {"family": "convnet", "conv_channels": [8, 8, 16, 40], "conv_strides": [2, 1, 2, 2], "bn_momentum": 0.9}
 
@@ -114,7 +115,7 @@ def test_image_autocast_runs_the_image_tower_alone_in_bf16_while_training() -> N
 
     ref_image, ref_text, ref_grad = step()
     assert dtypes == {"conv": {torch.float32}, "text": {torch.float32}}
-    model.image_autocast = torch.bfloat16
+    autocast_image(model, torch.bfloat16)
     dtypes["conv"].clear()
     image, text, grad = step()
     assert dtypes == {"conv": {torch.bfloat16}, "text": {torch.float32}}

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import openalign
 from conftest import tiny_overrides
 from openalign.config import ConfigError, model_config
-from openalign.model.dual_encoder import length_buckets, trim_padding
+from openalign.model.captions import length_buckets, trim_padding
 from openalign.model.efficientnet import Conv2dSame, EfficientNet, MBConv, same_padding
 from openalign.model.layers import BatchNorm2d
 
@@ -322,7 +322,7 @@ def test_length_buckets_encode_short_rows_apart_and_change_no_embedding(tiny_mod
     grads = []
     for encode in (
         lambda: tiny_model.text_proj(tiny_model.text(ids, mask)),
-        lambda: tiny_model.text_features(ids, mask),
+        lambda: tiny_model.encode_text(ids, mask, normalize=False),
     ):
         tiny_model.zero_grad()
         (encode() * weights).sum().backward()
@@ -357,6 +357,7 @@ def test_text_tower_on_an_accelerator_reads_the_mask_once_and_matches_the_cpu_pa
     in ``check_tokens`` (validation and the batch's width), no other read, no second pass, and the embeddings and
     gradients of the CPU path (buckets, trimming, an all-ones mask dropped) within fp32 tolerance."""
     import openalign.model.bert as bert
+    import openalign.model.captions as captions
     import openalign.model.dual_encoder as dual_encoder
 
     tiny_model.eval()
@@ -383,7 +384,7 @@ def test_text_tower_on_an_accelerator_reads_the_mask_once_and_matches_the_cpu_pa
         return real_tolist(t)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-    for module in (dual_encoder, bert):
+    for module in (dual_encoder, bert, captions):
         monkeypatch.setattr(module, "host_readable", lambda t: False)
     passes = []
     monkeypatch.setattr(tiny_model.text, "forward", _recording(tiny_model.text.forward, passes))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partialmethod
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,12 @@ from conftest import declare_accelerator, tiny_overrides
 from dist_utils import run_gloo
 from openalign.config import ConfigError
 from openalign.model.dual_encoder import DualEncoder
+from openalign.train import towers
 from openalign.train.config import check_compile, compile_enabled, load_train_config
-from openalign.train.grad_cache import caption_widths, chunk_batch
+from openalign.train.grad_cache import chunk_batch
 from openalign.train.loop import train
 from openalign.train.plan import fake_world
+from openalign.train.towers import caption_widths
 from test_train_loop import MemoryStream, factory, tiny_config, weights
 from test_train_resume import LAMB, ddp_config
 
@@ -111,21 +113,19 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
 ) -> None:
     # Dynamo's "eager" backend: graph capture, guards and recompilation are Dynamo's whatever the backend, and
     # this one skips minutes of C++ builds (inductor's graphs of these towers: tests/test_compile.py, slow).
-    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="eager"))
+    monkeypatch.setattr(towers, "compile_towers", partial(towers.compile_towers, backend="eager"))
     # Captions of 3 to 11 tokens in 12 columns: eager trims each batch (and chunk) to its longest; gradient
     # caching in chunks of 4 runs every tower twice a step, without and with a graph. Dropout and stochastic
     # depth stay on: both passes must draw the same masks, compiled or not.
     # Plain SGD: Adam-like steps move a weight whose gradient is rounding noise by a whole lr either way.
     sgd = {"name": "sgd", "lr": 0.01, "schedule": "constant", "warmup_steps": 0}
     options = {"steps": 3, "chunk_size": 4}
-    import openalign.model.dual_encoder as dual_encoder
-
     # Eager on a CPU encodes short captions apart from long ones (``length_buckets``), the compiled tower each
     # chunk whole at its width: the same values, but attention's sums over a caption's keys then run over fewer
     # masked columns, which a CPU's vectorised kernels may add in another order (on an AVX2 CPU the second step's
     # loss differed in its 7th digit). Without buckets the arithmetic is the same, which is what the comparison
     # below is for.
-    monkeypatch.setattr(dual_encoder, "length_buckets", lambda mask: None)
+    monkeypatch.setattr(towers, "length_buckets", lambda mask: None)
     eager = train(
         tiny_config(tmp_path / "eager", optim=sgd, train={**options, "compile": False}), stream_factory=factory()
     )
@@ -133,13 +133,13 @@ def test_compiled_cached_training_compiles_once_and_never_again_and_matches_eage
     assert not counters["stats"]
 
     widths: list[int] = []
-    any_width = dual_encoder._any_width
+    call = towers._CompiledText.__call__
 
-    def recorded(compiled: Any, tower: Any, ids: torch.Tensor, mask: Any) -> torch.Tensor:
+    def recorded(self: Any, ids: torch.Tensor, mask: Any = None, buckets: Any = None) -> torch.Tensor:
         widths.append(ids.shape[1])
-        return any_width(compiled, tower, ids, mask)
+        return call(self, ids, mask, buckets)
 
-    monkeypatch.setattr(dual_encoder, "_any_width", recorded)
+    monkeypatch.setattr(towers._CompiledText, "__call__", recorded)
     compiled = train(
         tiny_config(tmp_path / "compiled", optim=sgd, train={**options, "compile": True}), stream_factory=factory()
     )
@@ -178,7 +178,7 @@ def _nano_compiled_by_dynamo() -> tuple[DualEncoder, int]:
     torch.manual_seed(0)
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve()).train()
-    model.compile_towers(backend="eager")
+    towers.compile_towers(model, backend="eager")
     return model, model.config.text.max_length
 
 
@@ -232,7 +232,7 @@ def test_compiled_towers_with_activation_checkpointing_train_as_eager_ones(
     # side effect inside a checkpoint), so a compiled run with checkpointing failed at its first step. A compiled
     # graph recomputes from its functional form and updates the statistics once. AOTAutograd's eager backend
     # ("aot_eager"): the functional graph inductor compiles, without its code generation.
-    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="aot_eager"))
+    monkeypatch.setattr(towers, "compile_towers", partial(towers.compile_towers, backend="aot_eager"))
     sgd = {"name": "sgd", "lr": 0.01, "schedule": "constant", "warmup_steps": 0}
     options = {"steps": 2, "chunk_size": 4, "grad_checkpointing": True}
     runs = [
@@ -253,19 +253,17 @@ def test_evaluation_runs_compiled_towers_eager_and_trims_captions(fresh_dynamo: 
     torch.manual_seed(0)
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve())
-    model.compile_towers(backend="eager")
-    assert model.caller_cuts_captions
+    towers.compile_towers(model, backend="eager")
     model.eval()
     ids = torch.randint(5, 101, (3, 12))
     mask = torch.ones_like(ids)
     mask[:, 6:] = 0
     trimmed: list[int] = []
     hook = model.text.register_forward_pre_hook(lambda _, args: trimmed.append(args[0].shape[1]))
-    with torch.no_grad(), model.eager_towers():
-        assert not model.caller_cuts_captions
-        model(torch.randn(3, 3, 32, 32), ids, mask)
+    with torch.no_grad(), towers.eager_towers():
+        model.encode_image(torch.randn(3, 3, 32, 32))
+        model.encode_text(ids, mask)
     hook.remove()
-    assert model.caller_cuts_captions  # back to captions as training's loop cuts them
     assert trimmed == [6]
     assert not counters["stats"]  # nothing compiled
 
@@ -305,13 +303,13 @@ def test_the_whole_model_compiles_to_one_graph_that_reads_no_values(fresh_dynamo
 def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_them_on_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo: Any
 ) -> None:
-    """With compiled towers the caller measures the captions on the host, so an accelerator's forward has nothing
-    to read but the ids' validity, and each read would make the host wait for all queued work. Without a GPU here,
-    the accelerator is declared (tensors the host cannot read for free): the forward reads no value, and training
+    """Training measures the captions on the host, so an accelerator's forward has nothing to read but the ids'
+    validity, and each read would make the host wait for all queued work. Without a GPU here, the accelerator is
+    declared (tensors the host cannot read for free): the forward reads no value, eager or compiled, and training
     checks each batch's ids on the host before it moves, so a bad id still stops the run with the model's error."""
     from test_model import _HostReads
 
-    monkeypatch.setattr(DualEncoder, "compile_towers", partialmethod(DualEncoder.compile_towers, backend="eager"))
+    monkeypatch.setattr(towers, "compile_towers", partial(towers.compile_towers, backend="eager"))
     torch.manual_seed(0)
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve())
@@ -331,8 +329,8 @@ def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_the
             model(pixels, ids, mask)
         return counter.reads + len(tolists)
 
-    assert reads() == 1  # eager towers: one read, the width and the checks together
-    model.compile_towers()
+    assert reads() == 0
+    towers.compile_towers(model)
     assert reads() == 0
 
     class BadIds(MemoryStream):
@@ -347,7 +345,7 @@ def test_compiled_towers_read_no_token_on_an_accelerator_and_training_checks_the
 
 def _compiled_run(rank: int, world: int, run_dir: str) -> None:
     # Dynamo's eager backend, as above: graph capture is Dynamo's whatever the backend.
-    DualEncoder.compile_towers = partialmethod(DualEncoder.compile_towers, backend="eager")  # type: ignore[method-assign]
+    towers.compile_towers = partial(towers.compile_towers, backend="eager")  # type: ignore[assignment]
     config = ddp_config(run_dir, steps=2, optim=LAMB, group=4, chunk=4)
     train(
         dataclasses.replace(config, train=dataclasses.replace(config.train, compile=True)),
@@ -380,8 +378,6 @@ def test_fsdp_across_ranks_refuses_compiled_towers_before_any_step(tmp_path: Pat
 def test_a_compile_mode_reaches_both_towers_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench model --compile-mode``: the mode goes to every ``torch.compile`` of the towers; the default adds
     nothing, so a backend without modes (the tests' eager one) still takes the towers."""
-    from openalign.train.loop import prepare_towers
-
     calls: list[dict[str, Any]] = []
 
     def record(fn: Any, **options: Any) -> Any:
@@ -391,8 +387,9 @@ def test_a_compile_mode_reaches_both_towers_graphs(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch, "compile", record)
     cfg = load_train_config({"data": {"source": "synthetic"}, "model": {"preset": "nano", **tiny_overrides()}})
     model = DualEncoder(cfg.model.resolve())
-    prepare_towers(model, True, torch.device("cpu"), "reduce-overhead")
+    towers.Towers(model, device=torch.device("cpu"), compiled=True, mode="reduce-overhead")
     assert calls == [{"fullgraph": True, "mode": "reduce-overhead"}] * 4  # two towers, two grad modes
     calls.clear()
-    prepare_towers(model, True, torch.device("cpu"))
-    assert calls == [{"fullgraph": True}] * 4 and model.caller_cuts_captions
+    model = DualEncoder(cfg.model.resolve())
+    assert not towers.Towers(model, device=torch.device("cpu"), compiled=True).buckets
+    assert calls == [{"fullgraph": True}] * 4

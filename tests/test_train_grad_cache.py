@@ -15,6 +15,7 @@ from dist_utils import run_gloo
 from openalign.loss import contrastive_loss
 from openalign.train import grad_cache
 from openalign.train.grad_cache import cached_step, chunk_batch, plain_step
+from openalign.train.towers import Towers, caption_widths
 
 BATCH = 64
 
@@ -215,15 +216,15 @@ def test_caption_widths_measure_each_chunk_on_the_host() -> None:
     mask = (torch.arange(10)[None] < torch.tensor(lengths)[:, None]).long()
     batch = {"pixel_values": torch.randn(8, 3, 4, 4), "input_ids": torch.arange(80).view(8, 10) * mask}
     batch["attention_mask"] = mask
-    widths = grad_cache.caption_widths(batch, 4)
+    widths = caption_widths(batch, 4)
     assert widths == [7, 4]  # each chunk's longest caption
-    assert grad_cache.caption_widths(batch) == [7]  # no chunks: the batch's
+    assert caption_widths(batch) == [7]  # no chunks: the batch's
     # At least two columns (a compiled text tower takes every width from two up), never more than there are.
     ones = {"input_ids": torch.ones(4, 6, dtype=torch.long), "attention_mask": torch.zeros(4, 6, dtype=torch.long)}
     ones["attention_mask"][:, 0] = 1
-    assert grad_cache.caption_widths(ones, 2) == [2, 2]
-    assert grad_cache.caption_widths({k: v[:, :1] for k, v in ones.items()}) == [1]
-    assert grad_cache.caption_widths({"input_ids": batch["input_ids"]}) is None
+    assert caption_widths(ones, 2) == [2, 2]
+    assert caption_widths({k: v[:, :1] for k, v in ones.items()}) == [1]
+    assert caption_widths({"input_ids": batch["input_ids"]}) is None
 
     chunks = chunk_batch(batch, 4, widths)  # views of the whole batch, each chunk's captions at its width
     assert [c["input_ids"].shape for c in chunks] == [(4, 7), (4, 4)]
@@ -235,30 +236,37 @@ def test_caption_widths_measure_each_chunk_on_the_host() -> None:
         chunk_batch(batch, 4, [7])  # a width for every chunk
 
 
-def test_captions_cut_to_each_chunk_train_as_the_padded_batch() -> None:
-    """A model that takes captions as they come (as on a GPU, or with compiled towers) trained on chunks cut to
-    their own widths: the loss and every gradient of the padded batch trained whole, since cut columns are padding."""
+@pytest.mark.parametrize("buckets", [False, True])
+def test_captions_cut_to_each_chunk_train_as_the_padded_batch(buckets: bool) -> None:
+    """Chunks whose captions reach the text tower as training hands them over (``Towers.captions``: cut to their
+    own widths, and with ``buckets`` short rows encoded apart) train as the padded batch trained whole: the same
+    loss and gradients, since the cut columns are padding."""
     no_dropout = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
     model = make_model(
         text=no_dropout, image={"drop_connect_rate": 0.0, "batch_norm": "virtual", "virtual_batch_size": 16}
     )
-    model.caller_cuts_captions = True  # the model cuts nothing itself
     ref = copy.deepcopy(model)
     batch = make_batch()
-    widths = grad_cache.caption_widths(batch, 16)
-    assert widths is not None and len(set(widths)) > 1 and max(widths) <= 12
+    towers = Towers(model, device=torch.device("cpu"))
+    towers.buckets = buckets
+    captions = towers.captions(batch, 16)
+    assert captions is not None
+    widths = [c.width for c in captions]
+    assert widths == caption_widths(batch, 16, floor=1) and len(set(widths)) > 1 and max(widths) <= 12
+    assert any(c.groups is not None for c in captions) == buckets
     seen: list[int] = []
     model.text.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
 
     want_loss = plain_step(ref, batch, loss_fn, lambda: ref.temperature)
-    loss = cached_step(model, batch, 16, loss_fn, lambda: model.temperature, text_widths=widths)
+    loss = cached_step(model, batch, 16, loss_fn, lambda: model.temperature, captions=captions)
     assert seen == widths + widths  # the no-graph pass, then the graph pass, each chunk at its width
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-6)
     assert_grads_close(grads(model), grads(ref))
 
     model.zero_grad()
     seen.clear()
-    whole = grad_cache.caption_widths(batch)
-    plain_step(model, batch, loss_fn, lambda: model.temperature, text_widths=whole)
-    assert seen == whole == [max(widths)]
+    whole = towers.captions(batch)
+    assert whole is not None
+    plain_step(model, batch, loss_fn, lambda: model.temperature, captions=whole)
+    assert seen == [whole[0].width] == [max(widths)]
     assert_grads_close(grads(model), grads(ref))

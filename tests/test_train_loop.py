@@ -17,7 +17,8 @@ import openalign
 from conftest import declare_accelerator, tiny_overrides
 from openalign.train.checkpoint import list_checkpoints, load_trainer_state
 from openalign.train.config import load_train_config
-from openalign.train.loop import BufferSnapshot, NonFiniteError, train
+from openalign.train.loop import NonFiniteError, train
+from openalign.train.step import BufferSnapshot
 
 NO_DROPOUT = {"text": {"hidden_dropout": 0.0, "attention_dropout": 0.0}, "image": {"drop_connect_rate": 0.0}}
 
@@ -31,6 +32,8 @@ class MemoryStream:
     makes the stream hang (a stalled data source) once that many batches were handed out; ``seen`` records
     the first sample of every batch.
     """
+
+    pixels = None  # its pixels are the model's input already
 
     def __init__(
         self,
@@ -668,8 +671,9 @@ def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from openalign.train import loop
+    from openalign.train import step as train_step
 
-    step = loop._Run._forward_backward
+    step = train_step.TrainStep.embed_and_backward
     calls: list[int] = []
 
     def third_fails(self: Any, *args: Any) -> Any:
@@ -678,7 +682,7 @@ def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
             raise torch.OutOfMemoryError(TORCH_OOM)
         return step(self, *args)
 
-    monkeypatch.setattr(loop._Run, "_forward_backward", third_fails)
+    monkeypatch.setattr(train_step.TrainStep, "embed_and_backward", third_fails)
     with pytest.raises(loop.OutOfMemoryError) as err:
         train(tiny_config(tmp_path, train={"checkpoint_every": 2}), stream_factory=factory())
     assert str(err.value) == (

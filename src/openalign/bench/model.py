@@ -15,6 +15,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,8 +31,8 @@ from openalign.loss import contrastive_loss
 from openalign.model import DualEncoder
 from openalign.model.efficientnet import round_filters
 from openalign.process import run_spawned, run_spawned_in_turns
-from openalign.train.grad_cache import caption_widths, chunk_batch
-from openalign.train.loop import prepare_towers
+from openalign.train.grad_cache import chunk_batch
+from openalign.train.towers import Towers
 
 TEXT_LENGTH = 64
 
@@ -98,7 +99,7 @@ def make_batch(cfg: Any, settings: BenchSettings) -> tuple[torch.Tensor, torch.T
 def _build(which: str, cfg: Any, compiled: bool) -> tuple[torch.nn.Module, Any]:
     if which == "openalign":
         ours = DualEncoder(cfg)
-        return ours, lambda p, i, m: (*ours(p, i, m), ours.temperature)
+        return ours, partial(_ours, ours)
     hf = align_model(cfg, compiled)
 
     def forward(p: torch.Tensor, i: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -106,6 +107,22 @@ def _build(which: str, cfg: Any, compiled: bool) -> tuple[torch.nn.Module, Any]:
         return out.image_embeds, out.text_embeds, hf.temperature
 
     return hf, forward
+
+
+def _ours(
+    model: DualEncoder,
+    pixels: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    text_groups: list[tuple[torch.Tensor, int]] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    return (*model(pixels, ids, mask, text_groups), model.temperature)
+
+
+def _encoded(
+    model: DualEncoder, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    return model.encode_image(pixels), model.encode_text(ids, mask), model.temperature
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -150,15 +167,18 @@ def measure(
     # Forward FLOPs × 3 (backward ≈ 2 × forward): PyTorch's counter overstates depthwise-conv
     # backward by the group count, so the backward pass is not counted directly. Counted before compiling: a
     # compiled model would compile a graph without gradients for it, minutes on a GPU.
-    flops = 3 * forward_flops(forward, pixels, ids, mask, device=device, bf16=settings.bf16)
+    # Ours is counted on the captions it encodes (``encode_text`` cuts their padding), as its step reads them.
+    counted = partial(_encoded, model) if isinstance(model, DualEncoder) else forward
+    flops = 3 * forward_flops(counted, pixels, ids, mask, device=device, bf16=settings.bf16)
     if isinstance(model, DualEncoder):
-        # As `openalign train` and `bench train` run ours: compiled, or on a GPU, it takes captions cut to the
-        # batch's longest as measured on the host (eager on a CPU, it measures and cuts them itself).
-        prepare_towers(model, settings.compile, device, settings.compile_mode)
-        if model.caller_cuts_captions:
-            widths = caption_widths({"attention_mask": host_mask})
-            (cut,) = chunk_batch({"input_ids": ids, "attention_mask": mask}, len(ids), widths)
-            ids, mask = cut["input_ids"], cut["attention_mask"]
+        # As `openalign train` and `bench train` run ours: its towers prepared, its captions checked, cut to the
+        # batch's longest and (eager on a CPU) split by length, all on the host.
+        towers = Towers(model, device=device, compiled=settings.compile, mode=settings.compile_mode)
+        captions = towers.captions({"input_ids": batch[1], "attention_mask": host_mask})
+        if captions is not None:
+            (cut,) = chunk_batch({"input_ids": ids, "attention_mask": mask}, len(ids), [captions[0].width])
+            ids, mask, groups = cut["input_ids"], cut["attention_mask"], captions[0].groups
+            forward = partial(_ours, model, text_groups=groups)
     elif settings.compile:
         forward = torch.compile(forward, mode=settings.compile_mode)
     graphs = settings.compile and settings.compile_mode == "reduce-overhead"

@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from openalign.model.dual_encoder import DualEncoder
-
 __all__ = [
     "DistInfo",
     "all_gather_object",
@@ -99,7 +97,7 @@ def open_group(backend: str, **kwargs: Any) -> None:
     """``dist.init_process_group(backend, **kwargs)``, with ``torch._dynamo`` imported first.
 
     Importing ``torch._dynamo`` while a group exists (DDP's constructor does, when nothing did before) keeps
-    that group alive for good: destroying it no longer joins gloo's worker threads, which then still run while
+    that group alive for good: destroying it then does not join gloo's worker threads, which still run while
     the interpreter finalizes. One that drops a finished collective's tensors needs the GIL, a finalizing
     interpreter ends that thread instead, and the process aborts ("terminate called without an active
     exception") after its work is done."""
@@ -169,8 +167,6 @@ def wrap_model(
                 p.data = p.data.contiguous()
         for unit in _shard_units(model):
             fully_shard(unit, **kwargs)
-        if isinstance(model, DualEncoder):
-            model.text_buckets = False  # ranks with captions of other lengths would gather shards unequally
         # FSDP2 cannot shard 0-dim tensors (the temperature): they stay replicated, their gradients averaged
         # by average_replicated_grads after each backward.
         fully_shard(model, ignored_params=set(replicated_params(model)), **kwargs)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from openalign.model.layers import frozen_bn_stats, running_stats
+from openalign.train.towers import ChunkCaptions
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -41,7 +42,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # copy of the whole batch never exists at once.
 Pixels = Callable[[torch.Tensor], torch.Tensor]
 
-__all__ = ["Pixels", "RngState", "cached_step", "caption_widths", "chunk_batch", "plain_step"]
+__all__ = ["Pixels", "RngState", "cached_step", "chunk_batch", "plain_step"]
 
 CAPTIONS = ("input_ids", "attention_mask")
 
@@ -77,32 +78,21 @@ def chunk_batch(batch: Batch, chunk_size: int, text_widths: list[int] | None = N
     return chunks
 
 
-def caption_widths(batch: Batch, chunk_size: int | None = None) -> list[int] | None:
-    """Each chunk's caption width in a batch still on the host: the columns its ``chunk_size`` rows (default: the
-    whole batch) attend to, what ``plain_step`` and ``cached_step`` cut each chunk's captions to (``text_widths``).
-    Read here, from host memory, the widths cost nothing; read from a GPU's copy, each would make the host wait for
-    all queued work. The batch itself moves whole and is cut on the device, by views: a cut host tensor is no longer
-    contiguous, and is copied to a GPU from a pageable copy of it, which CUDA's driver may stage by waiting for the
-    stream's queued work (a contiguous pinned batch moves without waiting). Widths
-    are at least two columns (a compiled text tower takes any width from two up in the graph it compiled: see
-    ``DualEncoder.compile_towers``). None without a mask."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        return None
-    n, columns = mask.shape
-    size = chunk_size or n
-    # The last attended column of each row, then the largest of each chunk: one pass, one read of n numbers.
-    last = (mask.ne(0) * torch.arange(1, columns + 1, device=mask.device)).amax(1).tolist()
-    floor = min(2, columns)
-    return [max(max(last[i : i + size]), floor) for i in range(0, n, size)]
-
-
-def _embed(model: nn.Module, batch: Batch, pixels: Pixels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _embed(
+    model: nn.Module, batch: Batch, pixels: Pixels | None, captions: ChunkCaptions | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     values = batch["pixel_values"]
     image, text = model(
-        pixels(values) if pixels is not None else values, batch["input_ids"], batch.get("attention_mask")
+        pixels(values) if pixels is not None else values,
+        batch["input_ids"],
+        batch.get("attention_mask"),
+        captions.groups if captions is not None else None,
     )
     return image, text
+
+
+def _widths(captions: list[ChunkCaptions] | None) -> list[int] | None:
+    return [c.width for c in captions] if captions is not None else None
 
 
 def _batch_norms(model: nn.Module) -> list[_BatchNorm]:
@@ -156,13 +146,13 @@ def plain_step(
     temperature: Callable[[], torch.Tensor],
     *,
     pixels: Pixels | None = None,
-    text_widths: list[int] | None = None,
+    captions: list[ChunkCaptions] | None = None,
 ) -> torch.Tensor:
-    """One forward and backward of the whole per-rank batch; returns the (detached) loss. ``text_widths``: the
-    batch's caption width (``caption_widths``), its captions cut to it."""
-    if text_widths is not None:
-        (batch,) = chunk_batch(batch, next(iter(batch.values())).shape[0], text_widths)
-    image, text = _embed(model, batch, pixels)
+    """One forward and backward of the whole per-rank batch; returns the (detached) loss. ``captions``: how the
+    batch's captions reach the text tower (``Towers.captions``, one chunk), or None to take them whole."""
+    if captions is not None:
+        (batch,) = chunk_batch(batch, next(iter(batch.values())).shape[0], _widths(captions))
+    image, text = _embed(model, batch, pixels, captions[0] if captions is not None else None)
     loss = loss_fn(image.float(), text.float(), temperature())
     loss.backward()
     return loss.detach()
@@ -178,7 +168,7 @@ def cached_step(
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     inner: nn.Module | None = None,
     pixels: Pixels | None = None,
-    text_widths: list[int] | None = None,
+    captions: list[ChunkCaptions] | None = None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` the gradients of ``loss_fn`` over the whole batch, ``chunk_size`` rows at a
     time; returns the (detached) loss.
@@ -188,18 +178,19 @@ def cached_step(
     ``no_sync`` (DDP's) is entered for every chunk but the last, so gradients are all-reduced once per step.
     ``temperature()`` returns the model's temperature with its graph; its gradient is added with the last
     chunk so that every parameter receives its gradient in the same (synchronised) backward.
-    ``pixels`` prepares each chunk's pixels for the model (both passes), as in ``plain_step``; ``text_widths`` cuts
-    each chunk's captions to its own width (``caption_widths``).
+    ``pixels`` prepares each chunk's pixels for the model (both passes), as in ``plain_step``; ``captions`` says how
+    each chunk's captions reach the text tower (``Towers.captions``).
     """
     inner = inner if inner is not None else model
-    chunks = chunk_batch(batch, chunk_size, text_widths)
+    chunks = chunk_batch(batch, chunk_size, _widths(captions))
+    layouts = captions if captions is not None else [None] * len(chunks)
     device = batch["pixel_values"].device
     states: list[RngState] = []
     images, texts = [], []
     with torch.no_grad(), _recording_bn_stats(inner) as record:
-        for chunk in chunks:
+        for chunk, layout in zip(chunks, layouts, strict=True):
             states.append(RngState.capture(device))
-            image, text = _embed(inner, chunk, pixels)
+            image, text = _embed(inner, chunk, pixels, layout)
             record()
             images.append(image.float())
             texts.append(text.float())
@@ -213,12 +204,12 @@ def cached_step(
 
     offset = 0
     last = len(chunks) - 1
-    for i, (chunk, state) in enumerate(zip(chunks, states, strict=True)):
+    for i, (chunk, state, layout) in enumerate(zip(chunks, states, layouts, strict=True)):
         state.restore(device)
         n = chunk["pixel_values"].shape[0]
         # Gradients are all-reduced on the last chunk only.
         with no_sync() if no_sync is not None and i != last else contextlib.nullcontext(), frozen_bn_stats(inner):
-            image, text = _embed(model, chunk, pixels)
+            image, text = _embed(model, chunk, pixels, layout)
             # d(surrogate)/d(params) = sum over rows of (dL/d emb) · (d emb/d params): the chain rule with the
             # loss's part already done.
             surrogate = (image.float() * grad_image[offset : offset + n]).sum()

@@ -1,9 +1,7 @@
 """The training loop: ALIGN's contrastive pre-training and retrieval fine-tuning, one process or many.
 
-``train(cfg)`` builds everything (``_Run``), then ``_Run.loop`` takes steps. A step is: next batch →
-forward (whole per-rank batch, or gradient-cached chunks) → the normalised-softmax loss over the global
-batch → backward → non-finite guard → optional clipping → optimizer and schedule step → log, evaluate,
-checkpoint. Nothing else happens in between.
+``train(cfg)`` builds everything (``_Run``), then ``_Run.loop`` takes steps: next batch → the step
+(``openalign.train.step``) → log, evaluate, checkpoint. Nothing else happens in between.
 
 Non-finite guard: a step whose loss or gradient norm is NaN/Inf is skipped (no weight, optimizer or
 schedule change; its batch is consumed), counted, and after ``train.max_bad_steps`` in a row the run stops
@@ -14,11 +12,10 @@ and the checkpoints before it stay, and a non-finite final model stops the run w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -47,23 +44,20 @@ from openalign.train.config import (
 from openalign.train.distributed import (
     DistInfo,
     all_gather_object,
-    average_replicated_grads,
     broadcast_object,
     cleanup,
-    fsdp_no_sync,
-    grad_norm,
     init_distributed,
     is_distributed,
-    replicated_params,
     unwrap,
     wrap_model,
 )
-from openalign.train.grad_cache import Pixels, cached_step, caption_widths, plain_step
 from openalign.train.logging import say
+from openalign.train.meter import Meter
+from openalign.train.step import StepStats, TrainStep
+from openalign.train.towers import Towers, eager_towers
 
 if TYPE_CHECKING:
     from openalign.eval.retrieval import RetrievalSet
-    from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer, Tokenizer
 
 __all__ = ["NonFiniteError", "OutOfMemoryError", "TrainResult", "train"]
@@ -170,22 +164,6 @@ def _open_resume(cfg: TrainConfig, resume: str, info: DistInfo) -> _Resume | Non
     return _Resume(path, opened) if path is not None else None
 
 
-def reads_wait(device: torch.device) -> bool:
-    """Whether the host reading a tensor's values on ``device`` waits for the work queued there (an accelerator's:
-    a synchronisation) rather than reading memory it already holds (the CPU's)."""
-    return device.type != "cpu"
-
-
-def prepare_towers(model: DualEncoder, compiled: bool, device: torch.device, mode: str = "default") -> None:
-    """The towers as training runs them: compiled (``mode``: ``torch.compile``'s), or eager; either way, where
-    reading values waits (a GPU), or compiled, taking captions that the caller checks and measures on the host
-    (``caption_widths``)."""
-    if compiled:
-        model.compile_towers(**({} if mode == "default" else {"mode": mode}))
-    elif reads_wait(device):
-        model.caller_cuts_captions = True
-
-
 def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
     bad = 0
 
@@ -200,27 +178,6 @@ def _bad_batch_guard(max_bad: int) -> Callable[[bool, int], int]:
         return bad
 
     return update
-
-
-class BufferSnapshot:
-    """A copy of some tensors (batch-norm statistics and counters), allocated once, taken and put back with one
-    foreach copy per device and dtype: a list mixing float statistics with int64 counters takes CUDA's
-    per-tensor path, a launch per buffer (486 a step on B7), where a list of one dtype takes a few."""
-
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-        self.live = list(groups.values())
-        self.saved = [[t.detach().clone() for t in group] for group in self.live]
-
-    def take(self) -> None:
-        for live, saved in zip(self.live, self.saved, strict=True):
-            torch._foreach_copy_(saved, live)
-
-    def restore(self) -> None:
-        for live, saved in zip(self.live, self.saved, strict=True):
-            torch._foreach_copy_(live, saved)
 
 
 class _Run:
@@ -267,24 +224,25 @@ class _Run:
                 model.lock_tower(tower)
         if t.grad_checkpointing:
             model.set_grad_checkpointing(True)
-        if self.precision == "bf16-image":
-            model.image_autocast = torch.bfloat16
-            if t.precision == "auto" and info.is_main:
-                # Said once: the same seed's figures differ from an fp32 run's (within the spread of seeds).
-                print(
-                    "precision auto: the image tower computes in bf16 on this AMX CPU (train.precision fp32 "
-                    "keeps it in fp32)",
-                    file=sys.stderr,
-                )
+        if self.precision == "bf16-image" and t.precision == "auto" and info.is_main:
+            # Said once: the same seed's figures differ from an fp32 run's (within the spread of seeds).
+            print(
+                "precision auto: the image tower computes in bf16 on this AMX CPU (train.precision fp32 "
+                "keeps it in fp32)",
+                file=sys.stderr,
+            )
         model.to(info.device).train()
         check_compile(cfg, info.world_size, info.device)  # asks the GPU only when train.compile is true
         blocker = gpu_compile_blocker(info.device) if t.compile is None else None
         self.compiled = compile_enabled(cfg, info.device, info.world_size, gpu_compiles=blocker is None)
         if blocker is not None and info.is_main:
             print(f"train.compile: eager, as {blocker}", file=sys.stderr)
-        prepare_towers(model, self.compiled, info.device)
-        self.model = model
         self.fsdp = sharded(cfg, info.world_size)
+        image_dtype = torch.bfloat16 if self.precision == "bf16-image" else None
+        self.towers = Towers(
+            model, device=info.device, compiled=self.compiled, image_dtype=image_dtype, sharded=self.fsdp
+        )
+        self.model = model
         self.wrapped = wrap_model(model, info, t.strategy, bf16=self.bf16)
         self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
@@ -310,12 +268,9 @@ class _Run:
         self.last_checkpoint_time = time.monotonic()
         self.started = started  # when train() was called: this process's share of the run's time
         self.seconds_before = 0.0  # spent by the processes before a resume
-        # This process's training time in logged windows and the part of it spent waiting for the next batch
-        # (``data_wait``), for the run's last line.
-        self.trained_s = self.data_wait_s = 0.0
+        self.meter = Meter(self.global_batch, 0)
         self.logger: Any = None
         self.eval_set: Any = None
-        self.pixels: Pixels | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -441,7 +396,7 @@ class _Run:
     # ------------------------------------------------------------------ the loop
 
     def loop(self) -> TrainResult:
-        cfg, t, info = self.cfg, self.cfg.train, self.info
+        cfg, info = self.cfg, self.info
         if info.is_main:
             # Where and how the run computes, before any step: a GPU left unseen (a driver too old for this
             # PyTorch) would otherwise show only as a slow run on the CPU.
@@ -450,91 +405,82 @@ class _Run:
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
-        guard = _bad_batch_guard(t.max_bad_steps)
-        # Pixels travel as uint8 and become the model's input on the device, chunk by chunk.
-        self.pixels = getattr(self.stream, "pixels", None)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # A bad batch would leave NaN in batch-norm running statistics even though the step is skipped: each
-        # step copies the buffers into this space, allocated once, and a skipped step copies them back.
-        buffers = BufferSnapshot(self.model.buffers())
+        step, guard = self._train_step(), _bad_batch_guard(cfg.train.max_bad_steps)
+        meter = self.meter = Meter(self.global_batch, self.step)
         metrics: dict[str, float] = {}
         batches = iter(self.stream)
-        tick, tick_step = time.perf_counter(), self.step
-        waited = 0.0  # this window's wait for batches: the loop blocked on the stream, a GPU left without work
         small_data_warned = info.is_main and self._warn_small_shards()
-        # The first step compiles the towers' graphs (forward and backward; with gradient caching, the no-grad
-        # pass's too): its time is reported once.
+        # The first step compiles the towers' graphs: its time is reported once, and left out of the rate.
         compiling = self.compiled
         while self.step < self.total_steps:
-            asked = time.perf_counter()
-            batch, text_widths = next(batches), None
-            waited += time.perf_counter() - asked
-            if self.model.caller_cuts_captions:
-                # Checked and measured here, on the host, for free: the model then reads no token on the device,
-                # and its text tower takes each chunk cut to its own width.
-                self.model.check_token_values(batch["input_ids"], batch.get("attention_mask"))
-                text_widths = caption_widths(batch, t.chunk_size)
-            batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+            batch = meter.next(batches)
             if not small_data_warned and info.is_main:
                 small_data_warned = self._warn_small_epoch()
-            buffers.take()
-            first = time.perf_counter() if compiling else 0.0
             if compiling:
                 # Minutes on a large model with nothing else on screen: said first, not to be taken for a hang.
                 self.logger.say("compiling the towers (once, in the first step) ...")
-            loss = self._forward_backward(batch, loss_fn, text_widths)
-            if self.fsdp:
-                average_replicated_grads(replicated_params(self.model))
-            norm = grad_norm(params)
-            # The step's one host sync: the guard's decision and what a log record reads, together.
-            loss_value, finite, checkpoint_due, norm_value, temperature = self._reduce(loss, norm)
+            began = time.perf_counter()
+            stats = step(batch, self._checkpoint_due())
             if compiling:
                 compiling = False
-                self.logger.say(f"compiled towers in {time.perf_counter() - first:.1f} s (first step)")
-                # The rate starts after the compiling step, as it would count minutes of compilation as training.
-                tick, tick_step, waited = time.perf_counter(), self.step + 1, 0.0
-            if not finite:
-                self._skip_step(buffers, guard)
+                self.logger.say(f"compiled towers in {time.perf_counter() - began:.1f} s (first step)")
+                meter.start(self.step + 1)
+            if not stats.finite:
+                self._skip_step(guard)
                 continue
             guard(True, self.step)
-            if t.grad_clip is not None:
-                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, norm)
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-
             if self.step % cfg.log.every == 0 or self.step == self.total_steps:
-                now = time.perf_counter()
-                metrics = {
-                    "loss": loss_value,
-                    "temperature": temperature,  # the one this step's loss used
-                    "lr": lr,
-                    "grad_norm": norm_value,
-                    "skipped_steps": self.skipped_steps,
-                    "samples_seen": (self.step + self.skipped_steps) * self.global_batch,
-                }
-                if self.step > tick_step:
-                    metrics["pairs_per_s"] = self.global_batch * (self.step - tick_step) / max(now - tick, 1e-9)
-                    # The share of the window's training time the loop waited for data: above a few percent on a
-                    # GPU, the workers (data.workers) do not keep up with the steps.
-                    metrics["data_wait"] = min(waited / max(now - tick, 1e-9), 1.0)
-                    self.trained_s += now - tick
-                    self.data_wait_s += waited
-                tick, tick_step, waited = now, self.step, 0.0
-                self.logger.log(self.step, metrics)
-            paused = time.perf_counter()
-            if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == self.total_steps):
-                self._evaluate()
-            if self.step < self.total_steps and (
-                (t.checkpoint_every and self.step % t.checkpoint_every == 0) or checkpoint_due
-            ):
-                self.save()
-            # Training's rate, not the run's: evaluations and checkpoints between steps are left out of it.
-            tick += time.perf_counter() - paused
+                metrics = self._log(stats)
+            with meter.paused():
+                self._between_steps(stats.checkpoint_due)
         return self._finish(metrics)
+
+    def _train_step(self) -> TrainStep:
+        t = self.cfg.train
+        loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
+        return TrainStep(
+            self.wrapped,
+            self.towers,
+            self.optimizer,
+            self.scheduler,
+            loss_fn,
+            self.info.device,
+            world_size=self.info.world_size,
+            chunk_size=t.chunk_size,
+            grad_clip=t.grad_clip,
+            pixels=self.stream.pixels,
+            bf16=self.bf16,
+            fsdp=self.fsdp,
+        )
+
+    def _checkpoint_due(self) -> bool:
+        """Rank 0's clock says a checkpoint is due (``train.checkpoint_minutes``); the step tells every rank."""
+        minutes = self.cfg.train.checkpoint_minutes
+        return self.info.is_main and minutes > 0 and time.monotonic() - self.last_checkpoint_time >= 60 * minutes
+
+    def _log(self, stats: StepStats) -> dict[str, float]:
+        metrics = {
+            "loss": stats.loss,
+            "temperature": stats.temperature,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "skipped_steps": self.skipped_steps,
+            "samples_seen": (self.step + self.skipped_steps) * self.global_batch,
+            **self.meter.window(self.step),
+        }
+        self.logger.log(self.step, metrics)
+        return metrics
+
+    def _between_steps(self, checkpoint_due: bool) -> None:
+        """Evaluate and checkpoint when due; never after the last step, which ``_finish`` saves."""
+        cfg, t = self.cfg, self.cfg.train
+        if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == self.total_steps):
+            self._evaluate()
+        if self.step < self.total_steps and (
+            (t.checkpoint_every and self.step % t.checkpoint_every == 0) or checkpoint_due
+        ):
+            self.save()
 
     def summary(self) -> str:
         """One line: steps, global batch, devices, precision, compiled or eager, chunks."""
@@ -584,10 +530,8 @@ class _Run:
         )
         return True
 
-    def _skip_step(self, buffers: BufferSnapshot, guard: Callable[..., int]) -> None:
-        """Undo a non-finite step: no update, batch-norm statistics back, gradients dropped; maybe abort."""
-        buffers.restore()
-        self.optimizer.zero_grad(set_to_none=True)
+    def _skip_step(self, guard: Callable[..., int]) -> None:
+        """Count a non-finite step (the step took no update); abort after too many in a row."""
         self.skipped_steps += 1
         try:
             guard(False, self.step)
@@ -599,63 +543,6 @@ class _Run:
                     f"{err} (the state after step {self.step} is not finite either, so that is an earlier one)"
                 ) from None
             raise
-
-    def _forward_backward(
-        self, batch: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor], text_widths: list[int] | None
-    ) -> torch.Tensor:
-        autocast = (
-            torch.autocast(self.info.device.type, dtype=torch.bfloat16)
-            if self.bf16 and not self.fsdp
-            else contextlib.nullcontext()
-        )
-        temperature = lambda: self.model.temperature  # noqa: E731 - re-read: the graph must be fresh each call
-        with autocast:
-            if self.cfg.train.chunk_size is None:
-                return plain_step(
-                    self.wrapped, batch, loss_fn, temperature, pixels=self.pixels, text_widths=text_widths
-                )
-            no_sync = getattr(self.wrapped, "no_sync", None)
-            if self.fsdp:
-                no_sync = partial(fsdp_no_sync, self.model)
-            return cached_step(
-                self.wrapped,
-                batch,
-                self.cfg.train.chunk_size,
-                loss_fn,
-                temperature,
-                no_sync=no_sync,
-                inner=unwrap(self.wrapped),
-                pixels=self.pixels,
-                text_widths=text_widths,
-            )
-
-    def _reduce(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float, float]:
-        """(global loss, every rank finite, rank 0's clock says checkpoint, gradient norm, temperature) in one
-        collective, one sync. The norm is global and the temperature replicated already: every rank adds the same."""
-        t = self.cfg.train
-        due = (
-            self.info.is_main
-            and t.checkpoint_minutes > 0
-            and time.monotonic() - self.last_checkpoint_time >= 60 * t.checkpoint_minutes
-        )
-        loss, norm = loss.float(), norm.float().to(loss.device)
-        finite = torch.isfinite(loss) & torch.isfinite(norm)
-        zero = torch.zeros_like(loss)
-        temperature = self.model.temperature.detach().float().mean().to(loss.device)
-        packed = torch.stack(
-            [
-                torch.where(finite, loss, zero),
-                (~finite).float(),
-                torch.full_like(loss, float(due)),
-                torch.where(finite, norm, zero),
-                temperature,
-            ]
-        )
-        if is_distributed():
-            dist.all_reduce(packed)
-        values = packed.tolist()
-        world = self.info.world_size
-        return values[0] / world, values[1] == 0, values[2] > 0, values[3] / world, values[4] / world
 
     def _evaluate(self) -> None:
         if not (self.info.is_main or self.fsdp):
@@ -669,7 +556,7 @@ class _Run:
         model = cast("DualEncoder", unwrap(self.wrapped))
         # Evaluation leaves the random stream alone, or a resumed run would diverge from a straight one. It runs
         # eager: its batches, captions and modes differ from training's, so compiled towers would compile again.
-        with model.eager_towers():
+        with eager_towers():
             result = evaluate_retrieval(
                 model,
                 self.tokenizer,
@@ -697,7 +584,7 @@ class _Run:
                 ) from None
             if stats:
                 self.logger.log(self.step, {f"skipped/{k}": v for k, v in stats.items()})
-            share = self.data_wait_s / self.trained_s if self.trained_s > 0 else None
+            share = self.meter.data_wait_share()
             waits = "" if share is None else f"; waited for data {share:.1%} of the training time"
             self.logger.say(
                 f"finished {self.step} steps; model in {final}; {self.skipped_steps} non-finite steps skipped; "
