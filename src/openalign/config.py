@@ -75,12 +75,12 @@ class ImageTowerConfig:
     # "same": TF SAME at any input size; "hf": transformers' port (fixed paddings, and no residual on
     # a stage's first block even where its input and output widths agree); "symmetric": kernel // 2 on every
     # side, as torchvision and timm's non-TF EfficientNets pad (a stride-2 conv then needs no padded copy of
-    # its input: the nano image tower's step on a CPU is ~9 % faster). Checkpoints keep the padding they learnt with.
+    # its input, so a step is faster). Checkpoints keep the padding they learnt with.
     padding: Literal["same", "hf", "symmetric"] = "same"
     hf_depthwise_padding: tuple[int, ...] = ()  # with padding="hf": blocks whose stride-2 pad is symmetric
     gradient_checkpointing: bool = False
-    # NHWC convolutions: oneDNN on CPU runs EfficientNet's depthwise convolutions ~3x faster in this layout,
-    # and it is the layout GPU tensor cores want under bf16.
+    # NHWC convolutions: oneDNN on CPU runs EfficientNet's depthwise convolutions much faster in this layout, and it
+    # is the layout GPU tensor cores want under bf16.
     channels_last: bool = True
 
 

@@ -82,8 +82,8 @@ def _check_hparams(
 
 
 # torch.optim.Optimizer wraps these methods in torch._disable_dynamo, which imports torch._dynamo at their first
-# call: 2.8 s of a two-core CPU, as long as importing torch itself, paid by every eager training process (each
-# spawned run, each rank) that never compiles anything. Lamb's own step leaves it unimported; torch's AdamW and
+# call: about as long as importing torch itself, paid by every eager training process (each spawned run, each
+# rank) that never compiles anything. Lamb's own step leaves it unimported; torch's AdamW and
 # SGD import it in theirs.
 def _base_method(name: str) -> Callable[..., Any]:
     wrapped = getattr(torch.optim.Optimizer, name)

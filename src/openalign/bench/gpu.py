@@ -66,24 +66,21 @@ __all__ = ["GpuCheckSettings", "run_gpu_check"]
 SRC = Path(__file__).resolve().parents[2]  # the directory holding the openalign package
 TESTS = SRC.parent / "tests" / "test_cuda.py"  # present in a checkout, not in an installed wheel
 PARTS = ("tests", "bench", "compiled", "towers", "compiled_loop", "paper", "loop", "l2", "plan")
-# Each part's share of the budget: what it took, or was seen to need, on a freshly started H200 (2026-11-28 and
-# 2026-11-30; torch's compile caches empty, which is how a lent GPU comes). The parts' default budget is the sum of
-# their shares: all of them take ~16 minutes, more than one call of a GPU lent for minutes may run. A 15-minute
-# lease runs them in two calls: first the CUDA tests and the compiled contenders (--no-bench --no-towers --no-loop
-# --no-compiled-loop, ~7.8 min), then the loops (--no-tests --no-compiled --no-towers, ~7.7 min in full;
-# --budget-s scales their shares to what is left). The paper's batch (a step takes minutes) and L2 + BERT-Large
+# Each part's share of the budget, in seconds: what it needs on a freshly started GPU with torch's compile caches
+# empty, which is how a lent GPU comes (docs/decisions/gpu-check-budget.md). The parts' default budget is the sum of
+# their shares; a short lease runs them in two calls (the CUDA tests and compiled contenders, then the loops), and
+# --budget-s scales the shares to what is left. The paper's batch (a step takes minutes) and L2 + BERT-Large
 # measure memory and throughput already recorded; they are asked for by name.
 WEIGHTS = {
-    "tests": 90.0,  # 77.5 s before the pinned-batch check, 71.7 s with it
-    "bench": 180.0,  # not done in 120 s: three contenders timed and profiled, then the input pipeline
-    # Not done in 150 s from empty caches (ours still compiling), nor in 270 s with ours' graphs cached
-    # (transformers' whole AlignModel still compiling) when the two compiled one after the other; now together.
+    "tests": 90.0,
+    "bench": 180.0,  # three contenders timed and profiled, then the input pipeline
+    # Ours and transformers' whole AlignModel compile together, from empty caches.
     "compiled": 360.0,
-    "towers": 60.0,  # 33.3 s; not done in 40 s on the first fresh machine
-    # Not done compiling in 175 s; 165.2 s for the loop alone with ours' graphs partly cached; the bare step before
-    # it in its process adds its steps, profile and workers' start, not a compilation.
+    "towers": 60.0,
+    # The loop compiles its graphs; the bare step before it in its process adds its steps, profile and workers'
+    # start, not a compilation.
     "compiled_loop": 240.0,
-    "loop": 40.0,  # 35.3 s
+    "loop": 40.0,
     "paper": 150.0,
     "l2": 55.0,
 }
@@ -211,9 +208,8 @@ def _bench_settings(s: GpuCheckSettings, which: str) -> dict[str, Any]:
     if which == "compiled_loop":
         # The bare step, then the loop in its process on the graphs it compiled (one compilation), fed from JPEG
         # shards by the check's workers, on the model `compiled` times (batch norm per device, not the recipes'
-        # groups): the same graphs, which that part leaves in the compile caches. Compiled from scratch on a fresh
-        # H200 they took more than the part's 175 s; from the caches, nano's took 16-21 s on a CPU against 133 s cold
-        # (15 s with its own graphs cached).
+        # groups): the same graphs, which that part leaves in the compile caches, so that the loop mostly reads them
+        # from there rather than compiling from scratch.
         loop = {"recipe": True, "baseline": False, "bf16": cuda, "device": s.device, "rounds": 1,
                 "profile": profile}  # fmt: skip
         if s.tiny:

@@ -28,7 +28,8 @@ class RetrievalBenchSettings:
     images: int = 5000
     captions_per_image: int = 5
     dim: int = 640  # embedding width
-    # caption = image + noise × N(0, I / dim), normalised (9: R@1 ~20 %); None: independent vectors
+    # caption = image + noise × N(0, I / dim), normalised (9: a hard set, R@1 far below 100 %); None: independent
+    # vectors
     noise: float | None = 9.0
     rounds: int = 3  # timed rounds; the best is kept
     seed: int = 0  # data seed

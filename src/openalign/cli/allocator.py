@@ -3,12 +3,9 @@
 glibc's ``malloc`` serves a large request (from 128 KiB, rising to a block's size once such a block is freed) by
 mapping fresh pages, and gives freed memory at the top of its heap back to the system once more than twice that
 threshold lies free there. A training step allocates and frees the same activations every step, so each step
-touched its pages anew: the demo's 900 training steps took 26.5 million page faults, 62 s of system time beside
-766 s of user time on two cores. Raising both thresholds for the command's own process keeps the freed blocks
-for reuse: 80 steps of the demo's training (set-up included) took 0.933x the wall time (median of 3 pairs), 1.3
-million page faults fell to 0.38 million and system time from 6.2 to 1.9 s, for 3 % more peak memory (818
-against 792 MiB), which the step's own peak still bounds. `openalign demo --seeds 3`: stages of 510 / 499 / 489 s
-against 521 / 518 / 518, the same held-out figures.
+would touch its pages anew, in page faults and system time. Raising both thresholds for the command's own process
+keeps the freed blocks for reuse, for a little more peak memory, which the step's own peak still bounds
+(docs/decisions/host-overheads.md).
 
 Only the command's process (and the data workers it forks) is changed: ``openalign.cli.main`` called with an
 argument list, as a library or a test does, leaves the caller's allocator alone. Elsewhere than glibc (macOS,

@@ -17,15 +17,12 @@ and fails in some. So the decision here is about the *worst* region, not the ave
    windows of ``1/window`` of the side, each over the window's own detail, and the largest of them. A copy
    scores a few tenths at most; a picture with one object changed scores on that object.
 
-   Why each window over its own detail: on the synthetic world's hardest pairs (each crawl image against its
-   5 nearest test images, 42–47 thousand pairs a seed after the coarse screen), the residual over the whole
-   picture's variance passed 92 of 96 copies with 385 other crawl rows (seed 1), over the window's detail
-   92 with 13. Resampling leaves residual where the detail is, so a copy's busiest texture scored high
-   against a flat picture's variance. Why the low-pass and the anti-aliased half-size level: on the same
-   pairs, sharp and with a limit of 0.8 they passed 95 / 92 / 92 copies (seeds 0 / 1 / 2) with 69 / 41 / 57
-   other rows; with both, at a limit of 0.3 (the one photos take), 96 / 96 / 95 copies with 34 / 17 / 22.
+   Each window is scored over its own detail because resampling leaves residual where the detail is, so a
+   copy's busiest texture would score high against a flat picture's variance. The low-pass and the anti-aliased
+   half-size level let one limit (0.3, the one photos take) pass more copies with fewer other pictures
+   (docs/decisions/copy-verification.md).
 
-Pure torch on small grids, many pairs at once: about 2 ms a pair on two CPU cores at 48 px.
+Pure torch on small grids, many pairs at once.
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ __all__ = ["aligned_arrays", "coarse_residual", "register", "worst_region_residu
 # and shifts above to converge from the identity (more steps changed no decision on the synthetic world's
 # copies); with all six parameters free at half size too, a copy of a striped or periodic texture could slide
 # into a shear that lines the stripes up elsewhere. The half-size level is low-passed first: shrinking stripes or
-# bricks a few pixels apart aliases them into a coarser false pattern, on which Gauss–Newton locked a copy into
-# the wrong period (4 of seed 1's 100 planted copies); blurred, the picture's larger shapes pull the fit.
+# bricks a few pixels apart aliases them into a coarser false pattern, on which Gauss–Newton can lock a copy into
+# the wrong period; blurred, the picture's larger shapes pull the fit.
 _LEVELS = ((2, 8, 4, 1.0), (1, 5, 6, 0.0))
 _SHEARS = [1, 3]  # a12 and a21 of the row-major 2 × 3 map: held at their value by a 4-parameter level
 _MAX_STEP = 0.5  # no parameter moves further from the identity than this (a diverging fit stays bounded)
@@ -63,8 +60,8 @@ def aligned_arrays(images: list[Image.Image], side: int) -> np.ndarray:
 
 def _as_float(x: torch.Tensor | np.ndarray) -> torch.Tensor:
     t = torch.as_tensor(x)
-    # Divided in place: the same values as ``t.float() / 255`` without a second batch-sized allocation; for the
-    # 64 px thumbnails verification converts (50 MB of floats per 1,024 pairs and side), 0.64x the time.
+    # Divided in place: the same values as ``t.float() / 255`` without a second batch-sized allocation, which
+    # for the thumbnails verification converts is also faster.
     return t.float().div_(255.0) if t.dtype == torch.uint8 else t.float()
 
 
@@ -121,8 +118,8 @@ def _blur_matrix(side: int, sigma: float) -> torch.Tensor:
 
 def _low_pass(t: torch.Tensor, sigma: float) -> torch.Tensor:
     """``t`` [B, C, H, W] blurred by a Gaussian of ``sigma`` pixels (separable, edges replicated); ``t`` itself at
-    0. Two matrix products over the whole batch: on a CPU a depthwise convolution of the same taps took 13× as
-    long (0.23 s against 17 ms for 1,024 maps of 64²)."""
+    0. Two matrix products over the whole batch, which on a CPU are far faster than a depthwise convolution of the
+    same taps."""
     if sigma <= 0:
         return t
     rows, columns = (_blur_matrix(n, float(sigma)).to(t.dtype) for n in t.shape[-2:])
@@ -187,8 +184,7 @@ def coarse_residual(
 ) -> np.ndarray:
     """float [B]: the whole-image luminance residual at ``side`` pixels, unregistered, after a gain and offset
     fit, over the query's variance. At 16 px a re-crop of a few percent moves nothing by more than a pixel, so
-    a mild copy stays low (at most 0.71 over the synthetic world's planted copies) while most pictures an
-    embedding merely confuses with it do not (70 % of those pairs there score above 0.75); unrelated pictures
+    a mild copy stays low while most pictures an embedding merely confuses with it do not; unrelated pictures
     score about 1. A screen that spares such pairs the registration."""
     q, r = (F.interpolate(_luminance(_as_float(x)), size=(side, side), mode="area") for x in (queries, references))
     qm, rm = q - q.mean((2, 3), keepdim=True), r - r.mean((2, 3), keepdim=True)
@@ -215,7 +211,7 @@ def worst_region_residual(
     resize averages it away and a JPEG re-encode replaces it with block artefacts of its own — so sharp, a copy of
     a grainy picture left a residual as large as its detail everywhere. Low-passed, what a repost keeps (shapes,
     edges, shading) decides instead; at the check's default of 1 px at 64 px, a disc of a tenth of the side
-    painted over a photo still scores above 0.35.
+    painted over a photo still scores above the check's limit.
 
     Resampling and re-compression leave residual in proportion to the detail they blur, so a copy scores a
     few tenths even in its busiest texture, while a window showing something else scores about 1 or more

@@ -35,10 +35,8 @@ class AugmentConfig:
     """What reposting does to an image, as training views; a bit stronger than the copies to be found.
 
     The batched views cover the synthetic world's planted copies (re-crop ≤ 4 %, brightness ±7 %, colour
-    ±10 %, JPEG 70–90) with a margin; ``reposts`` adds the web's heavy edits. On ``bench copy-detection``'s
-    photos a detector trained 300 steps on 2,000 synthetic images, then verified in a band of 0.3, found 0.84
-    of the copies at 0.1 % false positives without reposts and 0.93 with 2 per image (mirrored 0.58 → 1.00,
-    embedded in a page 0.36 → 0.64, three edits at once 0.56 → 0.79).
+    ±10 %, JPEG 70–90) with a margin; ``reposts`` adds the web's heavy edits (mirrors, pages, several edits at
+    once), which a detector trained on the batched views alone finds less often.
     """
 
     crop: float = 0.06  # each side independently loses up to this fraction of the side, then resize back
@@ -104,7 +102,7 @@ def jpeg_round_trip(array: np.ndarray, quality: int) -> np.ndarray:
     """uint8 [3, H, W] encoded as JPEG at ``quality`` (4:2:0, as most web JPEGs are) and decoded again.
 
     By libjpeg-turbo through simplejpeg, array to array: for the thumbnails a copy detector trains on, PIL's
-    image objects and file parsing around the same library took 3x as long (0.16 ms against 0.05 at 48 px)."""
+    image objects and file parsing around the same library would take most of the time."""
     import simplejpeg
 
     hwc = np.ascontiguousarray(array.transpose(1, 2, 0))

@@ -6,8 +6,8 @@ The workers read each JPEG's header only and draw its crop box and flip exactly 
 batch of encoded images at once (``torchvision.io.decode_jpeg`` on the GPU) and repeats the CPU transform's
 steps on the device: the ``resize``-square resize (blocks of pixels averaged first for a downscale of 3× or more,
 as PIL's ``reducing_gap``, then antialiased bicubic, PIL's filter), the crop and the flip. Against the CPU path
-with draft mode off the pixels differ by rounding only (0.1-0.2 levels of 255 on average, at most 3 on photos,
-10 on a tiny image upscaled over sharp edges; tests/test_device_decode.py bounds it); the GPU's JPEG decoder
+with draft mode off the pixels differ by rounding only (a few levels of 255 at most on photos, more on a tiny
+image upscaled over sharp edges; tests/test_device_decode.py bounds it); the GPU's JPEG decoder
 adds its own IDCT and chroma upsampling (tests/test_cuda.py bounds the two together).
 
 The decode function is a parameter: ``pil_decode`` decodes on the CPU with PIL, so everything after the decode

@@ -71,7 +71,7 @@ __all__ = [
     "write_shards",
 ]
 
-# A fixed timestamp (2021-01-01) rather than 0, which some archive tools display as a warning.
+# A fixed timestamp (the first second of 2021, UTC) rather than 0, which some archive tools display as a warning.
 FIXED_MTIME = 1_609_459_200
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _EXT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")

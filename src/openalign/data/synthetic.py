@@ -568,7 +568,7 @@ class SyntheticWorld:
 
     ``languages``: the caption languages of training rows. Row ``i`` gets one of them, drawn from its own
     random stream (seed, i), so its scene is the same whatever the languages; with the default ``("en",)``
-    no draw is made and every row is what it always was."""
+    no draw is made, so an English world's rows do not depend on this option."""
 
     def __init__(self, seed: int = 0, image_size: int = 64, languages: Sequence[str] = ("en",)):
         if image_size < 16:

@@ -17,15 +17,14 @@ Three checks, each able to accept a pair (``VerifyConfig.checks`` names those th
    consistent matches accept, provided the fit shows at least ``min_shown`` of the reference. Both rules stop
    the same failure: repeated texture (text, foliage, gravel) lets many query keypoints match one reference
    keypoint, and a fit that squeezes the whole query onto that patch of the reference then "explains" them
-   all. On ``openalign bench copy-detection``'s photos, 73 of its 5,160 false pairs reached 15 inliers that
-   way; with one match per reference keypoint none reached 12, while 380 of the 384 copies kept 12 or more.
+   all; with one match per reference keypoint such false pairs stay far below the copies' counts.
 
 Which pairs reach the checks is the embedding's call, except where ``FeatureVotes`` adds its own: a picture
 pasted into a page or collage fills a fraction of the copy, and a global embedding then barely knows it (the
 copy detector of ``openalign bench copy-detection`` put such copies below most false pairs), while its ORB
 descriptors still find their match in the original. Each query descriptor whose nearest reference descriptor
-passes the ratio test votes for that reference; on that bench, 381 of its 384 copies drew at least 10 votes
-(every embedded one at least 75) against 129 of its 5,160 false pairs.
+passes the ratio test votes for that reference: copies, embedded ones above all, draw many more votes than
+false pairs.
 
 OpenCV (``opencv-python-headless``, the ``verify`` extra) is needed only for step 2 and imported only here.
 """
@@ -78,14 +77,13 @@ class VerifyConfig:
     aligned_side: int = 64  # both images are resized to this square and their residual is scored there
     register_side: int = 48  # the affine fit runs on this smaller square (its maps hold at any size)
     # pairs whose unregistered 16 px luminance residual is above this skip the registration (not copies by
-    # the aligned check). Unrelated pictures score about 1; a 12 % re-crop of a photo 0.87, a 4 % one of the
-    # synthetic world at most 0.71: lower it to spare registrations when copies are only mildly edited
+    # the aligned check). Unrelated pictures score about 1 and a re-crop somewhat less: lower it to spare
+    # registrations when copies are only mildly edited
     max_coarse_residual: float = 0.95
     # aligned accepts when its worst window's residual, over that window's detail (worst_region_residual), is ≤
     # this, both images low-passed by a Gaussian of aligned_blur pixels (at aligned_side) first: grain at the
-    # pixel scale does not survive a repost. Photos' re-crops and re-encodes then score at most 0.16 at 64 px,
-    # one object of a tenth of the side painted over one 0.38 or more; with it the demo's dedup finds 94–96 of
-    # its 100 planted copies a seed (grainy 64 px scenes)
+    # pixel scale does not survive a repost, so re-crops and re-encodes score well below a picture with one object
+    # painted over
     max_residual: float = 0.3
     aligned_blur: float = 1.0
     # verify only each train image's this many highest-cosine pairs in the band (0: all); the rest are not

@@ -124,11 +124,9 @@ class Bert(nn.Module):
         return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
 
 
-# Every backend but cuDNN's. On an H200 (torch 2.11) cuDNN's attention took 4.7 ms of host time per eager call,
-# with the same shapes layer after layer, against microseconds of kernel time, in a step its host work bounds
-# (B7 + BERT-Base, batch 64: 51 ms of a 336 ms step in the forward alone). Off it, that step ran 2.2x as fast
-# (149.7 -> 325.1 pairs/s). Flash takes the calls without a mask, memory-efficient the rest. Compiled graphs keep
-# PyTorch's choice: kept off cuDNN there too, the compiled step of the same model ran at 404.1 pairs/s against 441.6.
+# Every backend but cuDNN's, whose eager calls cost far more host time than kernel time in a step its host work
+# bounds; flash takes the calls without a mask, memory-efficient the rest. Compiled graphs keep PyTorch's choice,
+# which is faster there (docs/decisions/attention-backend.md).
 _EAGER_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

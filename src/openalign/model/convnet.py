@@ -3,10 +3,9 @@
 ALIGN's tower is an EfficientNet, and the paper's presets keep it. Scaled down to a few hundred thousand
 weights and ~48 px inputs, though, an EfficientNet is a poor learner per CPU-second: its depthwise convolutions
 and squeeze-excitation gates move little arithmetic per byte, so a CPU runs them far below its peak, and from
-scratch they pick up spatial structure slowly. Trained alone to name the shape in a 48 px scene (7 kinds, 10,000
-training scenes, batch 256, AdamW), the `nano` EfficientNet named 40 % of 2,000 held-out scenes after 100 steps and
-this stack of seven dense convolutions 92 %. ``image.family: convnet`` selects it; widths and strides are
-``image.conv_channels`` and ``image.conv_strides``.
+scratch they pick up spatial structure slowly, where a stack of dense convolutions learns to name a scene's shapes
+in a fraction of the steps. ``image.family: convnet`` selects it; widths and strides are ``image.conv_channels`` and
+``image.conv_strides``.
 """
 
 from __future__ import annotations

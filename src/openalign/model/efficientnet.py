@@ -72,8 +72,8 @@ class Conv2dSame(nn.Conv2d):
     def _dense_depthwise(self, x: torch.Tensor) -> bool:
         """Whether this is a depthwise conv over a map no larger than its kernel window, on the CPU.
 
-        There oneDNN's depthwise backward runs at a fraction of a GFLOP/s (a 5×5 kernel over a 3×3 map of
-        576 channels, batch 256: ~90 ms against ~9 ms as a matmul), and such maps are where a small input
+        There oneDNN's depthwise backward runs at a fraction of a GFLOP/s, far slower than the same work as a
+        matmul, and such maps are where a small input
         ends (EfficientNet's last stages at 48–96 px). When the whole map fits in one window each output
         reads nearly every input anyway, so the dense per-channel matrix wastes little; on larger maps
         the direct conv wins, and GPUs keep their own kernels. Tensors of shapes only (plans count the

@@ -106,10 +106,8 @@ class _GhostBatchNorm(torch.autograd.Function):
     """Batch norm of ``groups`` equal slices of the batch, each with its own statistics, by PyTorch's own batch-norm
     kernels: the slices become channels (``_grouped``), so one batch norm normalises each slice by its own
     statistics, and one copy each way moves the rows. A loop over 1,024 groups of 16 (a 16k batch) would launch one
-    batch norm per group and layer; normalising by hand (mean, variance, scale and shift as tensor ops in fp32) took
-    ~15 elementwise kernels forward and as many backward per layer, each a pass over the activation: a B0 step at
-    batch 64 with groups of 16 took 1.57x as long as one without groups on a CPU (now about as long), and on an H200 the
-    recipe's B7 loop at batch 64 with groups ran at 150 pairs/s where the step without them ran at 253. The backward
+    batch norm per group and layer; normalising by hand (mean, variance, scale and shift as tensor ops in fp32) takes
+    ~15 elementwise kernels forward and as many backward per layer, each a pass over the activation. The backward
     takes the kernels' backward on gradients laid out as their inputs were, as they are fast only so. Statistics are
     fp32 whatever the input's precision (the kernels'). Returns the output, a tensor of its own in ``x``'s layout
     (FSDP2 warns of, and an in-place op would drop, its hook on a block that returns a view), and for the running

@@ -17,7 +17,7 @@ and of copy-detection descriptors such as SSCD (Pizzi et al. 2022):
   threshold asks copies to reach cosine 0.975, not merely to beat the negatives.
 
 Everything a step needs is precomputed or batched: images are decoded and resized once, JPEG round trips and
-reposted copies are made once per image (a few of each, about 1.5 ms per copy), and the geometric and colour
+reposted copies are made once per image (a few of each), and the geometric and colour
 changes run on whole batches in torch. Exact duplicates among the training images (one image behind many
 alt-texts) are dropped before training, since two copies in one batch would be a positive pair scored as a
 negative.

@@ -99,13 +99,13 @@ class DedupRunConfig(DedupConfig):
     verify: bool = False
     verify_band: float = 0.05  # half-width of that band; above it the embedding alone decides
     # nearest clusters a pair must share in the band's widened search (combo is for the threshold alone): the
-    # paper's 3 of 10 is lossless near 0.975 only. On the demo's copy-detector embeddings it missed no pair above
-    # 0.9 cosine, 0.5 % above 0.8 and 8.4 % above 0.7; 2 of 10 missed 0.06 % and 2.2 % for 1.7x the candidates.
+    # paper's 3 of 10 is lossless near 0.975 only, and misses more pairs the lower the band reaches; 2 of 10 misses
+    # far fewer for more candidates.
     verify_combo: int = 2
     # also verify the pairs that ORB descriptors vote for (verification.min_votes of a train image's nearest
     # matches among all test images' descriptors), wherever their cosine is: a picture pasted into a page or
     # collage, which a global embedding places far from its original. Reads every train image's features
-    # (ORB at verification.max_side, about 10 ms an image) and keeps every test image's (about 150 KB each).
+    # (ORB at verification.max_side) and keeps every test image's in memory.
     verify_votes: bool = False
     verification: VerifyConfig = field(default_factory=VerifyConfig)
 

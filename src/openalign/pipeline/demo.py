@@ -25,8 +25,7 @@ TEST_SEED = 1
 
 @dataclass
 class DemoConfig:
-    """Sizes of the demo run. The defaults take five to six and a half minutes on two cores of an AMX Xeon, an
-    estimated eight on older AVX-512 ones (about fifteen on AVX2)."""
+    """Sizes of the demo run. The defaults are sized to finish within ``target_minutes`` on two CPU cores."""
 
     out: str = "runs/demo"
     seed: int = 0
@@ -49,29 +48,21 @@ class DemoConfig:
     target_minutes: float | None = 10.0
     dedup_threshold: float = 0.975  # the paper's cosine for a near-duplicate
     copy_detector_steps: int = 150  # training steps of the separate image model used for dedup
-    # Its input size. At 48 px rather than 64 it found more planted copies (23 of 100 against 16) and removed
-    # fewer other rows (166 against 212), in 96 s rather than 106.
+    # Its input size: smaller than the scenes, which finds more planted copies and removes fewer other rows, in
+    # less time.
     copy_detector_size: int = 48
     # Its network: the plain convolutional stack the demo's image tower is (openalign.model.convnet), not the nano
-    # EfficientNet, which learns layout slowly at this size. Same 150 steps, in about the same time: it ranks copies
-    # better, so the band verifies 13-20 % fewer pairs and finds 98 / 98 / 98 planted copies (seeds 0 / 1 / 2)
-    # where the EfficientNet found 96 / 96 / 95; the dedup stage took 128 / 130 / 142 s against 148 / 143 / 140.
+    # EfficientNet, which learns layout slowly at this size; it ranks copies better, so the band verifies fewer
+    # pairs.
     copy_detector_family: Literal["efficientnet", "convnet"] = "convnet"
     # Pairs with cosine above dedup_threshold minus this are decided by their aligned pixels, each crawl image
-    # against its dedup_verify_nearest best-ranked test images. At 150 steps the (EfficientNet) detector ranked a
-    # copy's original among its 5 nearest (98 of 100 planted copies on seed 0) long before its cosine was sure:
-    # copies sat at 0.73-0.99, and at 0.975 alone it found 23 and removed 166 other rows; with this stage 96 and
-    # 34 (seeds 1 / 2: 96 and 17, 95 and 22). Nearest 6 found one more on seed 2 for 3 more other rows and 16 %
-    # more pairs to verify.
+    # against its dedup_verify_nearest best-ranked test images: a briefly trained detector ranks a copy's original
+    # near the top long before its cosine is sure.
     dedup_verify_band: float = 0.275
     dedup_verify_nearest: int = 5
     workers: int = 0  # DataLoader processes decoding training images; 0: in the training process (nano_cpu says why)
-    # Compute threads for every stage. Kernels split their sums by thread count, so a machine with more cores
-    # would round differently and learn other weights; pinned, one seed gives one result on any machine whose CPU
-    # runs the same kernels. The kernels themselves follow the CPU (oneDNN's AVX-512 convolutions sum in another
-    # order than its AVX2 ones, an AMX Xeon's than an older AVX-512 one's, where precision auto is bf16-image too):
-    # seed 1 (48 px crops) reached 84.86 % on an AVX-512 machine, 85.08 % on an AVX2 one, 84.94 % on an AMX one
-    # (84.36 in fp32).
+    # Compute threads for every stage. Kernels split their sums by thread count, so pinned, one seed gives one
+    # result on any machine whose CPU runs the same kernels (oneDNN's kernels, and so the figures, follow the CPU).
     threads: int = 2
     index_shards: int = 5  # training shards (1,000 pairs each) in the search index; 0 = all
 
@@ -303,7 +294,7 @@ def _dedup(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     detector_dir = root / "copy_detector"
     if not (detector_dir / "config.json").is_file():
         # Its planted copies are mild edits, which the batched views cover; reposted copies of 20,000 images
-        # (heavy edits: pages, captions, mirrors) would add about a minute of preparation for nothing.
+        # (heavy edits: pages, captions, mirrors) would add preparation time for nothing.
         detector_cfg = CopyDetectorTrainConfig(
             steps=cfg.copy_detector_steps,
             image_size=cfg.copy_detector_size,

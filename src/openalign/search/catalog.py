@@ -139,7 +139,7 @@ def write_rows(directory: Path, tables: Iterable[pa.Table], batch_rows: int = 65
     time); returns the row count.
 
     The offsets go to a raw file as they are made and get their ``.npy`` header at the end, so memory is one
-    batch of rows whatever the number of rows (a Python list of offsets took 36 bytes a row).
+    batch of rows whatever the number of rows (a Python list of offsets would cost tens of bytes a row).
     """
     raw = directory / (ROWS_INDEX + ".raw")
     count, end = 0, 0

@@ -1,9 +1,9 @@
 """Decoding query images with bounded memory, whatever clients send and however many send it at once.
 
-A 0.8 MB JPEG can declare 36 Mpx, which PIL holds as 144 MB of pixels; sixteen of them at once took the
-server past 4 GB. Two things bound that here. JPEGs are decoded straight at reduced scale (``draft``) to
-the few hundred pixels a side the model looks at, and every decode first reserves the bytes its pixels
-will take from a ``DecodeBudget`` shared by all requests, waiting its turn when the budget is spent.
+A 0.8 MB JPEG can declare 36 Mpx, which PIL holds as 144 MB of pixels, so a few of them at once can take the
+server's memory past what a machine has. Two things bound that here. JPEGs are decoded straight at reduced
+scale (``draft``) to the few hundred pixels a side the model looks at, and every decode first reserves the
+bytes its pixels will take from a ``DecodeBudget`` shared by all requests, waiting its turn when the budget is spent.
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ def unmap_large_frees(threshold: int = 4 * 2**20) -> bool:
     when freed; False where the C library has no ``mallopt`` (not glibc).
 
     glibc raises that threshold after the first large free (up to 32 MB), after which the 16 MB blocks PIL
-    decodes into come from per-thread arenas that keep them once freed. Measured on ``openalign serve``:
-    sixteen concurrent 36-Mpx PNG uploads, twice, left 1.8 GB resident with the default, 0.4 GB with this.
+    decodes into come from per-thread arenas that keep them once freed, and a server stays at its largest
+    burst's memory.
     """
     import ctypes
 

@@ -362,15 +362,15 @@ class _ShardSource:
 
     A plain local tar is read from its headers (``openalign.data.tar_index``): a record then holds the place of
     its image, whose first bytes alone are read to probe it, and ``materialize`` reads the rest only for the
-    reader that decodes it. Every reader still walks every sample, but that walk no longer reads or probes
+    reader that decodes it. Every reader still walks every sample, but that walk does not read or probe
     other readers' images through PIL, so its cost stays small beside a decode however many workers there are.
     """
 
     def __init__(self, urls: list[str], cfg: DataConfig):
         self.urls, self.cfg = urls, cfg
         # A local tar's events from its first whole read, replayed on later epochs while they fit: once the images
-        # are cached (data.cache_mb), reading every header, caption and image head again was a third of a reader's
-        # work a batch (6.7 of ~20 ms for 256 of the demo's samples).
+        # are cached (data.cache_mb), reading every header, caption and image head again would be a large share of a
+        # reader's work a batch.
         self._records: dict[str, list[Event]] = {}
         self._records_room = int(cfg.cache_mb * 2**20 * _RECORDS_SHARE)
 
@@ -692,7 +692,7 @@ class _Reader:
         self.cache_bytes = 0
         self.cache_limit = int(plan.cfg.cache_mb * 2**20 * (1 - _RECORDS_SHARE)) if plan.cfg.decode == "cpu" else 0
         # The rows tokenising a caption gave (ids, mask), in the same room: a caption of a cached sample comes back
-        # every epoch, and tokenising 256 of the demo's captions took 6.4 ms a batch, a third of a reader's work.
+        # every epoch, and tokenising it again would be a large share of a reader's work a batch.
         self.tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ the global sequence

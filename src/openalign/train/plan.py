@@ -10,15 +10,15 @@ measured, not derived from formulas:
   it; the peak is the most bytes alive at once. (PyTorch's ``MemTracker`` refuses a module called more
   than once per step, which gradient caching does by design.)
 - FLOPs: PyTorch's FLOP formulas (``FlopCounterMode``'s, with ``train/flops.py``'s), applied by the same
-  dispatch mode to the same ops ``FlopCounterMode`` counts: a second mode stacked on it cost B7 + BERT-Base's
-  plan 10-17 % of its time. The real steps ``validate`` runs are counted by ``FlopCounterMode`` itself.
+  dispatch mode to the same ops ``FlopCounterMode`` counts, since a second mode stacked on it would add to
+  the plan's time. The real steps ``validate`` runs are counted by ``FlopCounterMode`` itself.
 
 With gradient caching the step repeats one chunk's work per chunk, so a plan of many chunks runs the step
 at three and four chunks and extends both measurements along the line through them (exact for FLOPs, and
 for memory outside the loss, whose batch-sized tensors grow by the same bytes per row); the loss over the
 global batch is measured at full size on its own. Three chunks, not two, because chunks are of three
 kinds: the first backward starts with no gradients, the middle ones add to the gradients of the chunks
-before (under FSDP2 held unsharded: with L2 + BERT-Large 0.4 GiB more at their peak than the first's),
+before (under FSDP2 held unsharded, so more at their peak than the first's),
 the last reduces them as it goes. Only from three chunks on is every kind in the step, and each chunk
 more adds only its rows. ``validate`` runs the same steps for real on the CPU and
 compares.
@@ -970,8 +970,8 @@ VALIDATION_CASES: tuple[tuple[str, dict[str, Any], int], ...] = (
     ("nano b32 chunk 8", {"train.batch_size": 32, "train.chunk_size": 8}, 1),
     ("nano b32 chunk 8 ckpt", {"train.batch_size": 32, "train.chunk_size": 8, "train.grad_checkpointing": True}, 1),
     ("nano b16 ckpt", {"train.batch_size": 16, "train.grad_checkpointing": True}, 1),
-    # bf16 at 64 rows: CPU bf16 kernels hold ~16 MiB of scratch no tensor owns (oneDNN's), which at 16 rows
-    # is a quarter of the step's peak; a plan counts tensors, and keeps a reserve for such workspaces on GPUs.
+    # bf16 at 64 rows: CPU bf16 kernels hold scratch no tensor owns (oneDNN's), a large share of a smaller step's
+    # peak; a plan counts tensors, and keeps a reserve for such workspaces on GPUs.
     ("nano b64 bf16", {"train.batch_size": 64, "train.precision": "bf16"}, 1),
     (
         "nano ghost-bn b32 chunk 16",
@@ -1000,9 +1000,9 @@ VALIDATION_CASES: tuple[tuple[str, dict[str, Any], int], ...] = (
         2,
     ),
     # Sharded and checkpointed, the step's own tensors are small, and its peak falls in the last block's
-    # depthwise-convolution backward, where oneDNN holds 14.06 MiB of scratch whatever the batch (a bare
-    # conv2d of that shape does the same at 8 or 32 rows): at 8 rows a rank that is a third of its peak, so
-    # these cases take 32 and 64 rows a rank. The second is extended from three and four chunks.
+    # depthwise-convolution backward, where oneDNN holds scratch of a fixed size whatever the batch: at 8 rows a
+    # rank that is a large share of its peak, so these cases take 32 and 64 rows a rank. The second is extended
+    # from three and four chunks.
     ("nano fsdp×2 b64 ckpt", {"train.batch_size": 64, "train.grad_checkpointing": True, "train.strategy": "fsdp"}, 2),
     ("nano fsdp×2 b128 chunk 8", {"train.batch_size": 128, "train.chunk_size": 8, "train.strategy": "fsdp"}, 2),
 )

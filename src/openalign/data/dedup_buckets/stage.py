@@ -134,8 +134,8 @@ def write_buckets(
 class KeySet:
     """A fixed set of int64 bucket keys and a fast membership test for many keys at once.
 
-    A crawl chunk asks about 120 keys a row; binary search of each in the test side's sorted keys was half of
-    the bucket stage's time. A bit filter on a multiplicative hash of the key (about 64 bits per key, so ~1.5 %
+    A crawl chunk asks about 120 keys a row, so binary search of each in the test side's sorted keys would be
+    much of the bucket stage's time. A bit filter on a multiplicative hash of the key (about 64 bits per key, so ~1.5 %
     of absent keys pass) answers most of them with one lookup; only those that pass are binary-searched.
     """
 
