@@ -47,12 +47,13 @@ def _copy_tokenizer(src: Path, dst: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from openalign.data.sources import find_tokenizer_file
+    from openalign.model.dual_encoder import DualEncoder
     from openalign.model.hf import export_hf_align, load_hf_align
     from openalign.model.io import load_model, save_model
 
     src, out = Path(args.source), Path(args.out)
     if args.from_hf:
-        model = load_hf_align(src)
+        model = load_hf_align(src, DualEncoder)
         save_model(model, out)
         tok = _copy_tokenizer(src, out)
         print(f"wrote openalign checkpoint {out} ({model.config.embed_dim}-d{', with tokenizer' if tok else ''})")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from openalign.config import ConfigError, ImageTowerConfig, model_config
 from openalign.data.augment import image_array, to_pixels
-from openalign.model.dual_encoder import image_tower
+from openalign.model.towers import image_tower
 
 __all__ = ["CopyDetector", "CopyDetectorConfig"]
 

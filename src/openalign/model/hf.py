@@ -13,16 +13,32 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from openalign.config import ConfigError, ModelConfig, model_config
 from openalign.data.sources import read_annotation_json
-from openalign.model.dual_encoder import DualEncoder
 from openalign.model.efficientnet import round_filters, round_repeats, same_padding
+from openalign.model.weights import check_fits, read_safetensors
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class Exportable(Protocol):
+    """What export reads of a dual encoder: its config, its temperature and its weights."""
+
+    config: ModelConfig
+
+    @property
+    def temperature(self) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
 
 # (transformers name, openalign name); "{i}" is a block or layer index.
 _VISION_NAMES = [
@@ -191,8 +207,6 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
 
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    from openalign.model.io import read_safetensors
-
     st = path / "model.safetensors"
     if st.is_file():
         return read_safetensors(st)
@@ -221,14 +235,15 @@ def hf_model_config(path: str | Path, hf: dict[str, Any] | None = None) -> Model
     return hf_config_to_model_config(hf, pre)
 
 
-def load_hf_align(path: str | Path, map_location: str | torch.device = "cpu") -> DualEncoder:
-    """A DualEncoder with the weights of a transformers AlignModel directory, in eval mode."""
+def load_hf_align(
+    path: str | Path, model_class: Callable[[ModelConfig], M], map_location: str | torch.device = "cpu"
+) -> M:
+    """``model_class`` (a dual encoder) built from a transformers AlignModel directory's config, with its weights,
+    in eval mode."""
     p = Path(path)
     cfg = hf_model_config(p)
-    model = DualEncoder(cfg)
+    model = model_class(cfg)
     state = hf_state_to_ours(_read_hf_weights(p), cfg)
-    from openalign.model.io import check_fits
-
     check_fits(p, model.state_dict(), state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Batch-norm step counters are not saved by every transformers version; they are unused in eval.
@@ -381,7 +396,7 @@ def _preprocessor_for(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def export_hf_align(model: DualEncoder, path: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+def export_hf_align(model: Exportable, path: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write ``model`` as a transformers AlignModel directory (config, safetensors, preprocessor)."""
     cfg = model.config
     hf_config = model_config_to_hf(cfg)

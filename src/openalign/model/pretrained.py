@@ -15,9 +15,11 @@ import torch
 
 from openalign.config import ConfigError, ModelConfig, list_presets, model_config
 from openalign.data.transforms import Transform, model_transform
+from openalign.model.checkpoint_dir import architecture, read_config
 from openalign.model.dual_encoder import DualEncoder
 from openalign.model.hub import resolve
-from openalign.model.io import architecture, first_mismatch, load_model, read_config
+from openalign.model.io import load_model
+from openalign.model.weights import first_mismatch
 from openalign.text.tokenizer import IdTokenizer, load_tokenizer
 
 __all__ = ["create_model_and_transforms", "get_tokenizer", "load_pretrained", "model_config_of"]

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openalign.config import ModelConfig, to_dict
-from openalign.model.io import FORMAT, FORMAT_VERSION
+from openalign.model.checkpoint_dir import FORMAT, FORMAT_VERSION
 
 if TYPE_CHECKING:
     from openalign.text.tokenizer import TextTokenizer
