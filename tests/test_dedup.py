@@ -278,7 +278,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
 
 
 def test_bench_smoke(capsys, monkeypatch) -> None:
-    from openalign.bench.dedup import DedupBenchSettings, run_dedup_bench
+    from openalign.bench.dedup import run_dedup_bench
+    from openalign.bench.dedup_settings import DedupBenchSettings
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # run in this process
 

@@ -197,7 +197,8 @@ def test_duckdb_join_stays_within_its_memory_limit_by_spilling(tmp_path: Path) -
 
 
 def test_bench_on_files_finds_the_planted_duplicates(tmp_path: Path) -> None:
-    from openalign.bench.dedup import DedupBenchSettings, run_dedup_bench
+    from openalign.bench.dedup import run_dedup_bench
+    from openalign.bench.dedup_settings import DedupBenchSettings
 
     settings = DedupBenchSettings(
         train=3000, test=400, dim=64, brute_train=600, files=True, shard_rows=1000, work_dir=str(tmp_path)

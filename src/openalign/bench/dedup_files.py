@@ -1,7 +1,7 @@
 """``openalign bench dedup --files``: the bucket rule out of core, on embedding folders larger than memory.
 
-The synthetic embeddings of ``bench/dedup.py`` (topics, a decaying spectrum, planted duplicates and near
-misses) are written shard by shard as clip-retrieval inference folders (``img_emb/img_emb_N.npy`` through
+The synthetic embeddings of ``bench/planted_copies.py`` (topics, a decaying spectrum, planted duplicates and
+near misses) are written shard by shard as clip-retrieval inference folders (``img_emb/img_emb_N.npy`` through
 a memory map, ``metadata/metadata_N.parquet`` with keys), so generating them never holds the crawl in
 memory. The search runs in a fresh process (``find_pairs_in_files``: DuckDB within ``memory_limit`` by
 default), whose time and peak resident size are reported; brute force runs on a subsample (the planted
@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from openalign.bench import own_peak_rss
-from openalign.bench.dedup import DedupBenchSettings, _noisy_copies, _pair_set, _unit, brute_force_pairs
+from openalign.bench.dedup_settings import DedupBenchSettings
+from openalign.bench.planted_copies import brute_force_pairs, noisy_copies, pair_set, unit_rows
 from openalign.data.dedup import DedupConfig
 from openalign.data.dedup_buckets import EmbeddingFiles, find_pairs_in_files
 
@@ -57,7 +58,7 @@ def write_synthetic_folders(
     def draw(rows: int) -> np.ndarray:
         x = rng.standard_normal((rows, dim), dtype=np.float32) * (0.8 * scale)
         x += centres[rng.integers(0, n_topics, rows)]
-        return _unit(x)
+        return unit_rows(x)
 
     parts = [(s, min(shard_rows, n - s)) for s in range(0, n, shard_rows)]
     crawl_paths, crawl_tables = _write_folder(root / "crawl", parts, dim, "c")
@@ -73,7 +74,7 @@ def write_synthetic_folders(
     sources = rng.choice(n, n_dup + n_miss, replace=False)
     picked = rng.permutation(m)[: n_dup + n_miss]
     cosine = np.concatenate([rng.uniform(0.98, 0.995, n_dup), rng.uniform(0.93, 0.97, n_miss)])
-    test[picked] = _noisy_copies(crawl.open().take(sources), cosine, rng)
+    test[picked] = noisy_copies(crawl.open().take(sources), cosine, rng)
     duplicate_src = np.full(m, -1, dtype=np.int64)
     near_miss_src = np.full(m, -1, dtype=np.int64)
     duplicate_src[picked[:n_dup]] = sources[:n_dup]
@@ -146,12 +147,12 @@ def run_files_bench(settings: DedupBenchSettings, cfg: DedupConfig) -> dict[str,
         bi, bj = brute_force_pairs(opened.take(subset), queries, cfg.threshold)
         brute_sub_s = time.perf_counter() - t
         brute_s = brute_sub_s * settings.train / len(subset)
-        truth = _pair_set(subset[bi], bj)
+        truth = pair_set(subset[bi], bj)
         i, j = found["i"], found["j"]
         keep = np.isin(i, subset)
-        ours_sub = _pair_set(i[keep], j[keep])
+        ours_sub = pair_set(i[keep], j[keep])
         recall = len(truth & ours_sub) / len(truth) if truth else 1.0
-        all_found = _pair_set(i, j)
+        all_found = pair_set(i, j)
         planted_rows = np.flatnonzero(dup_src >= 0)
         planted_found = sum((int(dup_src[r]), int(r)) in all_found for r in planted_rows)
         misses = sum((int(miss_src[r]), int(r)) in all_found for r in np.flatnonzero(miss_src >= 0))
