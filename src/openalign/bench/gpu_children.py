@@ -231,7 +231,8 @@ def bench(command: str, settings: dict[str, Any], report: Path) -> int:
 
     from openalign.bench.model import BenchSettings, run_model_bench
     from openalign.bench.towers import TowersBenchSettings, run_towers_bench
-    from openalign.bench.train import TrainBenchSettings, run_train_bench
+    from openalign.bench.train import run_train_bench
+    from openalign.bench.train_setup import TrainBenchSettings
 
     if command == "bench-model":
         run_model_bench(BenchSettings(**settings, json_path=str(report)))

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from openalign.bench.train_setup import TrainBenchSettings, model_cfg, shard_stream
+
 if TYPE_CHECKING:
-    from openalign.bench.train import TrainBenchSettings
     from openalign.train.config import TrainConfig
 
 
@@ -90,7 +91,6 @@ def recipe_config(
     s: TrainBenchSettings, shards: str, tokenizer_dir: str, run_dir: str, extra_steps: int = 0
 ) -> TrainConfig:
     """The training run the recipe mode times: the bare step's model and batch, the paper's loop settings."""
-    from openalign.bench.train import model_cfg
     from openalign.config import to_dict
     from openalign.train.config import load_train_config
 
@@ -130,7 +130,6 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
     """The real loop's step (median of the timed steps, as the bare step's), its data wait, pairs/s and peak
     memory, measured in the calling process; with ``profile`` (a directory), three steps more profiled."""
     from openalign.bench.model import peak_memory_mb
-    from openalign.bench.train import _stream, model_cfg
     from openalign.text import load_tokenizer
     from openalign.train.loop import train
 
@@ -144,7 +143,7 @@ def measure_loop(s: TrainBenchSettings, shards: str, tokenizer_dir: str, profile
         name = f"recipe-{'compiled' if s.compile else 'eager'}.txt"
         where = (s.warmup + s.steps, Path(profile) / name) if profile else None
         steps = (s.warmup, s.warmup + s.steps)
-        timed.append(TimedStream(_stream(s, shards, tokenizer, cfg, s.workers), steps, device, where))
+        timed.append(TimedStream(shard_stream(s, shards, tokenizer, cfg, s.workers), steps, device, where))
         return timed[0]
 
     with tempfile.TemporaryDirectory(prefix="openalign-bench-recipe-") as run_dir:

@@ -41,7 +41,7 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         (JSON,),
     ),
     "train": (
-        "openalign.bench.train:TrainBenchSettings",
+        "openalign.bench.train_setup:TrainBenchSettings",
         "training steps from shards, split by phase, against a plain transformers AlignModel loop",
         "Pairs/s, time per step split into data / forward / loss / backward / optimizer, peak memory and MFU of "
         "our training step (dual encoder, contrastive loss, LAMB, our input stream) and of a plain loop over "
@@ -95,7 +95,7 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         (JSON,),
     ),
     "dedup": (
-        "openalign.bench.dedup:DedupBenchSettings",
+        "openalign.bench.dedup_settings:DedupBenchSettings",
         "bucketed near-duplicate search against exact brute force (time, speed-up, recall)",
         "Synthetic embeddings with planted near-duplicates and near misses; our pipeline on all of them, brute "
         "force (blocked exact matrix products) on a train subsample, scaled to the full size. Prints both times, "
