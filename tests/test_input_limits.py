@@ -587,7 +587,7 @@ def _limited_python(code: str, limit: int = MEMORY_LIMIT) -> subprocess.Complete
     [
         ("from openalign.eval.datasets import load_karpathy as f; f(P, R)", "dataset_flickr30k.json"),
         ("from openalign.eval.datasets import load_coco_captions as f; f(P, R)", "captions_val2014.json"),
-        ("from openalign.eval.datasets import read_classnames as f; f(P)", "classnames.txt"),
+        ("from openalign.eval.sets import read_classnames as f; f(P)", "classnames.txt"),
         ("from openalign.eval.cxc import read_karpathy_split as f; f(P, 'test')", "dataset_coco.json"),
         ("from openalign.eval.datasets import load_retrieval_csv as f; f(P, R)", "pairs.csv"),
         ("from openalign.data.dedup import load_keys as f; f(P)", "keys.json"),

@@ -356,7 +356,7 @@ def run_cxc(
     """Embed the split's images (under ``image_root``/filepath/filename; a file over ``max_file_bytes`` is an
     error) and captions, then score CxC."""
     from openalign.embed import embed_images, embed_texts
-    from openalign.eval.datasets import ImageSource
+    from openalign.eval.sets import ImageSource
 
     data = load_cxc(cxc_dir, karpathy_json, split, max_annotation_bytes=max_annotation_bytes)
     root = Path(image_root)

@@ -16,145 +16,31 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-
-from PIL import Image
 
 from openalign.data.sources import (
     CAPTION_MEMBER,
     DEFAULT_MAX_ANNOTATION_BYTES,
     DEFAULT_MAX_FILE_BYTES,
-    BadInput,
     check_annotation,
     expand_urls,
-    image_member,
     read_annotation_json,
-    read_annotation_text,
-    read_file,
-    read_samples,
     scan_folder,
 )
-from openalign.eval.retrieval import RetrievalSet
+from openalign.eval.sets import (
+    ClassificationSet,
+    ImageSource,
+    RetrievalSet,
+    read_classnames,
+    read_shards,
+    required_image_member,
+    resolve_images,
+)
 from openalign.eval.templates import SUBSETS, imagenet_classes, subset_indices
 
 LAYOUTS = ("auto", "names", "wnids", "indices", *SUBSETS)
 _WNID = re.compile(r"^n\d{8}$")
-
-
-def _decode(data: bytes, where: str) -> Image.Image:
-    from openalign.data.transforms import BadImage, decode_image
-
-    try:
-        return decode_image(data)
-    except BadImage as err:
-        raise ValueError(f"{where}: unreadable image ({err})") from None
-
-
-def open_image(path: str | Path, *, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Image.Image:
-    """An RGB image from a file; a missing, undecodable or too large (``max_bytes``) file, or one that is not a
-    regular file, is an error naming the path."""
-    try:
-        data = read_file(path, max_bytes=max_bytes)
-    except BadInput as err:
-        if err.reason == "missing_file":
-            raise FileNotFoundError(f"{path}: image file not found") from None
-        raise ValueError(f"{path}: cannot read image ({err.detail.removeprefix(f'{path}: ')})") from None
-    return _decode(data, str(path))
-
-
-class ImageSource(Sequence):
-    """The images of an eval set, opened lazily and in order each time it is iterated (a Sequence, so
-    progress bars know the total; indexing a shard-backed source re-reads its shards)."""
-
-    def __init__(
-        self,
-        names: Sequence[str],
-        opener: Callable[[], Iterator[Image.Image]],
-        *,
-        max_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    ):
-        self.names = list(names)  # a path or shard key per image, for messages and reports
-        self._opener = opener
-        self._paths: list[Path] | None = None
-        self.max_bytes = max_bytes  # the largest image file or shard member read
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __getitem__(self, index: int) -> Image.Image:  # type: ignore[override]
-        if isinstance(index, slice):
-            raise TypeError("ImageSource does not support slicing")
-        index = range(len(self))[index]
-        if self._paths is not None:
-            return open_image(self._paths[index], max_bytes=self.max_bytes)
-        for i, image in enumerate(self._opener()):
-            if i == index:
-                return image
-        raise IndexError(index)
-
-    def __iter__(self) -> Iterator[Image.Image]:
-        count = 0
-        for image in self._opener():
-            count += 1
-            yield image
-        if count != len(self.names):
-            raise ValueError(f"expected {len(self.names)} images, read {count}; did the files change?")
-
-    @classmethod
-    def from_files(cls, paths: Sequence[str | Path], *, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ImageSource:
-        files = [Path(p) for p in paths]
-
-        def opener() -> Iterator[Image.Image]:
-            return (open_image(p, max_bytes=max_bytes) for p in files)
-
-        source = cls([str(p) for p in files], opener, max_bytes=max_bytes)
-        source._paths = files
-        return source
-
-    @classmethod
-    def from_shards(
-        cls, urls: Sequence[str], keys: Sequence[tuple[str, str]], *, max_bytes: int = DEFAULT_MAX_FILE_BYTES
-    ) -> ImageSource:
-        """Images stored in WebDataset shards, named by (url, key); the shards are re-read on iteration."""
-        wanted = list(keys)
-
-        def opener() -> Iterator[Image.Image]:
-            it = iter(wanted)
-            expected = next(it, None)
-            for sample in _read_shards(urls, max_bytes):
-                if expected is None:
-                    return
-                if (sample["__url__"], sample["__key__"]) != expected:
-                    continue  # a sample without an image or label, skipped the same way on the first pass
-                yield _decode(sample[_image_ext(sample)], f"{sample['__url__']}:{sample['__key__']}")
-                expected = next(it, None)
-            if expected is not None:
-                raise ValueError(f"{expected[0]}: sample {expected[1]!r} disappeared between reads")
-
-        return cls([f"{u}:{k}" for u, k in wanted], opener, max_bytes=max_bytes)
-
-
-def _read_shards(urls: Sequence[str], max_bytes: int) -> Iterator[dict]:
-    errors: list[str] = []
-
-    def on_error(reason: str, detail: str) -> None:
-        errors.append(f"{reason}: {detail}")
-
-    for url in urls:
-        yield from read_samples(url, on_error=on_error, max_member_bytes=max_bytes)
-        if errors:
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise ValueError(f"{url}: unreadable evaluation shard: {errors[0]}{more}")
-
-
-def _image_ext(sample: dict) -> str:
-    ext = image_member(sample)
-    if ext is not None:
-        return ext
-    members = ", ".join(k for k in sample if not k.startswith("__"))
-    raise ValueError(f"{sample['__url__']}: sample {sample['__key__']!r} has no image member (has: {members})")
 
 
 def _expand(spec: str) -> list[str]:
@@ -169,20 +55,6 @@ def _expand(spec: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------------
 # Retrieval
-
-
-def resolve_images(paths: list[list[Path]], where: str) -> list[Path]:
-    """The first existing candidate path of every image; every missing one is reported by its first candidate."""
-    found, missing = [], []
-    for candidates in paths:
-        hit = next((p for p in candidates if p.is_file()), None)
-        if hit is None:
-            missing.append(candidates[0])
-        found.append(hit or candidates[0])
-    if missing:
-        more = f" ({len(missing)} of {len(paths)} images missing)" if len(missing) > 1 else ""
-        raise FileNotFoundError(f"{missing[0]}: image file not found, listed in {where}{more}")
-    return found
 
 
 def load_karpathy(
@@ -278,9 +150,9 @@ def load_retrieval_wds(spec: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTE
     keys: list[tuple[str, str]] = []
     captions: list[str] = []
     ids: list[int] = []
-    for sample in _read_shards(urls, max_file_bytes):
+    for sample in read_shards(urls, max_file_bytes):
         where = f"{sample['__url__']}:{sample['__key__']}"
-        _image_ext(sample)
+        required_image_member(sample)
         if CAPTION_MEMBER not in sample:
             raise ValueError(f"{where}: sample has no '{CAPTION_MEMBER}' captions")
         text = sample[CAPTION_MEMBER].decode("utf-8", "replace")
@@ -379,42 +251,6 @@ def load_retrieval(
 
 # --------------------------------------------------------------------------------------------------
 # Classification
-
-
-@dataclass
-class ClassificationSet:
-    """Labelled images; ``labels[i]`` indexes ``classnames``. ``class_ids`` are the folder names, WordNet
-    ids or indices the classes were found under (used to match classes across a train and a val set)."""
-
-    name: str
-    classnames: list[str]
-    class_ids: list[str]
-    labels: list[int]
-    images: ImageSource
-    skipped_files: list[str] = field(default_factory=list)  # non-image files in class folders (sidecars aside)
-
-    def __post_init__(self) -> None:
-        if not self.classnames:
-            raise ValueError(f"{self.name}: the class list is empty")
-        if not len(self.images):
-            raise ValueError(f"{self.name}: no images in any of the {len(self.classnames)} classes")
-
-
-def read_classnames(path: str | Path, *, max_annotation_bytes: int = DEFAULT_MAX_ANNOTATION_BYTES) -> list[str]:
-    """Class names, one per line in label order (``classnames.txt``), or a JSON list."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{path}: no such class names file")
-    if p.suffix == ".json":
-        names = read_annotation_json(p, max_bytes=max_annotation_bytes)
-        if not isinstance(names, list):
-            raise ValueError(f"{path}: a JSON class names file is a list of names")
-    else:
-        names = [line.strip() for line in read_annotation_text(p, max_bytes=max_annotation_bytes).splitlines()]
-    names = [str(n).strip() for n in names if str(n).strip()]
-    if not names:
-        raise ValueError(f"{path}: the class names file is empty")
-    return names
 
 
 def _imagenet_subset(subset: str) -> tuple[list[str], list[str]]:
@@ -540,9 +376,9 @@ def load_classification_wds(
     else:
         raise ValueError(f"{spec}: WebDataset classification needs a class names file (or layout imagenet)")
     keys, labels = [], []
-    for sample in _read_shards(urls, max_file_bytes):
+    for sample in read_shards(urls, max_file_bytes):
         where = f"{sample['__url__']}:{sample['__key__']}"
-        _image_ext(sample)
+        required_image_member(sample)
         raw = sample.get("cls")
         if raw is None:
             raise ValueError(f"{where}: sample has no 'cls' label")

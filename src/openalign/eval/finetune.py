@@ -18,8 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,104 +27,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm import tqdm
 
-from openalign.config import from_dict
 from openalign.data.sources import DEFAULT_MAX_FILE_BYTES
 from openalign.eval.linear_probe import classification_metrics
-from openalign.optim import OptimConfig, build_optimizer, build_scheduler
+from openalign.eval.transfer_config import FinetuneConfig, StageConfig, fine_grained_recipe, imagenet_recipe
+from openalign.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
     from openalign.eval.recipes import Recipe
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer
-
-
-@dataclass
-class StageConfig:
-    """One fine-tuning stage: what trains, at which rates, for how long."""
-
-    steps: int = 20_000  # optimiser steps in this stage
-    lr: float = 0.01  # the head's peak lr; the backbone gets lr × backbone_lr_scale
-    schedule: Literal["cosine", "step"] = "cosine"
-    decay_every: int = 0  # step schedule: steps between ×decay_gamma decays (30 epochs' worth in the paper)
-    decay_gamma: float = 0.2
-    weight_decay: float = 0.0  # never applied to biases or normalisation parameters
-    backbone_lr_scale: float = 0.1  # paper: 10× smaller lr on the backbone than on the head
-    train_backbone: bool = True  # False: head only (stage 1)
-    freeze_bn: bool = False  # keep batch-norm running statistics fixed (fine-grained stage 2)
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"stage steps must be >= 0, got {self.steps}")
-        if not self.lr > 0:
-            raise ValueError(f"stage lr must be positive, got {self.lr}")
-        if self.schedule == "step" and self.decay_every < 1:
-            raise ValueError("a step schedule needs decay_every >= 1 (steps between decays)")
-
-    def optim_config(self, momentum: float) -> OptimConfig:
-        if self.schedule == "step":
-            sched: dict[str, Any] = {"schedule": "step_decay", "decay_every": self.decay_every}
-        else:
-            sched = {"schedule": "warmup_cosine", "warmup_steps": 0, "total_steps": max(self.steps, 1)}
-        return OptimConfig(
-            name="sgd",
-            lr=self.lr,
-            momentum=momentum,
-            weight_decay=self.weight_decay,
-            decay_gamma=self.decay_gamma,
-            lr_scales={"backbone.": self.backbone_lr_scale} if self.train_backbone else {},
-            **sched,
-        )
-
-
-@dataclass
-class FinetuneConfig:
-    """Two-stage classification fine-tuning; defaults are the paper's fine-grained recipe."""
-
-    head: StageConfig = field(
-        default_factory=lambda: StageConfig(lr=1e-2, weight_decay=1e-5, train_backbone=False, backbone_lr_scale=0.0)
-    )
-    full: StageConfig = field(default_factory=lambda: StageConfig(lr=1e-3, weight_decay=1e-5, freeze_bn=True))
-    batch_size: int = 256
-    momentum: float = 0.9
-    dropout: float = 0.0  # before the classifier
-    num_workers: int = 0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.head.train_backbone:
-            raise ValueError("the head stage trains only the classifier; set head.train_backbone to false")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:
-        return from_dict(cls, data, "finetune")
-
-
-def fine_grained_recipe(steps: int = 20_000, batch_size: int = 256) -> FinetuneConfig:
-    """Paper: batch 256, wd 1e-5, lr 1e-2 (head) then 1e-3 (all, BN frozen), cosine over 20k steps each."""
-    return FinetuneConfig(
-        head=StageConfig(steps=steps, lr=1e-2, weight_decay=1e-5, train_backbone=False, backbone_lr_scale=0.0),
-        full=StageConfig(steps=steps, lr=1e-3, weight_decay=1e-5, freeze_bn=True),
-        batch_size=batch_size,
-    )
-
-
-def imagenet_recipe(steps_per_epoch: int, epochs: int = 100, batch_size: int = 1024) -> FinetuneConfig:
-    """Paper: SGD 0.9, batch 1024, no wd, ×0.2 every 30 epochs, 100 epochs; lr 0.1 (head) then 0.01 (all)."""
-    if steps_per_epoch < 1:
-        raise ValueError(f"steps_per_epoch must be at least 1, got {steps_per_epoch}")
-    every = 30 * steps_per_epoch
-    steps = epochs * steps_per_epoch
-    return FinetuneConfig(
-        head=StageConfig(
-            steps=steps, lr=0.1, schedule="step", decay_every=every, train_backbone=False, backbone_lr_scale=0.0
-        ),
-        full=StageConfig(steps=steps, lr=0.01, schedule="step", decay_every=every),
-        batch_size=batch_size,
-    )
 
 
 class ImageClassifier(nn.Module):
@@ -384,7 +294,7 @@ class LabelledImages(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
         if self.paths is not None:
-            from openalign.eval.datasets import open_image
+            from openalign.eval.sets import open_image
 
             try:
                 image = open_image(self.paths[i], max_bytes=self.max_bytes)

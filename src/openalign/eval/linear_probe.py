@@ -21,52 +21,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from openalign.config import from_dict
+from openalign.eval.transfer_config import LinearProbeConfig
 from openalign.optim import OptimConfig, build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer
-
-
-@dataclass
-class LinearProbeConfig:
-    """How the linear head on frozen features is trained. Defaults are the paper's ImageNet recipe."""
-
-    method: Literal["sgd", "lbfgs"] = "sgd"
-    epochs: int = 100  # sgd: passes over the training features (paper: 100)
-    batch_size: int = 1024  # sgd (paper: 1024)
-    lr: float = 0.1  # sgd peak learning rate (paper: 0.1)
-    momentum: float = 0.9  # sgd (paper: 0.9)
-    weight_decay: float = 0.0  # sgd (paper: 0); never applied to the bias
-    decay_every_epochs: int = 30  # sgd: lr ×decay_gamma every this many epochs (paper: 30)
-    decay_gamma: float = 0.2  # sgd (paper: 0.2)
-    C: float = 1.0  # lbfgs: inverse L2 strength, as scikit-learn's LogisticRegression(C=...)
-    max_iter: int = 1000  # lbfgs iterations
-    tol: float = 1e-6  # lbfgs: stop when the gradient's largest entry falls below this
-    standardize: bool = False  # z-score features with training statistics before fitting
-    seed: int = 0  # sgd: initialisation and shuffling
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "decay_every_epochs", "max_iter"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"linear probe {name} must be at least 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"linear probe lr must be positive, got {self.lr}")
-        if not self.C > 0:
-            raise ValueError(f"linear probe C must be positive, got {self.C}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LinearProbeConfig:
-        return from_dict(cls, data, "linear_probe")
 
 
 class LinearClassifier(nn.Module):

@@ -130,7 +130,7 @@ def run_multilingual(
     """Embed the split's images once (a file over ``max_file_bytes`` is an error) and each language's
     captions, then score every language."""
     from openalign.embed import embed_images, embed_texts
-    from openalign.eval.datasets import ImageSource
+    from openalign.eval.sets import ImageSource
 
     data = load_multi30k(captions_dir, image_list, languages, split, max_annotation_bytes=max_annotation_bytes)
     files = [Path(image_root) / name for name in data.image_files]

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from openalign.data.transforms import CROP_RATIO
-from openalign.eval.finetune import FinetuneConfig, fine_grained_recipe, imagenet_recipe
-from openalign.eval.linear_probe import LinearProbeConfig
+from openalign.eval.transfer_config import FinetuneConfig, LinearProbeConfig, fine_grained_recipe, imagenet_recipe
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from openalign.data.sources import (
     read_annotation,
     scan_folder,
 )
-from openalign.eval.datasets import ClassificationSet, ImageSource, read_classnames, resolve_images
+from openalign.eval.sets import ClassificationSet, ImageSource, read_classnames, resolve_images
 
 # Spec names, CLIP_benchmark's names for the same datasets among them (flowers, cars, imagenet1k, pets, food101).
 ALIASES = {

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
+from openalign.eval.sets import RetrievalSet
 from openalign.eval.tasks import Option, Task, register
 from openalign.hardware import cpu_has_bfloat16_dot
 
@@ -491,37 +491,6 @@ def recall_at_k_sets(
 
 # --------------------------------------------------------------------------------------------------
 # The `retrieval` eval task
-
-
-@dataclass
-class RetrievalSet:
-    """Images, captions and which image each caption describes (``text_image_ids[j]``): what
-    :func:`evaluate_retrieval` reads. ``images`` are PIL images or transformed tensors, in a list or a lazily
-    opened :class:`~openalign.eval.datasets.ImageSource`; every image needs at least one caption."""
-
-    images: Sequence[Any]
-    captions: list[str]
-    text_image_ids: list[int]
-    name: str = "retrieval"
-
-    def __post_init__(self) -> None:
-        n = len(self.images)
-        if not n:
-            raise ValueError(f"{self.name}: the retrieval set has no images")
-        if len(self.captions) != len(self.text_image_ids):
-            raise ValueError(
-                f"{self.name}: {len(self.captions)} captions but {len(self.text_image_ids)} text_image_ids"
-            )
-        counts = [0] * n
-        for j, i in enumerate(self.text_image_ids):
-            if not 0 <= i < n:
-                raise ValueError(f"{self.name}: caption {j} describes image {i}, outside [0, {n})")
-            counts[i] += 1
-        lonely = [i for i, c in enumerate(counts) if c == 0]
-        if lonely:
-            names = getattr(self.images, "names", None)
-            first = names[lonely[0]] if names is not None else f"#{lonely[0]}"
-            raise ValueError(f"{self.name}: image {first} has no caption ({len(lonely)} such images)")
 
 
 def evaluate_retrieval(

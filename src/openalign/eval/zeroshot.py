@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from openalign.eval.tasks import Option, Task, register
 
 if TYPE_CHECKING:
-    from openalign.eval.datasets import ClassificationSet
+    from openalign.eval.sets import ClassificationSet
     from openalign.model.dual_encoder import DualEncoder
     from openalign.text.tokenizer import TextTokenizer
 
@@ -102,7 +102,7 @@ def evaluate_zeroshot(
     device: str = "cpu",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Zero-shot metrics of a :class:`~openalign.eval.datasets.ClassificationSet` with the given templates."""
+    """Zero-shot metrics of a :class:`~openalign.eval.sets.ClassificationSet` with the given templates."""
     from openalign.embed import embed_images
 
     classifier = zeroshot_classifier(
