@@ -23,7 +23,7 @@ import inspect
 import json
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, HTTPException, Request
@@ -31,9 +31,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from openalign.search.query import MAX_K, Query, Searcher
-
-if TYPE_CHECKING:
-    from openalign.search.api import Indexes
+from openalign.search.served import Indexes
 
 DEDUP_THRESHOLD = 0.94  # clip-retrieval's connected-components threshold on result embeddings
 IGNORED_FLAGS = ("use_mclip", "aesthetic_score", "aesthetic_weight", "use_safety_model", "use_violence_detector")
