@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from openalign.pipeline.tower_grid import IMAGE_TOWERS, TEXT_TOWERS
+
 __all__ = ["write_plots"]
 
 SERIES = (("t2i_r1", "t2i R@1"), ("i2t_r1", "i2t R@1"), ("knn_top1", "KNN top-1"))
@@ -91,8 +93,6 @@ def _curves_axes(ax: Any, ablation: dict[str, Any]) -> None:
 
 
 def _tower_grid(plt: Any, ablation: dict[str, Any]) -> Any:
-    from openalign.pipeline.experiments import IMAGE_TOWERS, TEXT_TOWERS
-
     cells = {}
     for row in ablation["variants"]:
         name = "towers-MM" if row["expect"] == "reference" else row["variant"]
