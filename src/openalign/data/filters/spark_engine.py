@@ -134,7 +134,8 @@ def run_spark(
         ok = F.coalesce(finite & (w > 0) & (h > 0), F.lit(False))
         invalid = invalid.when(~ok, "bad_size")
     if plan.unsafe is not None:
-        invalid = invalid.when(F.col("u_given") & F.coalesce(F.isnan("u"), F.lit(True)), "bad_unsafe_score")
+        # Spark's isnan(NULL) is false, not NULL: a score that is not a number casts to NULL, tested apart.
+        invalid = invalid.when(F.col("u_given") & (F.col("u").isNull() | F.isnan("u")), "bad_unsafe_score")
     norm = norm_column(F.col("txt"))
     # The raw alt-text is kept only for the text pass (the NLP pipeline reads case and punctuation).
     raw = F.col("txt") if plan.annotator is not None else F.lit(None).cast("string").alias("txt")
