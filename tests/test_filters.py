@@ -1,14 +1,15 @@
-"""The ALIGN / CC12M alt-text filters: each rule on hand-built rows, DuckDB against a plain-Python reference,
-Spark against DuckDB, the funnel arithmetic, every input format end to end, and bad input."""
+"""The ALIGN / CC12M alt-text filters: each rule on hand-built rows, DuckDB against the specification
+(openalign.data.filters.reference; generated corpora in test_filters_reference.py), Spark against DuckDB, the
+funnel arithmetic, every input format end to end, and bad input."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 import string
-from collections import Counter, defaultdict
+import tempfile
+from collections import Counter
 from pathlib import Path
 
 import duckdb
@@ -28,110 +29,27 @@ from openalign.data.filters import (
     tokenize,
 )
 from openalign.data.filters.duckdb_engine import norm_sql
-from openalign.data.filters.rules import paired_words
+from openalign.data.filters.pipeline import prepare
+from openalign.data.filters.reference import run_reference
 
 WS = " \t\n\x0b\f\r"
 
 
 # --------------------------------------------------------------------------------------------------
-# A slow reference, written from the rules' documentation, one row at a time.
-
-
-def _number(v: object) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
-def reference_filter(rows: list[dict], rules) -> list[str | None]:
-    """The reason each row is removed (None: kept), straight from the documented semantics."""
-    c = rules.columns
-    text_col = c.text or "caption"
-    reasons: list[str | None] = [None] * len(rows)
-    ident, norm = {}, {}
-    for i, row in enumerate(rows):
-        text = row.get(text_col)
-        w, h, u = _number(row.get(c.width)), _number(row.get(c.height)), _number(row.get(c.unsafe))
-        if text is None:
-            reasons[i] = "missing_text"
-        elif text.strip(WS) == "":
-            reasons[i] = "empty_text"
-        elif rules.uses_sizes and not (
-            w is not None and h is not None and math.isfinite(w) and math.isfinite(h) and w > 0 and h > 0
-        ):
-            reasons[i] = "bad_size"
-        elif rules.max_unsafe is not None and row.get(c.unsafe) is not None and (u is None or math.isnan(u)):
-            reasons[i] = "bad_unsafe_score"
-        else:
-            for prefix, col in (("sha256:", c.sha256), ("url:", c.url), ("key:", c.key)):
-                if row.get(col) not in (None, ""):
-                    ident[i] = prefix + str(row[col])
-                    break
-            else:
-                ident[i] = f"row:{i}"
-            norm[i] = " ".join(tokenize(text))
-    # Statistics over the raw corpus: every well-formed row.
-    texts_per_image = Counter(ident.values())
-    images_per_text: dict[str, set] = defaultdict(set)
-    counts: Counter = Counter()
-    words: Counter = Counter()
-    for i in ident:
-        images_per_text[norm[i]].add(ident[i])
-        ws = norm[i].split(" ") if norm[i] else []
-        words.update(ws)
-        counts.update(ws)
-        if rules.rare_ngram_order == 2:
-            counts.update(f"{a} {b}" for a, b in itertools.pairwise(ws))
-    ranked = sorted(counts.values(), reverse=True)
-    k = rules.vocab_top_k
-    threshold = ranked[k - 1] if k is not None and len(ranked) > k else 0
-    for i in ident:
-        row, ws = rows[i], (norm[i].split(" ") if norm[i] else [])
-        ps = paired_words(ws)
-        grams = ws + ([f"{a} {b}" for a, b in itertools.pairwise(ws)] if rules.rare_ngram_order == 2 else [])
-        w, h, u = _number(row.get(c.width)), _number(row.get(c.height)), _number(row.get(c.unsafe))
-        checks = [
-            ("unsafe", rules.max_unsafe is not None and u is not None and u > rules.max_unsafe),
-            ("small_image", rules.min_shorter_side is not None and min(w, h) <= rules.min_shorter_side),
-            (
-                "aspect_ratio",
-                rules.max_aspect_ratio is not None
-                and (
-                    max(w, h) / min(w, h) > rules.max_aspect_ratio
-                    if rules.aspect_ratio_inclusive
-                    else max(w, h) / min(w, h) >= rules.max_aspect_ratio
-                ),
-            ),
-            (
-                "image_text_count",
-                rules.max_texts_per_image is not None and texts_per_image[ident[i]] > rules.max_texts_per_image,
-            ),
-            (
-                "shared_text",
-                rules.max_images_per_text is not None and len(images_per_text[norm[i]]) > rules.max_images_per_text,
-            ),
-            ("rare_ngram", k is not None and any(counts[g] < threshold for g in grams)),
-            ("rare_word", rules.min_word_count is not None and any(words[x] < rules.min_word_count for x in ws)),
-            ("too_few_words", rules.min_words is not None and len(ws) < rules.min_words),
-            ("too_many_words", rules.max_words is not None and len(ps) > rules.max_words),
-            (
-                "repeated_words",
-                rules.max_repeated_fraction is not None
-                and bool(ps)
-                and (len(ps) - len(set(ps))) / len(ps) > rules.max_repeated_fraction,
-            ),
-        ]
-        reasons[i] = next((name for name, hit in checks if hit), None)
-    return reasons
+# Helpers; openalign.data.filters.reference is the specification the engines are checked against.
 
 
 def write_rows(path: Path, rows: list[dict], schema: pa.Schema | None = None) -> Path:
     names = list(dict.fromkeys(k for r in rows for k in r))  # from_pylist alone takes the first row's keys
     pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows], schema=schema), path)
     return path
+
+
+def reference_filter(tmp_path: Path, rows: list[dict], rules) -> list[str | None]:
+    """The reason each row is removed (None: kept) by the specification, given what an engine is given."""
+    work = Path(tempfile.mkdtemp(dir=tmp_path))
+    staged, plan = prepare(write_rows(work / "in.parquet", rows), rules, work)
+    return run_reference(staged, plan).reasons
 
 
 def kept_ids(path: Path) -> list:
@@ -223,7 +141,9 @@ def test_image_size_rules(tmp_path):
     assert run(tmp_path, rows, cc, "cc")[1] == [0, 2]  # CC12M keeps ratio <= 2.5
 
 
-def test_unsafe_rule_and_bad_scores(tmp_path):
+@pytest.mark.parametrize("engine", ["duckdb", pytest.param("spark", marks=pytest.mark.slow)])
+def test_unsafe_rule_and_bad_scores(tmp_path, request, engine):
+    """A score that is not a number is bad_unsafe_score on both engines (Spark's isnan(NULL) is false)."""
     rows = [
         row(0, punsafe="0.5"),
         row(1, punsafe="0.51"),
@@ -231,7 +151,7 @@ def test_unsafe_rule_and_bad_scores(tmp_path):
         row(3, punsafe="n/a"),
         row(4, punsafe="nan"),
     ]
-    report, kept = run(tmp_path, rows, load_rules("align", **{**OFF, "max_unsafe": 0.5}))
+    report, kept = run(tmp_path, rows, load_rules("align", **{**OFF, "max_unsafe": 0.5}), **engine_kw(request, engine))
     assert kept == [0, 2]
     assert report.removed["unsafe"] == 1 and report.removed["bad_unsafe_score"] == 2
     # Without the column the rule is skipped, and the report says why.
@@ -325,7 +245,7 @@ def test_empty_text_is_only_ascii_whitespace(tmp_path):
     rows = [row(0, " \t\n\x0b\f\r"), row(1, "\u00a0"), row(2, "\u2028 "), row(3, ""), row(4, " ! ")]
     report, kept = run(tmp_path, rows, load_rules("align", **OFF))
     assert kept == [1, 2, 4] and nonzero(report) == {"empty_text": 2}
-    assert [why for why in reference_filter(rows, load_rules("align", **OFF))] == [
+    assert [why for why in reference_filter(tmp_path, rows, load_rules("align", **OFF))] == [
         "empty_text",
         None,
         None,
@@ -376,7 +296,7 @@ def test_rare_ngram_texts_match_the_reference_whichever_side_the_join_builds_on(
     for top_k in (5, 30, 150, 400, 600, 5000):
         rules = load_rules("align", **{**OFF, "vocab_top_k": top_k})
         report, kept = run(tmp_path, rows, rules, f"k{top_k}")
-        expected = reference_filter(rows, rules)
+        expected = reference_filter(tmp_path, rows, rules)
         assert kept == [r["id"] for r, why in zip(rows, expected, strict=True) if why is None], top_k
         assert report.removed.get("rare_ngram", 0) == expected.count("rare_ngram"), top_k
         repeated_rare, common = _rare_split(rows, top_k)
@@ -467,7 +387,7 @@ def test_duckdb_matches_reference(tmp_path, preset):
     rows = random_corpus(600)
     rules = load_rules(preset, **EVERYTHING_ON)
     report, kept = run(tmp_path, rows, rules)
-    expected = reference_filter(rows, rules)
+    expected = reference_filter(tmp_path, rows, rules)
     assert kept == [r["id"] for r, why in zip(rows, expected, strict=True) if why is None]
     counts = Counter(why for why in expected if why is not None)
     assert nonzero(report) == dict(counts)

@@ -4,8 +4,8 @@
     report = filter_corpus("pairs.parquet", "kept.parquet", rules="align", report_path="funnel.json")
     print(report.table())
 
-Rule semantics (tokenisation, what is counted over the raw corpus, tie-breaking) are documented in
-:mod:`openalign.data.filters.rules`.
+Each rule's exact semantics (what is counted over the raw corpus, tie-breaking) is the plain-Python
+specification :mod:`openalign.data.filters.reference`; the tokenisation is :mod:`openalign.data.filters.rules`.
 """
 
 from openalign.data.filters.person import PERSON_TOKEN, demo_person_names, resolve_person_hook

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from openalign.config import to_dict
 from openalign.data.filters.images import ImageTagger, make_annotator
-from openalign.data.filters.inputs import output_format, stage_input
+from openalign.data.filters.inputs import StagedInput, output_format, stage_input
 from openalign.data.filters.person import PersonHook, resolve_person_hook
-from openalign.data.filters.plan import build_plan
+from openalign.data.filters.plan import FilterPlan, build_plan
 from openalign.data.filters.rules import STEP_DESCRIPTIONS, TRANSFORM_DESCRIPTIONS, FilterRules, load_rules
 from openalign.outputs import atomic_write_text, check_writable, refuse_input_as_output
 
@@ -26,7 +26,7 @@ from openalign.outputs import atomic_write_text, check_writable, refuse_input_as
 class EngineConfig:
     """Where and how the rules run. DuckDB is embedded; Spark runs locally or on a cluster."""
 
-    engine: Literal["duckdb", "spark"] = "duckdb"
+    engine: Literal["duckdb", "spark"] = "duckdb"  # duckdb: embedded, this machine; spark: a Spark master
     threads: int | None = None  # DuckDB threads (default: all cores)
     memory_limit: str | None = None  # DuckDB memory before spilling, e.g. "8GB" (default: 80% of RAM)
     temp_directory: str | None = None  # work files and DuckDB spill (default: the system temp dir)
@@ -122,6 +122,28 @@ class FunnelReport:
         return "\n".join(lines)
 
 
+def prepare(
+    input: str | Path,
+    rules: FilterRules,
+    work: Path,
+    input_format: str | None = None,
+    max_malformed_rows: int = 0,
+    person: PersonHook | str | None = None,
+    nlp: str | None = None,
+    nlp_batch_size: int = 256,
+    image_tagger: ImageTagger | None = None,
+) -> tuple[StagedInput, FilterPlan]:
+    """What an engine is given: ``input`` staged under ``work`` (with the image rules' hidden columns) and
+    the plan of ``rules`` on it. ``person``: a resolved hook (:func:`resolve_person_hook`)."""
+    annotator = None
+    if rules.image_formats is not None or rules.min_tag_overlap is not None:
+        annotator = functools.partial(make_annotator, rules.columns, rules=rules, tagger=image_tagger)
+    staged = stage_input(
+        str(input), input_format, rules.columns, work / "staged", max_malformed_rows, annotator=annotator
+    )
+    return staged, build_plan(staged, rules, nlp, person, nlp_batch_size)
+
+
 def filter_corpus(
     input: str | Path,
     output: str | Path,
@@ -187,13 +209,9 @@ def filter_corpus(
     work = Path(tempfile.mkdtemp(prefix="openalign-filter-", dir=cfg.temp_directory))
     try:
         say(f"reading {input}")
-        annotator = None
-        if rules.image_formats is not None or rules.min_tag_overlap is not None:
-            annotator = functools.partial(make_annotator, rules.columns, rules=rules, tagger=image_tagger)
-        staged = stage_input(
-            str(input), input_format, rules.columns, work / "staged", max_malformed_rows, annotator=annotator
+        staged, plan = prepare(
+            input, rules, work, input_format, max_malformed_rows, hook, nlp, nlp_batch_size, image_tagger
         )
-        plan = build_plan(staged, rules, nlp, hook, nlp_batch_size)
         say(f"running {len(plan.steps)} steps on {cfg.engine} ({', '.join(plan.steps)})")
         if cfg.engine == "duckdb":
             from openalign.data.filters.duckdb_engine import DuckDBSettings, run_duckdb

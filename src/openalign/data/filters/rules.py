@@ -1,107 +1,23 @@
-"""The alt-text filter rules of ALIGN (Jia et al. 2021, §3) and of CC12M (Changpinyo et al. 2021, §2.2) as data.
+"""The alt-text filter rules of ALIGN (Jia et al. 2021, §3) and of CC12M (Changpinyo et al. 2021, §2.2) as
+data, and the tokenisation every engine shares.
 
-A rule set is one typed dataclass; every rule has a field, and setting that field to ``null`` switches
-the rule off. Two presets ship: ``align`` (the paper's defaults) and ``cc12m`` (the relaxed unimodal
-filters of Conceptual 12M). A YAML file may start from either (``preset: cc12m``) and override any field.
+A rule set is one typed dataclass, :class:`FilterRules`: every rule has a field, and setting that field to
+``null`` switches the rule off. Two presets ship: ``align`` (the paper's defaults) and ``cc12m`` (the relaxed
+unimodal filters of Conceptual 12M). A YAML file may start from either (``preset: cc12m``) and override any
+field. The funnel's lines are ``VALIDITY_STEPS`` (rows that cannot be judged), then ``RULE_STEPS``.
 
-Semantics shared by every engine (DuckDB, Spark, and the plain-Python reference in :func:`tokenize`):
+What each rule does, exactly, is :mod:`openalign.data.filters.reference`: one plain-Python predicate per rule
+beside the paper's words, and the whole filter, which the DuckDB and Spark engines are tested against.
 
-* **Tokenisation.** The alt-text is lowercased (Unicode), scripts written without spaces are segmented
-  (below), then it is split on runs of ASCII whitespace (space, tab,
-  newline, vertical tab, form feed, carriage return), and each piece is stripped of leading and trailing
-  ASCII punctuation (``string.punctuation``); pieces that become empty are dropped. The remaining pieces
-  are the *words* (unigrams); a *bigram* is two adjacent words joined by one space. "Red car!" and
-  "red  car" are both ``["red", "car"]``; "e-mail" stays one word, "1920x1080" is one word.
-* **Scripts without spaces.** Chinese, Japanese and Thai do not put spaces between words, so splitting on
-  spaces would make a whole caption one "word" (and drop it as too short). Before the split, every character
-  of the Han, Hiragana, Katakana, Thai and Lao ranges in ``SEGMENTED_RANGES`` becomes a word of its own,
-  keeping the combining marks that follow it (Thai vowel and tone marks, kana voicing marks), and CJK
-  punctuation (。、「」・, full-width signs) separates words like whitespace: "白い猫。" is ``["白", "い",
-  "猫"]``. That is how BERT's tokenizer, which the text tower reads, treats CJK ideographs, so n-grams and
-  counts are over the units the model sees; a per-language dictionary segmenter would make the rules depend
-  on what is installed. Other scripts (Latin, Cyrillic, Korean, ...) are untouched.
-* **Counting words of such scripts.** A character is the n-gram rules' unit, but not a word of the
-  language: Chinese words are one to several characters (about two on average), Thai words several letters.
-  Without a dictionary the word count of a run of n such characters lies between n/2 and n, and each count
-  rule takes the bound that keeps the row: ``too_few_words`` counts every character as a word, while
-  ``too_many_words`` and ``repeated_words`` count *paired words* (:func:`paired_words`): adjacent
-  single-character words of those scripts joined two by two, left to right. So a 21-character Chinese
-  caption is 11 words, not too many; 我的朋友和我的狗 ("my friend and my dog") is 我的 朋友 和我 的狗,
-  none repeated, while 猫猫猫猫 is 猫猫 猫猫, one of two repeated.
-* **Alt-text identity** is its normalised form, the words joined by single spaces, so case, punctuation at
-  word edges and spacing do not make two boilerplate captions distinct.
-* **Image identity** is the ``sha256`` column when present and non-empty, else the ``url``, else the
-  ``key``; a row with none of them is an image of its own.
-* **Statistics are counted once, over the raw corpus**: every well-formed row of the input (rows removed
-  as malformed, non-UTF-8, missing or empty text, bad sizes or a bad unsafe score are not part of it),
-  *before* any content rule removes anything. So the rules do not depend on each other: each is a
-  predicate on a row plus those corpus-wide counts, and the order below only decides which rule a row
-  removed by several is attributed to in the funnel (the first that rejects it).
-* **Frequencies** are occurrence counts: a word used twice in one alt-text counts twice, and a row
-  repeated in the input counts each time.
-
-Rules, in funnel order (each one is off when its field is ``null``):
-
-``unsafe``          the score in ``columns.unsafe`` is > ``max_unsafe``. The score comes from the user's own
-                    classifier (LAION's ``punsafe`` convention: probability of being unsafe, 0-1); a row
-                    with no score (null) is kept; without the column the rule is skipped and the report
-                    says so.
-``small_image``     the shorter side is ≤ ``min_shorter_side`` px (ALIGN keeps shorter side > 200).
-``aspect_ratio``    longer side / shorter side (float64) is ≥ ``max_aspect_ratio`` (ALIGN keeps < 3), or
-                    > it when ``aspect_ratio_inclusive`` (CC12M keeps ≤ 2.5).
-``image_format``    the image is not encoded in one of ``image_formats`` (CC12M keeps "only JPEG images"). The
-                    format is read from ``columns.image_format`` when the input has that column (``jpg``,
-                    ``JPEG`` and ``image/jpeg`` are all ``jpeg``), else sniffed from the first bytes of the
-                    image (JPEG starts ``FF D8 FF``; PNG, GIF, WebP, BMP and TIFF by their magic numbers),
-                    never from a file name: a PNG saved as ``.jpg`` is a PNG. The bytes come from the shard's
-                    image member, a table's image-bytes column or its ``image_path`` file, read through
-                    :mod:`openalign.data.sources` with its size cap; an image that cannot be read has no
-                    format and is removed. With neither a format column nor images the rule is skipped.
-``image_text_count``the image identity has > ``max_texts_per_image`` rows (ALIGN: 1000 alt-texts).
-``shared_text``     the alt-text identity occurs with > ``max_images_per_text`` distinct image identities
-                    (ALIGN: 10; catches "1920x1080", "alt img", "image").
-``rare_ngram``      some n-gram of the alt-text (n ≤ ``rare_ngram_order``: words, and bigrams when 2) is not
-                    among the ``vocab_top_k`` most frequent n-grams of the raw corpus, unigrams and bigrams
-                    ranked together by count. Ties at the cut are all kept: an n-gram is frequent when
-                    fewer than K n-grams are strictly more frequent. With fewer than K distinct n-grams
-                    nothing is rare (the paper's K is 100M at 1.8B pairs).
-``rare_word``       some word of the alt-text occurs fewer than ``min_word_count`` times in the raw corpus
-                    (CC12M: 20).
-``too_few_words``   fewer than ``min_words`` words (ALIGN and CC12M: 3).
-``too_many_words``  more than ``max_words`` paired words (ALIGN: 20, CC12M: 256).
-``repeated_words``  (paired words − distinct paired words) / paired words is > ``max_repeated_fraction``
-                    (CC12M: 0.2).
-``tag_overlap``     fewer than ``min_tag_overlap`` distinct words of the image's tags are words of the alt-text
-                    (both tokenised as above, so lowercased). CC3M, whose image-text filter CC12M keeps,
-                    counted the Cloud Vision tags of the image that the text mentions; here the tags are a
-                    ``columns.tags`` column of the input or come from a tagger given to the run
-                    (``openalign filter --tagger CKPT``: zero-shot tagging with an ALIGN checkpoint over a
-                    tag vocabulary). A row with no tags has no overlap. Skipped when there are no tags.
-``missing_pos``     some group of ``required_pos`` has no token of the alt-text with one of its Universal POS
-                    tags. CC12M still "discards candidates with no noun or no determiner" but, unlike CC3M,
-                    keeps ones without a preposition: ``["NOUN|PROPN", "DET"]`` (a proper noun is a noun, as
-                    in the Google tag set CC3M used). Tags come from the NLP pipeline of the run
-                    (:mod:`openalign.data.filters.nlp`, ``--nlp en_core_web_sm``); without one the rule is
-                    skipped. Last in the funnel because it is the slow one: only rows every other rule keeps
-                    are analysed.
-
-**img2dataset metadata.** img2dataset's ``width``/``height`` are the sizes of the image it stored, after
-its resize; the crawled image's sizes are ``original_width``/``original_height``. So when both
-``columns.original_width`` and ``columns.original_height`` are in the input the size rules read them
-(the report's ``size_columns`` says which pair was used), and otherwise ``width``/``height``. A row whose
-``columns.status`` (img2dataset's ``status``) is anything but ``success`` (a failed download or resize,
-or null) has no image to judge.
-
-Before the rules, rows that cannot be judged are removed with their own funnel lines: ``malformed_row``
-(a CSV/JSON record that does not parse), ``download_failed`` (status not ``success``; only with a status
-column), ``non_utf8_text``, ``missing_text`` (null), ``empty_text`` (only whitespace), ``bad_size``
-(width or height missing, non-numeric, not finite or ≤ 0; only checked when a size rule is on) and
-``bad_unsafe_score`` (present but non-numeric or NaN).
-
-After filtering, CC12M's person-name substitution rewrites the kept alt-texts: with ``nlp`` the NLP
-pipeline's PERSON entities become ``<PERSON>`` (CC12M used Google's Natural Language API for this); a
-``str -> str`` hook or the ``demo`` list also work (:mod:`openalign.data.filters.person`). It is a
-transformation, not a removal: the report counts the rows it changed (``transformed``).
+**Words** (:func:`tokenize`): the alt-text is lowercased; every character of a script written without spaces
+(Chinese, Japanese, Thai, Lao: ``SEGMENTED_RANGES``) becomes a word of its own with the combining marks after
+it, as BERT's tokenizer sets CJK ideographs apart, and CJK punctuation separates words; then the text is
+split on runs of ASCII whitespace, each piece stripped of ASCII punctuation at both ends, and empty pieces
+dropped. "Red car!" and "red  car" are ``["red", "car"]``; "e-mail" and "1920x1080" are one word each;
+"白い猫。" is ``["白", "い", "猫"]``. A bigram is two adjacent words joined by one space. The count rules
+``too_many_words`` and ``repeated_words`` join such single characters two by two (:func:`paired_words`).
+Punctuation, whitespace and those ranges are spelt out once, here, and each engine builds its regular
+expressions from them.
 """
 
 from __future__ import annotations
@@ -176,11 +92,11 @@ class ColumnNames:
     """Input column names. ``text`` ``null`` autodetects the first of caption, alt, alt_text, text, TEXT."""
 
     text: str | None = None
-    url: str = "url"
-    key: str = "key"
+    url: str = "url"  # the image's URL: its identity when there is no sha256
+    key: str = "key"  # the row's key: the image identity when there is neither sha256 nor url
     sha256: str = "sha256"  # image content hash: the image identity when present
-    width: str = "width"
-    height: str = "height"
+    width: str = "width"  # image width (px)
+    height: str = "height"  # image height (px)
     # The crawled image's sizes (img2dataset's width/height are after its resize); used when both exist
     original_width: str | None = "original_width"
     original_height: str | None = "original_height"
@@ -192,21 +108,22 @@ class ColumnNames:
 
 @dataclass
 class FilterRules:
-    """One rule set. ``null`` switches a rule off; the module docstring gives each rule's exact semantics."""
+    """One rule set. ``null`` switches a rule off; :mod:`openalign.data.filters.reference` gives each rule's
+    exact semantics."""
 
-    name: str = "align"
+    name: str = "align"  # the rule set's name in the report
     columns: ColumnNames = field(default_factory=ColumnNames)
     max_unsafe: float | None = 0.5  # drop rows whose unsafe score is > this
     min_shorter_side: int | None = 200  # keep images whose shorter side is > this (px)
     max_aspect_ratio: float | None = 3.0  # keep longer/shorter < this (≤ with aspect_ratio_inclusive)
-    aspect_ratio_inclusive: bool = False
+    aspect_ratio_inclusive: bool = False  # true: a ratio of exactly max_aspect_ratio is kept (CC12M)
     max_texts_per_image: int | None = 1000  # drop images with more rows (alt-texts) than this
     max_images_per_text: int | None = 10  # drop alt-texts shared by more distinct images than this
     vocab_top_k: int | None = 100_000_000  # K most frequent n-grams of the raw corpus form the vocabulary
     rare_ngram_order: int = 2  # 1: words only; 2: words and bigrams (ranked and checked together)
     min_word_count: int | None = None  # a word seen fewer times than this in the raw corpus is rare
-    min_words: int | None = 3
-    max_words: int | None = 20
+    min_words: int | None = 3  # drop alt-texts with fewer words than this
+    max_words: int | None = 20  # drop alt-texts with more words than this
     max_repeated_fraction: float | None = None  # (words - distinct words) / words must be ≤ this
     image_formats: list[str] | None = None  # keep only images encoded in these formats (CC12M: jpeg)
     min_tag_overlap: int | None = None  # words of the image's tags that must be words of the alt-text
@@ -442,7 +359,12 @@ _PAIR_PY = re.compile(pair_pattern("python"))
 def paired_words(words: list[str]) -> list[str]:
     """The words ``too_many_words`` and ``repeated_words`` count: ``words`` (from :func:`tokenize`) with
     adjacent single characters of scripts without spaces joined two by two, left to right (adjacent as
-    words: punctuation or spaces that stood between them in the alt-text do not keep them apart)."""
+    words: punctuation or spaces that stood between them in the alt-text do not keep them apart).
+
+    Without a dictionary, n such characters are between n/2 words (Chinese words average about two
+    characters) and n, and each count rule takes the bound that keeps the row: ``too_few_words`` counts
+    every character, these two count pairs. A 21-character Chinese caption is 11 words, not too many;
+    我的朋友和我的狗 is 我的 朋友 和我 的狗, none repeated, while 猫猫猫猫 is 猫猫 猫猫, one of two repeated."""
     joined = " ".join(words)
     if not words or not _SEGMENT_ANY_PY.search(joined):
         return list(words)
