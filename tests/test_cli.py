@@ -10,6 +10,7 @@ import sys
 import time
 import typing
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -128,6 +129,72 @@ def test_unknown_key_in_yaml_lists_valid_keys(tmp_path: Path, capsys: pytest.Cap
     assert main(["dedup", "a.npy", "b.npy", "out", "--config", str(tmp_path / "d.yaml"), "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "unknown config key 'dedup.clusterz'; valid keys in dedup: allow_outside_root, batch_size, chunk_size" in err
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """A command's --help on one line (argparse wraps at the terminal's width, and inside --no-KEY too)."""
+    with mock.patch.dict("os.environ", {"COLUMNS": "100000"}), pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_a_switch_that_is_on_is_listed_with_the_flag_its_help_describes(capsys: pytest.CaptureFixture[str]) -> None:
+    """--KEY and --no-KEY on one line, the help saying what --KEY does: never --no-baseline beside "also run
+    the transformers loop"."""
+    text = _help(capsys, "bench", "train")
+    assert "--baseline, --no-baseline also run the transformers loop and webdataset (--no-baseline: only ours)" in text
+    assert "--training, --no-training time the training steps (--no-training: only the input pipeline)" in text
+    assert "--baseline, --no-baseline also measure transformers' AlignModel" in _help(capsys, "bench", "model")
+    text = _help(capsys, "bench", "copy-detection")
+    assert "--feature-votes, --no-feature-votes also verify the pairs below the band" in text
+    assert "(--no-feature-votes: no such column) (default on)" in text
+    for argv, key in [(["bench", "train"], "baseline"), (["bench", "model"], "baseline"),
+                      (["bench", "train"], "training"), (["bench", "copy-detection"], "feature_votes")]:  # fmt: skip
+        flag = "--" + key.replace("_", "-")
+        assert _printed(capsys, *argv)[key] is True
+        assert _printed(capsys, *argv, "--no" + flag[1:])[key] is False
+        assert _printed(capsys, *argv, "--no" + flag[1:], flag)[key] is True
+
+
+JSON_BENCHES = ["model", "towers", "train", "search", "index", "serve", "filter", "dedup", "retrieval", "embed",
+                "copy-detection"]  # fmt: skip
+
+
+@pytest.mark.parametrize("bench", JSON_BENCHES)
+def test_one_json_flag_per_command(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json FILE is the one flag of json_path: --json-path is neither listed nor accepted (a one-line error
+    naming --json)."""
+    text = _help(capsys, "bench", bench)
+    assert "--json FILE also write the results to this JSON file" in text and "--json-path" not in text
+    assert _printed(capsys, "bench", bench, "--json", "out.json")["json_path"] == "out.json"
+    for spelling in ("--json-path", "--json_path"):
+        assert main(["bench", bench, spelling, "out.json", "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert f"unknown option {spelling}: this command spells it --json" in err and err.count("\n") == 1
+
+
+def test_an_alias_of_a_field_is_its_one_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _printed(capsys, "demo", "--steps", "12")["train_steps"] == 12
+    assert "--steps INT the nano_cpu recipe's horizon (default 900)" in _help(capsys, "demo")
+    assert main(["demo", "--train-steps", "12", "--print-config"]) == 2
+    assert "this command spells it --steps" in capsys.readouterr().err
+    assert _printed(capsys, "bench", "search", "-k", "5")["k"] == 5
+    # A nested field keeps its --section.key spelling beside the shorthand.
+    cfg = _printed(capsys, "index", "build", "--model", "m", "--images", "i", "--out", "o", "--nprobe", "4")
+    assert cfg["ann"]["nprobe"] == 4
+    cfg = _printed(capsys, "index", "build", "--model", "m", "--images", "i", "--out", "o", "--ann.nprobe", "4")
+    assert cfg["ann"]["nprobe"] == 4
+
+
+def test_verify_votes_turns_verification_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """dedup --verify-votes alone verifies (the pairs the votes find are verified, so it asks for verification)."""
+    assert "Implies --verify" in _help(capsys, "dedup")
+    argv = ["dedup", "train/", "test/", "out", "--embedder", f"copy-detector:{tmp_path}", "--verify-votes"]
+    cfg = _printed(capsys, *argv)
+    assert cfg["verify"] is True and cfg["verify_votes"] is True
+    assert main(["dedup", "a.npy", "b.npy", "out", "--verify-votes", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "dedup.verify_votes needs the images: use --embedder copy-detector:DIR" in err and err.count("\n") == 1
 
 
 CONFIGS = [

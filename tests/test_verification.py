@@ -282,3 +282,18 @@ def test_dedup_with_votes_finds_a_picture_pasted_into_a_page(photos: dict[str, I
     )
     with pytest.raises(ConfigError, match="verify_votes"):
         DedupRunConfig(verify_votes=True).validate()
+
+
+def test_verify_votes_implies_verification(tmp_path: Path) -> None:
+    """The pairs votes find are verified, so asking for votes turns verification on; they still need the
+    images and the features check, each a one-line error naming verify_votes."""
+    from openalign.pipeline.dedup import DedupRunConfig
+
+    cfg = DedupRunConfig(embedder=f"copy-detector:{tmp_path}", verify_votes=True)
+    cfg.validate()
+    assert cfg.verify
+    with pytest.raises(ConfigError, match="verify_votes needs the images"):
+        DedupRunConfig(verify_votes=True).validate()
+    phash_only = VerifyConfig(checks=["phash"])
+    with pytest.raises(ConfigError, match="verify_votes needs the features check"):
+        DedupRunConfig(embedder=f"copy-detector:{tmp_path}", verify_votes=True, verification=phash_only).validate()

@@ -81,6 +81,7 @@ class CopyBenchSettings:
     verify_band: float = 0.3  # verification decides the pairs with cosine within this of the threshold
     # also verify the pairs below the band that at least verify.min_votes of the query's ORB descriptors vote
     # for (FeatureVotes; needs the features check): a column of its own, so the table shows what it buys
+    # (--no-feature-votes: no such column)
     feature_votes: bool = True
     seed: int = 0  # which edits, strengths and detector weights
     json_path: str | None = None  # also write the results to this JSON file

@@ -42,7 +42,7 @@ class TrainBenchSettings:
     source_side: int | None = None
     pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
     baseline: bool = True  # also run the transformers loop and webdataset (--no-baseline: only ours)
-    training: bool = True  # time the training steps (false: only the input pipeline)
+    training: bool = True  # time the training steps (--no-training: only the input pipeline)
     # Also time the real loop (`openalign train`: guard, schedule, logging) on the same model, batch and shards;
     # compiled, in the bare step's process after it, on the graphs the bare step compiled.
     recipe: bool = False

@@ -45,7 +45,7 @@ def _demo(parser: Parser) -> None:
     parser.add_argument(
         "--seeds", type=int, default=1, metavar="N", help="run N seeds from --seed, in OUT/seed-S, and compare them"
     )
-    add_config(parser, schema.read(DEMO), aliases=[Alias(("--steps",), "train_steps", "same as --train-steps")])
+    add_config(parser, schema.read(DEMO), aliases=[Alias(("--steps",), "train_steps")])
     parser.set_defaults(func=run_demo)
 
 

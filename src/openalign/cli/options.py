@@ -4,15 +4,18 @@ A command's settings are a dataclass (see :mod:`openalign.cli.schema`). :func:`a
 parser ``--config FILE`` (YAML), ``--print-config`` and one flag per field: ``--key`` for a top-level
 field (``--batch-size`` or ``--batch_size``), ``--section.key`` for a nested one (``--ann.nprobe 8``,
 ``--train.run_dir runs/x``). Values are YAML scalars (``null``, ``1e-3``, ``[a, b]``); a top-level bool
-is a switch (``--bf16`` / ``--no-bf16``). Only the flags actually given are applied, in order, on top of
-the YAML file, and the result goes through the command's strict loader (``openalign.config.from_dict``),
-so an unknown key or an ill-typed value is a one-line error naming the field. Short flags users type most
-are :class:`Alias` es of fields.
+is a switch (``--bf16`` / ``--no-bf16``, listed together, the help saying what ``--bf16`` does). Only the
+flags actually given are applied, in order, on top of the YAML file, and the result goes through the
+command's strict loader (``openalign.config.from_dict``), so an unknown key or an ill-typed value is a
+one-line error naming the field. Short flags users type most are :class:`Alias` es of fields; an alias of a
+top-level field replaces the field's own flag (one flag per setting), while a nested field keeps
+``--section.key`` beside its shorthand.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._build = build
         self.schema: Schema | None = None
+        self.replaced: dict[str, str] = {}  # a field's own flag -> the alias that stands for it
 
     def ensure_built(self) -> Parser:
         if self._build is not None:
@@ -63,6 +67,8 @@ class Parser(argparse.ArgumentParser):
                 flag, eq, value = arg.partition("=")
                 if flag not in known:
                     dashed = flag.replace("_", "-")
+                    if dashed in self.replaced:
+                        raise ConfigError(f"unknown option {flag}: this command spells it {self.replaced[dashed]}")
                     if "." not in flag and dashed in known:
                         flag = dashed
                     elif flag.replace("-", "_") in known:
@@ -128,6 +134,17 @@ class _Set(argparse.Action):
         setattr(namespace, OVERRIDES, items)
 
 
+class _Switch(_Set):
+    """``--KEY`` sets the field true, ``--no-KEY`` false; the help (the field's comment) says what ``--KEY`` does."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, fixed=True, **kw)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        self.fixed = not (option_string or "").startswith("--no-")
+        super().__call__(parser, namespace, values, option_string)
+
+
 @dataclass(frozen=True)
 class Alias:
     """A short flag for a field (``--engine`` for ``engine.engine``), a fixed value (``--channels-last``
@@ -156,13 +173,9 @@ def _describe(knob: Knob) -> str:
 def add_knob(parser: argparse.ArgumentParser | Any, knob: Knob) -> None:
     flag = flag_of(knob.path)
     text = _describe(knob)
-    if knob.kind == "bool" and "." not in knob.path:  # a switch; --no-KEY is the one shown when it is on
-        flags = [flag, "--no-" + flag[2:]]
-        if knob.default is True:
-            flags.reverse()
-        for shown, value in zip(flags, (knob.default is not True, knob.default is True), strict=True):
-            parser.add_argument(shown, action=_Set, path=knob.path, fixed=value, dest=argparse.SUPPRESS,
-                                help=text if shown == flags[0] else argparse.SUPPRESS)  # fmt: skip
+    if knob.kind == "bool" and "." not in knob.path:  # a switch: --KEY, and --no-KEY beside it on the same line
+        parser.add_argument(flag, "--no-" + flag[2:], action=_Switch, path=knob.path, dest=argparse.SUPPRESS,
+                            help=text)  # fmt: skip
         return
     if knob.kind == "list" and "." not in knob.path:
         parser.add_argument(flag, action=_Set, path=knob.path, nargs="+", type=str_value, dest=argparse.SUPPRESS,
@@ -200,7 +213,15 @@ def add_config(
     if config_flag:
         parser.add_argument("--config", metavar="FILE", help=config_help)
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings as YAML and exit")
+    # An alias that stands for a top-level field (``--json`` for ``json_path``) is that field's one flag: it takes
+    # the field's help when it has none, and the field's own spelling is an error that names the alias.
+    fields = {k.path: k for k in schema.knobs if "." not in k.path}
     for alias in aliases:
+        knob = fields.get(alias.path) if isinstance(alias.path, str) and alias.value is NO_DEFAULT else None
+        if knob is not None:
+            parser.replaced[flag_of(knob.path)] = alias.flags[-1]
+            metavar = alias.metavar or knob.metavar or knob.kind.upper()
+            alias = dataclasses.replace(alias, help=alias.help or _describe(knob), metavar=metavar)
         add_alias(parser, alias)
     groups: dict[str, Any] = {}
     top = parser.add_argument_group("settings (each one field of --config)")
@@ -210,7 +231,7 @@ def add_config(
         if section and section not in groups:
             groups[section] = parser.add_argument_group(f"{section}: {docs.get(section, '')}".rstrip(": "))
         target = groups[section] if section else top
-        if flag_of(knob.path) in parser._option_string_actions:  # an alias spelt like the field
+        if flag_of(knob.path) in parser._option_string_actions or flag_of(knob.path) in parser.replaced:
             continue
         add_knob(target, knob)
 

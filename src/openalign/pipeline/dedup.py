@@ -105,7 +105,7 @@ class DedupRunConfig(DedupConfig):
     # also verify the pairs that ORB descriptors vote for (verification.min_votes of a train image's nearest
     # matches among all test images' descriptors), wherever their cosine is: a picture pasted into a page or
     # collage, which a global embedding places far from its original. Reads every train image's features
-    # (ORB at verification.max_side) and keeps every test image's in memory.
+    # (ORB at verification.max_side) and keeps every test image's in memory. Implies --verify.
     verify_votes: bool = False
     verification: VerifyConfig = field(default_factory=VerifyConfig)
 
@@ -118,10 +118,13 @@ class DedupRunConfig(DedupConfig):
             raise ConfigError(f"dedup.verify_band must be in [0, 1), got {self.verify_band}")
         if not 1 <= self.verify_combo <= self.nearest:
             raise ConfigError(f"dedup.verify_combo must be in [1, nearest={self.nearest}], got {self.verify_combo}")
-        if self.verify_votes and not (self.verify and "features" in self.verification.checks):
-            raise ConfigError("dedup.verify_votes needs --verify and the features check in verification.checks")
+        if self.verify_votes:  # the pairs the votes find are verified: asking for them asks for verification
+            self.verify = True
+            if "features" not in self.verification.checks:
+                raise ConfigError("dedup.verify_votes needs the features check in verification.checks")
         if self.verify and spec.kind == "npy":
-            raise ConfigError("dedup.verify needs the images: use --embedder copy-detector:DIR or align:DIR")
+            which = "verify_votes" if self.verify_votes else "verify"
+            raise ConfigError(f"dedup.{which} needs the images: use --embedder copy-detector:DIR or align:DIR")
         if self.batch_size < 1:
             raise ConfigError(f"dedup.batch_size must be at least 1, got {self.batch_size}")
         try:
