@@ -206,7 +206,7 @@ class FilterBenchSettings:
     baseline_rows: int = 1_000_000  # rows of the pandas subsample
     top_k: int | None = None  # vocabulary size K (default 40000)
     threads: int | None = None  # duckdb threads (default: all cores)
-    seed: int = 0
+    seed: int = 0  # the synthetic corpus
     work_dir: str | None = None  # where the temporary corpus goes (default: system temp)
     json_path: str | None = None  # also write the results to this JSON file
 

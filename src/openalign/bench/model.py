@@ -43,7 +43,7 @@ class BenchSettings:
 
     preset: str = "b0-tiny"  # model preset
     image_size: int | None = None  # square input size (default: the preset's)
-    batch_size: int = 16
+    batch_size: int = 16  # image-text pairs per step
     steps: int = 5  # timed steps per round
     warmup: int = 2  # untimed steps per round
     rounds: int = 2  # alternating rounds; the best round counts

@@ -91,11 +91,11 @@ class IndexBenchSettings:
     pq_m: int = 0  # sub-quantizers; 0 picks about D/4 (at most 64)
     disk_nbits: int = 8  # bits per code
     nprobe: int = 0  # 0 calibrates it at build time to reach target_recall
-    target_recall: float = 0.95
+    target_recall: float = 0.95  # recall@k against exact search that nprobe is calibrated for
     memory_limit_gb: float = 16.0  # address-space limit of each child, so a runaway fails itself
     work_dir: str | None = None  # where shards and indexes are written (default: a temporary folder)
     keep: bool = False  # keep the shards and indexes
-    seed: int = 0
+    seed: int = 0  # the synthetic vectors and queries
     json_path: str | None = None  # also write the results to this JSON file
 
     def validate(self) -> None:

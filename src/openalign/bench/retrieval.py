@@ -25,8 +25,8 @@ from openalign.eval import retrieval
 class RetrievalBenchSettings:
     """What ``openalign bench retrieval`` measures."""
 
-    images: int = 5000
-    captions_per_image: int = 5
+    images: int = 5000  # image embeddings (MSCOCO's 5K test images)
+    captions_per_image: int = 5  # caption embeddings per image
     dim: int = 640  # embedding width
     # caption = image + noise × N(0, I / dim), normalised (9: a hard set, R@1 far below 100 %); None: independent
     # vectors

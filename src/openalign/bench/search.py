@@ -36,11 +36,11 @@ class SearchBenchSettings:
     dim: int = 640  # width
     queries: int = 500  # timed one at a time through the approximate index
     exact_queries: int = 30  # timed one at a time through exact NumPy search (each scans every vector)
-    k: int = 10
+    k: int = 10  # results per query (recall@k is measured at it)
     kind: AnnKind = "auto"  # the index structure (see AnnConfig)
-    memory_budget_mb: float = 8192.0
-    target_recall: float = 0.95
-    seed: int = 0
+    memory_budget_mb: float = 8192.0  # RAM the approximate index may hold (see AnnConfig)
+    target_recall: float = 0.95  # recall@10 against exact search that calibration aims for
+    seed: int = 0  # the synthetic vectors and queries
     json_path: str | None = None  # also write the results to this JSON file
 
 
@@ -159,11 +159,11 @@ class ServeBenchSettings:
     """What ``openalign bench serve`` measures."""
 
     index: str | None = None  # an index directory; default: the demo index (built if missing)
-    clients: int = 16
+    clients: int = 16  # concurrent clients
     requests: int = 1000  # per client
     k: int = 10
     port: int = 0  # 0 picks a free port
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 300.0  # how long the server may take to answer /health
     json_path: str | None = None  # also write the results to this JSON file
 
 

@@ -36,7 +36,7 @@ class TowersBenchSettings:
 
     preset: str = "b0-mini"  # model preset: its image and text towers
     towers: Literal["both", "text", "image"] = "both"  # which towers to time
-    batch_size: int = 64
+    batch_size: int = 64  # images, and captions, per step
     image_size: int | None = None  # square input size (default: the preset's on cuda, 96 px on cpu)
     vocab_size: int | None = None  # text vocabulary (default: the preset's; BERT's own is 30522)
     steps: int = 3  # timed steps per contender and round

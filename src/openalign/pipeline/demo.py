@@ -27,25 +27,25 @@ TEST_SEED = 1
 class DemoConfig:
     """Sizes of the demo run. The defaults are sized to finish within ``target_minutes`` on two CPU cores."""
 
-    out: str = "runs/demo"
-    seed: int = 0
+    out: str = "runs/demo"  # the run directory: every stage's outputs and report.md
+    seed: int = 0  # the synthetic world, the noise and the training
     corpus_size: int = 40_000  # crawled (image, alt-text) rows before filtering
     noise: float = 0.25  # fraction of rows whose alt-text or image is noise of the paper's kinds
-    image_size: int = 64
+    image_size: int = 64  # square side of the synthetic images (px)
     retrieval_images: int = 1000  # held-out retrieval set, 5 captions each (Flickr-style)
     classification_per_class: int = 10  # held-out zero-shot classification images per class
-    vocab_size: int = 4096
+    vocab_size: int = 4096  # WordPiece vocabulary learnt from the filtered alt-texts
     # The paper's rules, with the two absolute thresholds scaled to a corpus of tens of thousands:
     # K (100M n-grams at 1.8B pairs) in proportion, and "> 1000 alt-texts per image" to 20.
     max_texts_per_image: int = 20
     train_steps: int = 900  # the nano_cpu recipe's horizon
-    batch_size: int = 256
+    batch_size: int = 256  # training pairs per step
     checks: int = 5  # held-out retrieval checks during training, evenly spaced (the learning curve)
     # The held-out text → image R@1 the default run is built to reach, and the wall time (all stages) it is
     # built to stay under on 2 cores; none for a run with no mark (--quick: its figures only show that each
     # stage works, and a smoke test's R@1 held against the full run's mark would mislead).
     target_r1: float | None = 65.0
-    target_minutes: float | None = 10.0
+    target_minutes: float | None = 10.0  # wall-time mark of the default run (see target_r1)
     dedup_threshold: float = 0.975  # the paper's cosine for a near-duplicate
     copy_detector_steps: int = 150  # training steps of the separate image model used for dedup
     # Its input size: smaller than the scenes, which finds more planted copies and removes fewer other rows, in
@@ -59,7 +59,7 @@ class DemoConfig:
     # against its dedup_verify_nearest best-ranked test images: a briefly trained detector ranks a copy's original
     # near the top long before its cosine is sure.
     dedup_verify_band: float = 0.275
-    dedup_verify_nearest: int = 5
+    dedup_verify_nearest: int = 5  # test images each crawl image is verified against (see dedup_verify_band)
     workers: int = 0  # DataLoader processes decoding training images; 0: in the training process (nano_cpu says why)
     # Compute threads for every stage. Kernels split their sums by thread count, so pinned, one seed gives one
     # result on any machine whose CPU runs the same kernels (oneDNN's kernels, and so the figures, follow the CPU).

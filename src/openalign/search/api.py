@@ -268,10 +268,10 @@ def create_app(
 class ServeConfig:
     """Settings of ``openalign serve``: where it listens, and the demo index it builds without ``--index``."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # address to listen on (0.0.0.0: every interface)
+    port: int = 8000  # TCP port to listen on
     max_upload_mb: float = 8.0  # largest accepted query image
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # the server's (uvicorn's) logging
     demo_images: int = 500  # demo: number of synthetic images
     demo_dir: str | None = None  # demo: where to build and cache the index (default: the user cache)
     seed: int = 0  # demo: synthetic world seed

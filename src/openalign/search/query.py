@@ -32,16 +32,16 @@ class Query:
     """What to look for. At least one of ``text``, ``image``, ``image_id``, ``embedding`` or ``plus`` must be
     given; ``embedding`` (a vector made elsewhere) takes the image's place in the sum."""
 
-    text: str | None = None
+    text: str | None = None  # query by text (text → image, or text → text with modality text)
     image: Image.Image | None = None
     image_id: int | None = None  # query by an indexed image's stored embedding ("more like this")
     embedding: list[float] | None = None  # query by a vector of the index's width (normalised here)
     plus: list[str] = field(default_factory=list)  # texts added to the query
     minus: list[str] = field(default_factory=list)  # texts subtracted from it
-    k: int = 10
+    k: int = 10  # results, best first
     modality: Literal["image", "text"] = "image"  # search the image store or the caption store
-    text_weight: float = 2.0
-    image_weight: float = 1.0
+    text_weight: float = 2.0  # weight of each text part of the sum (the paper's image ± text: 2)
+    image_weight: float = 1.0  # weight of the image part (paper: 1)
     dedup: float | None = None  # drop results whose cosine to a better result exceeds this
 
 

@@ -41,7 +41,7 @@ from openalign.text.tokenizer import Tokenizer, train_wordpiece
 class VocabConfig:
     """How the vocabulary is learnt; the defaults are the paper's (100k wordpieces, 64 tokens)."""
 
-    vocab_size: int = 100_000
+    vocab_size: int = 100_000  # wordpieces, special tokens included
     column: str = "caption"  # the alt-text column of a table (Parquet, CSV, JSON Lines)
     lowercase: bool = True  # BERT-uncased normalisation: lowercase and strip accents
     min_frequency: int = 2  # a merge must be seen at least this often
