@@ -113,7 +113,8 @@ def test_bench_model_runs_ours_on_a_gpu_as_training_does(
     monkeypatch: pytest.MonkeyPatch, text_widths: list[int]
 ) -> None:
     """Where reading values waits (a GPU; declared here), ours takes captions cut to the batch's longest as measured
-    on the host, and its forward reads nothing, as in `openalign train`; on the CPU too its captions are cut on the host."""
+    on the host, and its forward reads nothing, as in `openalign train`; on the CPU too its captions are cut on the
+    host."""
     from openalign.bench.model import BenchSettings, measure
 
     settings = BenchSettings(preset="nano", image_size=32, batch_size=8, steps=1, warmup=1)

@@ -19,9 +19,10 @@ import pytest
 
 from openalign.cli import main
 from openalign.search.catalog import SearchIndex
+from openalign.search.disk_lists import LISTS, read_disk_index
 from openalign.search.imported import import_embeddings
 from openalign.search.index import AnnConfig, VectorStore
-from openalign.search.ondisk import LISTS, TRAINED, build_disk_store, read_disk_index
+from openalign.search.ondisk import TRAINED, build_disk_store
 from test_search_import import _error
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -209,7 +210,7 @@ import sys, numpy as np
 from pathlib import Path
 import faiss
 from openalign.search.index import VectorStore
-from openalign.search.ondisk import read_disk_index
+from openalign.search.disk_lists import read_disk_index
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
 queries = np.random.default_rng(0).standard_normal((300, 32)).astype(np.float32)

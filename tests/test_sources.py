@@ -297,4 +297,9 @@ def test_sources_is_model_free() -> None:
     assert not [m for m in imported if m and m.split(".")[:2] in (["openalign", "model"], ["openalign", "train"])]
     assert not [m for m in imported if m in ("openalign.loss", "openalign.optim", "torch")]
     top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
-    assert not [n for n in top if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("openalign")]
+    # At import, only ``BadInput``'s own module (the standard library alone) beside it.
+    top_modules = [n.module for n in top if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("openalign")]
+    assert top_modules == ["openalign.data.bad_input"]
+    bad_input = ast.parse(Path(sources.__file__).with_name("bad_input.py").read_text())
+    assert not [n for n in ast.walk(bad_input) if isinstance(n, ast.ImportFrom) and n.module != "__future__"]
+    assert not [n for n in ast.walk(bad_input) if isinstance(n, ast.Import)]

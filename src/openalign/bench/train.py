@@ -29,96 +29,27 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from openalign.bench.gradients import check as check_gradients
 from openalign.bench.gradients import report as report_gradients
 from openalign.bench.host import HostClock
-from openalign.bench.model import BenchSettings, bench_config, forward_flops, matmul_peak, peak_memory_mb
+from openalign.bench.model import forward_flops, matmul_peak, peak_memory_mb
 from openalign.bench.profile import keep_best, print_profiles
+from openalign.bench.train_setup import TrainBenchSettings, model_cfg, shard_stream
 from openalign.data.transforms import model_resize
 from openalign.process import run_spawned
-from openalign.train.grad_cache import caption_widths, chunk_batch
-from openalign.train.loop import prepare_towers
+from openalign.train.grad_cache import chunk_batch
+from openalign.train.towers import Towers
 
 if TYPE_CHECKING:
     from openalign.config import ModelConfig
     from openalign.text.tokenizer import TextTokenizer
-    from openalign.train.data import TrainStream
 
 PARTS = ("data", "forward", "loss", "backward", "optimizer")
-
-
-@dataclass
-class TrainBenchSettings:
-    """What ``openalign bench train`` measures."""
-
-    preset: str = "nano"  # model preset
-    image_size: int | None = None  # square crop size (default: the preset's)
-    # Ghost batch norm: groups of this many samples in our image tower, bare step and loop alike (the recipes' 16).
-    virtual_batch_size: int | None = None
-    batch_size: int = 256  # pairs per step (the nano_cpu recipe's batch)
-    steps: int = 5  # timed steps per round
-    warmup: int = 2  # untimed steps per round
-    rounds: int = 2  # alternating rounds; the best round counts
-    workers: int = 2  # DataLoader workers feeding each contender
-    device: str = "cpu"  # cpu or cuda
-    bf16: bool = False  # bf16 autocast (GPU)
-    # torch.compile: our towers as training compiles them (train.compile), the loop too; transformers' whole model.
-    compile: bool = False
-    decode: Literal["cpu", "cuda"] = "cpu"  # where our stream decodes JPEGs (data.decode; cuda needs torchvision)
-    # data.pin_memory of our stream: batches assembled ahead, page-locked on CUDA (None: as `openalign train` sets it)
-    pin_memory: bool | None = None
-    shard_samples: int = 512  # synthetic pairs written once and cycled through
-    # Longer side of the shards' JPEGs, 4:3 (img2dataset writes 256 border-resized, 384–1024 keep-ratio);
-    # None: square at 1.25× the pre-crop size.
-    source_side: int | None = None
-    pipeline_samples: int = 1024  # samples timed for the input-pipeline figure
-    baseline: bool = True  # also run the transformers loop and webdataset (--no-baseline: only ours)
-    training: bool = True  # time the training steps (false: only the input pipeline)
-    # Also time the real loop (`openalign train`: guard, schedule, logging) on the same model, batch and shards;
-    # compiled, in the bare step's process after it, on the graphs the bare step compiled.
-    recipe: bool = False
-    bare: bool = True  # time the bare step (--no-bare with --recipe: only the loop)
-    grad_clip: float | None = None  # --recipe: the loop clips the gradient norm to this (None: no clipping, the paper)
-    json_path: str | None = None  # also write the results to this JSON file
-    # Also write each contender's per-op profile and host synchronisations of a step here (openalign.bench.profile).
-    profile: str | None = None
-
-    def validate(self) -> None:
-        for name in ("batch_size", "steps", "rounds", "shard_samples", "pipeline_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.source_side is not None and self.source_side < 16:
-            raise ValueError(f"--source-side must be at least 16 pixels, got {self.source_side}")
-        if self.warmup < 0 or self.workers < 0:
-            raise ValueError("--warmup and --workers must not be negative")
-        if self.decode == "cuda" and self.device != "cuda":
-            raise ValueError("--decode cuda decodes on the GPU: it needs --device cuda")
-        if self.virtual_batch_size is not None and self.virtual_batch_size < 1:
-            raise ValueError(f"--virtual-batch-size must be at least 1, got {self.virtual_batch_size}")
-        if not self.bare and not self.recipe:
-            raise ValueError("--no-bare times only the loop: it needs --recipe")
-        if self.grad_clip is not None and not 0 < self.grad_clip < float("inf"):
-            raise ValueError(f"--grad-clip must be positive and finite, got {self.grad_clip}")
-
-
-def _model_settings(s: TrainBenchSettings) -> BenchSettings:
-    return BenchSettings(preset=s.preset, image_size=s.image_size, batch_size=s.batch_size, device=s.device)
-
-
-def model_cfg(s: TrainBenchSettings) -> ModelConfig:
-    """Our model's config: ``bench model``'s for the preset, with ghost batch norm when asked for."""
-    from openalign.config import model_config
-
-    cfg: ModelConfig = bench_config(_model_settings(s))
-    if s.virtual_batch_size is None:
-        return cfg
-    return model_config(cfg, image={"batch_norm": "virtual", "virtual_batch_size": s.virtual_batch_size})
 
 
 def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
@@ -147,44 +78,27 @@ def prepare_data(s: TrainBenchSettings, root: Path) -> tuple[str, Path]:
     return ",".join(str(p) for p in paths), root / "tokenizer"
 
 
-def _stream(
-    s: TrainBenchSettings, shards: str, tokenizer: TextTokenizer, cfg: ModelConfig, workers: int
-) -> TrainStream:
-    from openalign.train.data import DataConfig, build_train_stream, pin_batches
-
-    data = DataConfig(
-        shards=shards,
-        batch_size=s.batch_size,
-        workers=workers,
-        max_text_length=cfg.text.max_length,
-        decode=s.decode,
-        pin_memory=s.pin_memory,
-    )
-    data.pin_memory = pin_batches(data, s.device, cfg)  # unset: as `openalign train` sets it for the device
-    return build_train_stream(data, tokenizer, seed=0, model_config=cfg)
-
-
 def _build(
     which: str, cfg: Any, device: torch.device, compiled: bool = False
-) -> tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer]:
-    """(module, forward(batch) -> output, loss(output) -> scalar, optimizer) for one contender; ``compiled``: our
-    towers as training compiles them, transformers' model whole."""
+) -> tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer, Towers | None]:
+    """(module, forward(batch) -> output, loss(output) -> scalar, optimizer, our towers as training runs them) for
+    one contender; ``compiled``: our towers as training compiles them, transformers' model whole."""
     if which == "openalign":
         from openalign.loss import contrastive_loss
         from openalign.model import DualEncoder
         from openalign.optim import OptimConfig, build_optimizer
 
         model = DualEncoder(cfg).to(device).train()
-        prepare_towers(model, compiled, device)
+        towers = Towers(model, device=device, compiled=compiled)
         optimizer = build_optimizer(model, OptimConfig(name="lamb", lr=1e-3, weight_decay=1e-5))
 
-        def forward(b: dict[str, torch.Tensor]) -> Any:
-            return model(b["pixel_values"], b["input_ids"], b["attention_mask"])
+        def forward(b: dict[str, Any]) -> Any:
+            return model(b["pixel_values"], b["input_ids"], b["attention_mask"], b.get("text_groups"))
 
         def loss(out: Any) -> torch.Tensor:
             return contrastive_loss(out[0].float(), out[1].float(), model.temperature)
 
-        return model, forward, loss, optimizer
+        return model, forward, loss, optimizer, towers
     from transformers.models.align.modeling_align import align_loss
 
     from openalign.bench.peer import align_model
@@ -199,7 +113,7 @@ def _build(
     def hf_loss(out: Any) -> torch.Tensor:
         return align_loss(out.logits_per_text.float())
 
-    return model, hf_forward, hf_loss, optimizer
+    return model, hf_forward, hf_loss, optimizer, None
 
 
 def measure_training(
@@ -213,27 +127,25 @@ def measure_training(
     device = torch.device(s.device)
     cfg = model_cfg(s)
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
-    module, forward, loss_fn, optimizer = _build(which, cfg, device, s.compile)
-    cuts_captions = getattr(module, "caller_cuts_captions", False)
-    train_stream = _stream(s, shards, tokenizer, cfg, s.workers)
+    module, forward, loss_fn, optimizer, towers = _build(which, cfg, device, s.compile)
+    train_stream = shard_stream(s, shards, tokenizer, cfg, s.workers)
     pixels, stream = train_stream.pixels, iter(train_stream)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def next_batch() -> dict[str, torch.Tensor]:
+    def next_batch() -> dict[str, Any]:
         batch = next(stream)
-        # Ours, compiled or on a GPU, takes captions cut to the batch's longest, measured on the host as training's
-        # loop does.
-        widths = caption_widths(batch) if cuts_captions else None
+        # Ours takes its captions as training's step hands them over: checked, cut and grouped on the host.
+        captions = towers.captions(batch) if towers is not None else None
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        if widths is not None:
-            (batch,) = chunk_batch(batch, s.batch_size, widths)
+        if captions is not None:
+            (batch,) = chunk_batch(batch, s.batch_size, [captions[0].width])
         batch["pixel_values"] = pixels(batch["pixel_values"])
-        return batch
+        return {**batch, "text_groups": captions[0].groups} if captions is not None else batch
 
-    def one_step(batch: dict[str, torch.Tensor], mark: Any) -> torch.Tensor:
+    def one_step(batch: dict[str, Any], mark: Any) -> torch.Tensor:
         """A training step on ``batch``, calling ``mark()`` after each of its parts but the data."""
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
             out = forward(batch)
@@ -360,7 +272,7 @@ def measure_pipeline(
     tokenizer = load_tokenizer(tokenizer_dir, max_length=cfg.text.max_length)
     batches = max(2, -(-s.pipeline_samples // s.batch_size))
     if which == "openalign":
-        loader: Any = iter(_stream(s, shards, tokenizer, cfg, workers))
+        loader: Any = iter(shard_stream(s, shards, tokenizer, cfg, workers))
     else:
         loader = iter(_webdataset_loader(s, shards, tokenizer, cfg, workers))
     # Worker start-up, and the batches workers prefetched meanwhile, are not steady-state throughput.

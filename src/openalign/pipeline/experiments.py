@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from openalign.config import ConfigError
 from openalign.data.sources import TOKENIZER_JSON
+from openalign.pipeline.tower_grid import IMAGE_TOWERS, TEXT_TOWERS, tower_overrides
 from openalign.process import skip_exit_collection
 
 __all__ = [
@@ -67,19 +68,13 @@ VOCAB_DIR = "vocab"
 BATCHES_DIR = "batches"  # batch sequences shared by runs, recorded once (removed when the grid is done)
 PLOTS_DIR = "plots"
 
-# The default budget, measured on two cores (reference, seed 0 unless it says, held-out t2i R@1 on 1,000 images
-# × 5 captions):
-# - batch 512 learns more per pair than 256 or 1024 (at 77k pairs: 26.5 % against 16.0 % at 64k pairs and 256,
-#   and 11.6 % at 1024); batch 128 trailed far behind (4.6 % after 51k pairs);
-# - captions cut at 32 wordpieces, nano's own text length: the longest caption of a batch (a noisy one, 46
-#   tokens on average) no longer sets the text tower's width; the mean caption is 15 (+24 % pairs/s);
-# - 48 px crops: 32 px crops train 1.45× the pairs in the same time but reach the same R@1 for it (27.7 % after
-#   230 steps against 26.5 % after 150), so the model's size is kept;
-# - a warmup of 100 of the 140 steps: a run spends its first ~80 steps near chance, and a high rate early makes
-#   that wait longer. Seeds 0 / 1 / 2 after 140 steps: 26.7 / 17.3 / 21.2 % after 8 steps of warmup (a
-#   sixteenth of the run), 34.0 / 23.3 / 23.4 % after 62 (the recipe's), 37.8 / 31.2 / 28.4 % after 100
-#   (30.2 % for seed 0 after 35, 31.4 % for seed 1 after 120); 170 steps with 62 of warmup reached 34.8 /
-#   31.8 % for seeds 1 / 2, for 21 % more time;
+# The default budget, sized for two cores (docs/decisions/experiments-budget.md):
+# - batch 512, which learns more per pair than 256 or 1024 in a run this short;
+# - captions cut at 32 wordpieces, nano's own text length, so the longest caption of a batch (a noisy one) does
+#   not set the text tower's width;
+# - 48 px crops: smaller crops train more pairs in the same time but reach no higher R@1 for it;
+# - a warmup of 100 of the 140 steps: a run spends its first steps near chance, and a high rate early makes that
+#   wait longer;
 # - two single-threaded runs at a time (``parallel``).
 FULL_STEPS = 140
 FULL_BATCH = 512
@@ -92,11 +87,8 @@ QUICK_BATCH = 128
 QUICK_EVAL_IMAGES = 300
 
 # Ablation (a) is about data-limited training: the clean set must run out (many epochs) while the larger noisy
-# sets still teach. Measured at 140 steps × 512 (seeds 0–2): with the 4× set seen 12 times, the clean set
-# (1,493 scenes, 48 epochs) reached 37.7 % t2i R@1, far above the noisy reference that never repeats a
-# scene (21.7 %), so no noisy set could overtake it: training was limited by steps, not data. With the 4× set
-# seen 48 times (170 steps, seed 0), the clean set of 453 scenes stalls at 5.7 % while 1,813 noisy scenes
-# reach 23.7 %. The clean set is never smaller than a batch (512 scenes at the default budget, seen 140 times).
+# sets still teach: with the 4× set seen only a few times, training is limited by steps rather than data and the
+# clean set stays ahead. The clean set is never smaller than a batch (512 scenes at the default budget).
 EPOCHS_AT_4X = 48
 NOISE = 0.25  # the noisy sets' caption noise, as in the recipe
 CURVE_POINTS = 7  # held-out evaluations along each run of (a), for its learning curves
@@ -118,12 +110,6 @@ REFERENCE: dict[str, Any] = {
     "model.embed_dim": 640,
     "train.label_smoothing": 0.1,
 }
-# Ablation (f): towers scaled from nano's (image: width and depth coefficients 0.5; text: 2 layers of 128)
-# in width and depth, down and up by about the same factor of each tower's own training compute (measured on
-# 48 px crops and 20-token captions: image 0.7× and 2.2×, text 0.5× and 2.5×).
-IMAGE_TOWERS = {"S": (0.35, 0.35), "M": (0.5, 0.5), "L": (0.7, 0.7)}  # (width, depth) coefficients
-TEXT_TOWERS = {"S": (1, 96, 2), "M": (2, 128, 2), "L": (3, 160, 2)}  # (layers, hidden size, heads)
-
 ABLATIONS = ("a", "b", "c", "d", "e", "f")
 # A grid cell has no direction of its own: (f) is judged by its verdicts, which compare cells.
 Expect = Literal["reference", "lower", "higher", "similar", "grid"]
@@ -165,7 +151,7 @@ class ExperimentSettings:
     only: tuple[str, ...] = ABLATIONS
     overrides: dict[str, Any] = field(default_factory=dict)  # applied to every run, under each variant's
     # Runs trained at once, each in its own process on one thread with its data read in that thread: on two
-    # cores two such runs train 20 % more pairs per second between them than one run on both cores.
+    # cores two such runs train more pairs per second between them than one run on both cores.
     parallel: int = 2
 
     def validate(self) -> None:
@@ -220,19 +206,6 @@ def _changed(
 
 def _with_r1(paper: str, r1: tuple[float, float] | None) -> str:
     return paper if r1 is None else f"{paper}: {r1[0]} / {r1[1]}"
-
-
-def tower_overrides(image: str, text: str) -> dict[str, Any]:
-    """Ablation (f)'s towers of sizes ``image`` and ``text`` (S, M or L)."""
-    width, depth = IMAGE_TOWERS[image]
-    layers, hidden, heads = TEXT_TOWERS[text]
-    return {
-        "model.image.width_coefficient": width,
-        "model.image.depth_coefficient": depth,
-        "model.text.num_layers": layers,
-        "model.text.hidden_size": hidden,
-        "model.text.num_heads": heads,
-    }
 
 
 def ablations(steps: int, batch_size: int) -> dict[str, Ablation]:
@@ -475,7 +448,7 @@ class _EvalSets:
 
     def retrieval_set(self, images: int, image_size: int) -> Any:
         from openalign.data.synthetic import retrieval_set
-        from openalign.eval.retrieval import RetrievalSet
+        from openalign.eval.sets import RetrievalSet
 
         if (images, image_size) not in self.retrieval:
             self.retrieval[images, image_size] = RetrievalSet(*retrieval_set(images, 5, image_size=image_size))

@@ -153,7 +153,7 @@ class VectorStore:
         # resident set grow towards the file's size.
         self.read_rows: Callable[[np.ndarray], np.ndarray] | None = None
         # The approximate search itself, when it is not ``ann.search``: a served on-disk index reads the lists
-        # its queries probe instead of mapping the lists file (``ondisk.ProbedLists``).
+        # its queries probe instead of mapping the lists file (``disk_lists.ProbedLists``).
         self.probe: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None
         self._apply_params()
 
@@ -273,7 +273,7 @@ class VectorStore:
             import faiss
 
             if meta["kind"] == "ivf_pq_disk":
-                from openalign.search.ondisk import read_disk_index
+                from openalign.search.disk_lists import read_disk_index
 
                 ann = read_disk_index(d, mmap)
             else:
@@ -285,7 +285,7 @@ class VectorStore:
                 raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
         store = cls(vectors, ann, meta["kind"], meta.get("params", {}))
         if meta["kind"] == "ivf_pq_disk":
-            from openalign.search.ondisk import LISTS, ProbedLists
+            from openalign.search.disk_lists import LISTS, ProbedLists
 
             store.read_rows = NpyRows(d / VECTORS).take
             if mmap:
@@ -347,7 +347,7 @@ def _sample_rows(vectors: np.ndarray | NpyRows, count: int, rng: np.random.Gener
     idx = np.arange(n) if count >= n else np.sort(rng.choice(n, size=count, replace=False))
     if isinstance(vectors, NpyRows):
         # Read, not mapped: faulting a few hundred rows of a freshly written file through a map maps the
-        # kernel's read-ahead around each (300 MB resident for 256 rows of a 2M × 64 matrix).
+        # kernel's read-ahead around each, far more memory than the rows.
         return np.ascontiguousarray(vectors.take(idx), dtype=np.float32)
     return np.ascontiguousarray(vectors[idx], dtype=np.float32)
 

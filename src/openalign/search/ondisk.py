@@ -13,14 +13,9 @@ through them leaves nothing of the file in the process's resident set.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
 import os
 import shutil
-import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +23,7 @@ import numpy as np
 
 from openalign.config import ConfigError
 from openalign.data.npy_rows import BLOCK, NpyRows
+from openalign.search.disk_lists import LISTS, ProbedLists, quiet_c_stdout
 from openalign.search.index import (
     FAISS_FILE,
     VECTORS,
@@ -41,7 +37,6 @@ from openalign.search.index import (
 
 DISK_KIND = "ivf_pq_disk"
 TRUTH_BLOCK = 16_384  # rows scored at a time by exact search for calibration: 256 queries × this many floats
-LISTS = "lists.ivfdata"
 TRAINED = "trained.index"
 
 
@@ -125,26 +120,6 @@ def encode_shard(vectors: NpyRows, start: int, stop: int, trained: Path, path: P
     faiss.write_index(index, str(path))
 
 
-@contextlib.contextmanager
-def _quiet_c_stdout() -> Iterator[None]:
-    # FAISS's on-disk lists print notes ("resizing …", "updating ondisk filename …", the latter on every
-    # open) with C printf; they must not land in a command's stdout (``openalign search --json``), so C's
-    # stdout is discarded for the call (errors come back as exceptions, not as printed text).
-    libc = ctypes.CDLL(None)
-    sys.stdout.flush()
-    libc.fflush(None)
-    saved = os.dup(1)
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.close(null)
-        yield
-    finally:
-        libc.fflush(None)
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
     """The trained index with the inverted lists of every part, in order, merged into ``lists`` on disk.
 
@@ -172,7 +147,7 @@ def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
     merged.set_all_lists_sizes(faiss.swig_ptr(totals))  # lists back to back, each exactly its size
     used = int(totals.sum()) * (code_size + 8)
     if used:
-        with _quiet_c_stdout():  # FAISS notes the file's new size
+        with quiet_c_stdout():  # FAISS notes the file's new size
             merged.update_totsize(used)
         # Growing the file records its new bytes as a free slot; the lists fill them, so the slot is taken (else
         # a later allocation, were the index ever grown, would be placed over list 0).
@@ -196,117 +171,6 @@ def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
     ivf.replace_invlists(merged, True)
     merged.this.disown()
     return index
-
-
-def read_disk_index(directory: Path, mmap: bool = True) -> Any:
-    """``faiss.index`` of a store, its lists memory-mapped from ``lists.ivfdata`` beside it, or with
-    ``mmap`` False copied into memory (the same codes, so the same results)."""
-    import faiss
-
-    path = directory / "faiss.index"
-    if not (directory / LISTS).is_file():
-        raise FileNotFoundError(f"{directory}: {LISTS} is missing (the on-disk inverted lists of {path.name})")
-    try:
-        with _quiet_c_stdout():  # an index that was moved has its lists' file name updated, with a note
-            index = faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
-    except RuntimeError as err:
-        raise ValueError(f"{path}: truncated or damaged ({str(err).strip().splitlines()[-1][:160]})") from None
-    if not mmap:
-        ivf = faiss.extract_index_ivf(index)
-        memory = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
-        memory.merge_from(ivf.invlists, 0)  # type: ignore[arg-type]  # faiss stub
-        ivf.replace_invlists(memory, True)
-        memory.this.disown()  # type: ignore[attr-defined]  # faiss stub
-    return index
-
-
-class ProbedLists:
-    """Searches an on-disk IVF index by reading only the lists its queries probe, with ``pread``.
-
-    FAISS's ``OnDiskInvertedLists`` memory-maps the lists file, and every page a query faults in (with the
-    neighbours the kernel maps around it) stays in the server's resident set: after enough queries a
-    served index is as large in memory as on disk. Here the index holds an in-memory ``ArrayInvertedLists``
-    filled, for one group of queries, with just the lists they probe (read from the file, which the page
-    cache keeps hot) and freed afterwards. Results are those of the memory-mapped index: the same codes,
-    scored by the same ``search_preassigned`` after the same coarse search. A group holds at most
-    ``budget_bytes`` of lists (one query's lists at least), so memory is a setting, not the index's size.
-    """
-
-    def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20):
-        import faiss
-
-        self.index, self.path, self.budget = index, lists_path, budget_bytes  # the index owns the IVF part used below
-        self.ivf: Any = faiss.extract_index_ivf(index)  # Any: the Python wrappers' signatures, not the stub's
-        disk = faiss.downcast_InvertedLists(self.ivf.invlists)  # type: ignore[arg-type]  # faiss stub
-        if not isinstance(disk, faiss.OnDiskInvertedLists):
-            raise TypeError(f"{lists_path}: the index's lists are not on disk")
-        table: Any = disk.lists
-        entries = [table.at(n) for n in range(self.ivf.nlist)]
-        self.sizes = np.array([e.size for e in entries], np.int64)
-        # A list's codes start at its offset; its ids follow its capacity's worth of codes.
-        self.codes_at = np.array([e.offset for e in entries], np.int64)
-        self.ids_at = self.codes_at + np.array([e.capacity for e in entries], np.int64) * self.ivf.code_size
-        self.list_bytes = self.sizes * (self.ivf.code_size + 8)
-        del entries, table, disk
-        self._swap_lists()  # frees the mapped lists
-        self.lock = threading.Lock()  # the index's lists are replaced for each group of queries
-
-    def _swap_lists(self) -> Any:
-        """A fresh, empty in-memory list set in the index (the previous one, with its buffers, is freed)."""
-        import faiss
-
-        lists: Any = faiss.ArrayInvertedLists(self.ivf.nlist, self.ivf.code_size)
-        self.ivf.replace_invlists(lists, True)
-        lists.this.disown()  # the index owns it now
-        return lists
-
-    def _groups(self, probe: np.ndarray) -> list[tuple[int, int]]:
-        """Consecutive query ranges whose probed lists together stay within the budget."""
-        groups, start, held = [], 0, np.zeros(self.ivf.nlist, bool)
-        total = 0
-        for q, row in enumerate(probe):
-            row = row[row >= 0]
-            new = row[~held[row]]
-            add = int(self.list_bytes[new].sum())
-            if q > start and total + add > self.budget:
-                groups.append((start, q))
-                start, total = q, 0
-                held[:] = False
-                new = row
-                add = int(self.list_bytes[row].sum())
-            held[new] = True
-            total += add
-        groups.append((start, len(probe)))
-        return groups
-
-    def _read(self, fd: int, size: int, offset: int, dtype: type) -> np.ndarray:
-        data = os.pread(fd, size, offset)
-        if len(data) != size:  # FAISS would read past the buffer
-            raise ValueError(f"{self.path}: truncated, {len(data)} of {size} bytes at offset {offset}")
-        return np.frombuffer(data, dtype)
-
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        import faiss
-
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
-        scores = np.empty((len(queries), k), np.float32)
-        ids = np.empty((len(queries), k), np.int64)
-        with self.lock, open(self.path, "rb") as f:
-            fd = f.fileno()
-            coarse, probe = self.ivf.quantizer.search(queries, self.ivf.nprobe)
-            for a, b in self._groups(probe):
-                memory = self._swap_lists()
-                try:
-                    for n in np.unique(probe[a:b][probe[a:b] >= 0]).tolist():
-                        size = int(self.sizes[n])
-                        if size:
-                            codes = self._read(fd, size * self.ivf.code_size, int(self.codes_at[n]), np.uint8)
-                            found = self._read(fd, size * 8, int(self.ids_at[n]), np.int64)
-                            memory.add_entries(n, size, faiss.swig_ptr(found), faiss.swig_ptr(codes))
-                    scores[a:b], ids[a:b] = self.ivf.search_preassigned(queries[a:b], k, probe[a:b], coarse[a:b])
-                finally:
-                    self._swap_lists()  # frees this group's lists
-        return scores, ids
 
 
 def exact_truth(vectors: NpyRows, queries: np.ndarray, k: int) -> np.ndarray:

@@ -63,13 +63,14 @@ class ModelSection:
     def resolve(self, vocab_size: int | None = None) -> ModelConfig:
         """The ModelConfig to build; a known tokenizer size replaces a fresh model's vocab_size."""
         if self.init is not None:
-            from openalign.model.io import read_config
+            from openalign.model.checkpoint_dir import read_config
 
             meta = read_config(self.init)
             if meta.get("model_type") == "align":
+                from openalign.model.dual_encoder import DualEncoder
                 from openalign.model.hf import load_hf_align
 
-                base: Any = load_hf_align(self.init).config
+                base: Any = load_hf_align(self.init, DualEncoder).config
             else:
                 base = meta.get("model", {})
         else:
@@ -265,9 +266,8 @@ def resolve_precision(precision: str, device: Any, image_family: str, *, gpu_bf1
     On a GPU that computes in bfloat16 (``gpu_bf16``; None asks the device, where CUDA is available) auto is
     bf16; on an older one (V100, T4: ``hardware.cuda_computes_bfloat16``) fp32, as bf16 would be emulated,
     slower, and its convolutions have no cuDNN kernels. On a CPU with AMX it is bf16 for the convolutional image
-    tower alone: one step of the nano_cpu recipe (batch 256, 48 px, two cores) took 0.68x the time of fp32 with
-    that tower under autocast, while the text tower's small matrix products ran slower in bf16, and so did the
-    EfficientNet tower's depthwise convolutions (its step 1.2x). Without AMX, bf16 convolutions (their backward
+    tower alone: that tower's convolutions are faster in bf16 there, while the text tower's small matrix products
+    and the EfficientNet tower's depthwise convolutions are slower. Without AMX, bf16 convolutions (their backward
     above all) are slower than fp32 too, so everywhere else auto is fp32."""
     if precision != "auto":
         return cast(Precision, precision)
