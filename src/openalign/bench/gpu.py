@@ -66,11 +66,8 @@ __all__ = ["GpuCheckSettings", "run_gpu_check"]
 SRC = Path(__file__).resolve().parents[2]  # the directory holding the openalign package
 TESTS = SRC.parent / "tests" / "test_cuda.py"  # present in a checkout, not in an installed wheel
 PARTS = ("tests", "bench", "compiled", "towers", "compiled_loop", "paper", "loop", "l2", "plan")
-# Each part's share of the budget, in seconds: what it needs on a freshly started GPU with torch's compile caches
-# empty, which is how a lent GPU comes (docs/decisions/gpu-check-budget.md). The parts' default budget is the sum of
-# their shares; a short lease runs them in two calls (the CUDA tests and compiled contenders, then the loops), and
-# --budget-s scales the shares to what is left. The paper's batch (a step takes minutes) and L2 + BERT-Large
-# measure memory and throughput already recorded; they are asked for by name.
+# Each part's share of the budget in seconds, sized for a fresh GPU with empty compile caches
+# (docs/decisions/gpu-check-budget.md); --budget-s scales the shares, and "paper" and "l2" run only when named.
 WEIGHTS = {
     "tests": 90.0,
     "bench": 180.0,  # three contenders timed and profiled, then the input pipeline

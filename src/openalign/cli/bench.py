@@ -145,7 +145,7 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
         "openalign.bench.gpu:GpuCheckSettings",
         "the GPU path in one command: CUDA tests, ours against transformers, the paper's batch, plan vs measured",
         "Runs, each part in its own process with its own time limit within --budget-s (by default each part's "
-        "share in full, ~13 minutes for the default parts; a part that fails or runs out of time is recorded and the "
+        "share in full, ~16 minutes for the default parts; a part that fails or runs out of time is recorded and the "
         "next one starts): the CUDA tests, bench train (eager, profiled) and bench "
         "model (compiled) against transformers, bench towers, the training loop compiled and fed from JPEG shards "
         "(its data wait), pretrain_align_b7 at batch 64, and the plan of each run beside what it measured; with "

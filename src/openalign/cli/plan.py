@@ -60,7 +60,7 @@ def _build(parser: Parser) -> None:
     parser.add_argument(
         "--no-search", action="store_true", help="plan the given chunk size only; skip the largest-chunk search"
     )
-    parser.add_argument("--row", action="store_true", help="print one Markdown table row (for the README)")
+    parser.add_argument("--row", action="store_true", help="print one Markdown table row (for docs/benchmarks.md)")
     parser.add_argument("--validate", action="store_true", help="compare plans with real CPU steps")
     add_config(parser, train_schema(), config_flag=False)
     parser.set_defaults(func=run)

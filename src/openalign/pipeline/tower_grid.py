@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Ablation (f): towers scaled from nano's (image: width and depth coefficients 0.5; text: 2 layers of 128)
-# in width and depth, down and up by about the same factor of each tower's own training compute (measured on
-# 48 px crops and 20-token captions: image 0.7× and 2.2×, text 0.5× and 2.5×).
+# Towers scaled down and up from nano's in width and depth, each by about the same factor of its own training
+# compute, so that the grid separates the two towers' effects.
 IMAGE_TOWERS = {"S": (0.35, 0.35), "M": (0.5, 0.5), "L": (0.7, 0.7)}  # (width, depth) coefficients
 TEXT_TOWERS = {"S": (1, 96, 2), "M": (2, 128, 2), "L": (3, 160, 2)}  # (layers, hidden size, heads)
 
