@@ -568,3 +568,28 @@ def test_vtab1k_labels_are_bounded_before_anything_is_sized_by_them(tmp_path: Pa
     shipped = write_vtab_task(tmp_path / "vtab-1k", "eurosat", {"test": [1, 2]})
     (shipped / "test.txt").write_text("images/test/0.jpg 1\nimages/test/1.jpg 30000000\n")
     _one_line_error(lambda: load_classification(f"vtab1k:{shipped}"), f"{shipped / 'test.txt'}:2", "the 10 classes")
+
+
+@pytest.mark.parametrize(
+    ("layout", "write", "split"),
+    [
+        ("flowers102", write_flowers, "train"),
+        ("pets", write_pets, "test"),
+        ("cars", write_cars_devkit, "train"),
+        ("food101", write_food, "train"),
+        ("imagenet", write_imagenet, "val"),
+        ("vtab1k", lambda root: write_vtab_task(root, "eurosat", {"test": [5, 1]}), "test"),
+    ],
+)
+def test_a_relative_dataset_folder_is_read_from_another_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, write, split: str
+) -> None:
+    folder = write(tmp_path / "data" / layout)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    relative = Path("..") / folder.relative_to(tmp_path)
+    absolute = load_classification(f"{layout}:{folder}:{split}")
+    got = load_classification(f"{layout}:{relative}:{split}")
+    assert got.labels == absolute.labels and len(got.labels) > 0
+    assert [Path(n).resolve() for n in got.images.names] == [Path(n).resolve() for n in absolute.images.names]
+    assert len(list(got.images)) == len(got.labels)  # every image is found and decoded

@@ -122,17 +122,19 @@ def load_released(
     parsed = parse_spec(spec)
     if parsed is None:
         raise ValueError(f"{spec}: not a dataset spec; names: {', '.join(sorted(ALIASES))}")
-    if not parsed.root.is_dir():
+    # Absolute once here: the readers list files under the folder and a relative one would be joined twice.
+    root = parsed.root.absolute()
+    if not root.is_dir():
         raise FileNotFoundError(f"{parsed.root}: no such {parsed.name} directory")
     reader = _LAYOUTS[parsed.name]
-    read = reader(parsed.root, parsed.split, max_annotation_bytes)  # the lists and .mat files
+    read = reader(root, parsed.split, max_annotation_bytes)  # the lists and .mat files
     name, names = read.name, read.classnames
     if classnames:
         override = read_classnames(classnames, max_annotation_bytes=max_annotation_bytes)
         if len(override) != len(names):
             raise ValueError(f"{classnames}: {len(override)} class names for the {len(names)} classes of {name}")
         names = override
-    paths = resolve_images([[f] for f in _confined(parsed.root, read)], read.listed_in)
+    paths = resolve_images([[f] for f in _confined(root, read)], read.listed_in)
     images = ImageSource.from_files(paths, max_bytes=max_file_bytes)
     return ClassificationSet(name, list(names), list(read.class_ids), read.labels, images, read.skipped)
 
