@@ -172,8 +172,9 @@ def test_clip_benchmark_retrieval_equals_openalign_eval(checkpoint: Path, tmp_pa
     assert ours["pretrained"] == str(checkpoint) and ours["language"] == "en"
     assert set(ours["metrics"]) == set(theirs)
     for k in (1, 5, 10):
-        assert ours["metrics"][f"image_retrieval_recall@{k}"] == native["metrics"][f"t2i_r{k}"] / 100
-        assert ours["metrics"][f"text_retrieval_recall@{k}"] == native["metrics"][f"i2t_r{k}"] / 100
+        # No ties here, so the two rules agree.
+        assert ours["metrics"][f"image_retrieval_recall@{k}"] == pytest.approx(native["metrics"][f"t2i_r{k}"] / 100)
+        assert ours["metrics"][f"text_retrieval_recall@{k}"] == pytest.approx(native["metrics"][f"i2t_r{k}"] / 100)
     for key, value in theirs.items():
         assert ours["metrics"][key] == pytest.approx(value, abs=1e-6), key
     # Not a trivial agreement: a random tiny model gets some but not all of these.
@@ -207,18 +208,58 @@ def test_clip_benchmark_zeroshot_equals_openalign_eval(checkpoint: Path, tmp_pat
     print("zeroshot CLIP_benchmark", theirs, "openalign", ours["metrics"])
 
 
-def test_ties_count_against_the_query_in_openalign_not_in_clip_benchmark(checkpoint: Path, tmp_path: Path) -> None:
-    """The one convention that differs: with every image the same, all images tie for every caption.
-    CLIP_benchmark's ``topk`` hands the tie to one image, whose captions then score; openalign counts a
-    tie against the query, so a model that cannot tell the images apart gets no text→image recall."""
-    pairs = _karpathy(tmp_path / "data", ["red", "green", "blue", "yellow"], same_image=True)
-    model, transform, tokenizer = load_openalign(str(checkpoint))
-    loader = DataLoader(_Pairs(pairs, transform), batch_size=4, collate_fn=_collate)
-    theirs = zeroshot_retrieval.evaluate(model, loader, tokenizer, recall_k_list=[1], device="cpu", amp=False)
-    spec = ["--dataset", f"karpathy:{tmp_path / 'data' / 'dataset_flickr30k.json'}", "--images", str(tmp_path / "data")]
+def test_ties_follow_each_formats_own_rule(checkpoint: Path, tmp_path: Path) -> None:
+    """With every image the same, all images tie for every caption. CLIP_benchmark's ``topk`` hands the tie to
+    one image, whose captions then score, and its format writes that rule, run by CLIP_benchmark's own
+    ``recall_at_k`` on the embeddings `openalign eval` made; openalign's own recalls count a tie against the
+    query, so a model that cannot tell the images apart gets no text→image recall there."""
+    import openalign
+    from openalign.embed import embed_images, embed_texts
+    from openalign.eval.datasets import load_retrieval
+
+    _karpathy(tmp_path / "data", ["red", "green", "blue", "yellow"], same_image=True)
+    karpathy = tmp_path / "data" / "dataset_flickr30k.json"
+    spec = ["--dataset", f"karpathy:{karpathy}", "--images", str(tmp_path / "data")]
     ours = _eval(checkpoint, "retrieval", tmp_path / "cb", *spec)
-    assert ours["metrics"]["image_retrieval_recall@1"] == 0.0
-    assert theirs["image_retrieval_recall@1"] > 0.0
+    native = _openalign_eval(checkpoint, "retrieval", tmp_path / "native", *spec)
+
+    dataset = load_retrieval(f"karpathy:{karpathy}", str(tmp_path / "data"), "test")
+    model, tokenizer = openalign.load_model(checkpoint), openalign.load_tokenizer(checkpoint)
+    with torch.no_grad():  # as `_eval` embeds: images in batches of 3, captions in one
+        images = embed_images(model, dataset.images, batch_size=3, progress=False)
+        texts = embed_texts(model, tokenizer, dataset.captions, batch_size=256, progress=False)
+    scores = texts @ images.T
+    positive = torch.zeros_like(scores, dtype=torch.bool)
+    positive[torch.arange(len(scores)), torch.tensor(dataset.text_image_ids)] = True
+    for key, (s, p) in {"image": (scores, positive), "text": (scores.T, positive.T)}.items():
+        theirs = float((zeroshot_retrieval.recall_at_k(s, p, 1) > 0).float().mean())
+        assert ours["metrics"][f"{key}_retrieval_recall@1"] == pytest.approx(theirs, abs=1e-6), key
+    assert ours["metrics"]["image_retrieval_recall@1"] > 0.0 and native["metrics"]["t2i_r1"] == 0.0
+
+
+def test_topk_recalls_are_clip_benchmarks_on_sets_with_twin_images() -> None:
+    """``topk_recall_at_k`` against CLIP_benchmark's own ``recall_at_k`` and ``batchify``: 60 images of which
+    20 are one image repeated, 1–3 captions each, so that many queries meet exact ties."""
+    from openalign.eval.retrieval import recall_at_k, topk_recall_at_k
+
+    gen = torch.Generator().manual_seed(0)
+    images = torch.nn.functional.normalize(torch.randn(60, 16, generator=gen), dim=1)
+    images[40:] = images[40]
+    ids = torch.tensor([i for i in range(60) for _ in range(1 + i % 3)])
+    texts = torch.nn.functional.normalize(images[ids] + 0.9 * torch.randn(len(ids), 16, generator=gen), dim=1)
+    scores = texts @ images.T
+    positive = torch.zeros_like(scores, dtype=torch.bool)
+    positive[torch.arange(len(ids)), ids] = True
+    ks = (1, 5, 10)
+    got = topk_recall_at_k(images, texts, ids, ks, block_size=7)
+    for k in ks:
+        t2i = zeroshot_retrieval.batchify(zeroshot_retrieval.recall_at_k, scores, positive, 16, "cpu", k=k)
+        i2t = zeroshot_retrieval.batchify(zeroshot_retrieval.recall_at_k, scores.T, positive.T, 16, "cpu", k=k)
+        # Theirs is a float32 mean; one query more or less moves it by at least 100/60 points.
+        assert got[f"topk_t2i_r{k}"] == pytest.approx(100 * float((t2i > 0).float().mean()), abs=1e-4)
+        assert got[f"topk_i2t_r{k}"] == pytest.approx(100 * float((i2t > 0).float().mean()), abs=1e-4)
+    pessimistic = recall_at_k(images, texts, ids, ks)
+    assert pessimistic["t2i_r1"] < got["topk_t2i_r1"]  # the twins' ties are what the two rules differ on
 
 
 def test_loader_embeddings_equal_openalign_embed(checkpoint: Path) -> None:

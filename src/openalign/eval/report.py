@@ -196,11 +196,17 @@ def clip_benchmark_metrics(task: str, metrics: Mapping[str, Any], options: Mappi
     reports ``acc5`` as NaN for fewer than five classes, where top-5 is trivially right; so does this.
     """
     if task == "retrieval":
-        ks = sorted(int(m.group(1)) for key in metrics if (m := re.fullmatch(r"t2i_r(\d+)", key)))
+        # Its recalls hand ties out as torch.topk orders them, so its names carry the topk_ recalls, not ours.
+        ks = sorted(int(m.group(1)) for key in metrics if (m := re.fullmatch(r"topk_t2i_r(\d+)", key)))
+        if not ks:
+            raise ValueError(
+                "this retrieval result has no topk_t2i_r* recalls (CLIP_benchmark's tie rule); "
+                "rerun `openalign eval retrieval` to write it in CLIP_benchmark's format"
+            )
         out: dict[str, Any] = {}
         for k in ks:
-            out[f"image_retrieval_recall@{k}"] = _fraction(metrics[f"t2i_r{k}"])
-            out[f"text_retrieval_recall@{k}"] = _fraction(metrics[f"i2t_r{k}"])
+            out[f"image_retrieval_recall@{k}"] = _fraction(metrics[f"topk_t2i_r{k}"])
+            out[f"text_retrieval_recall@{k}"] = _fraction(metrics[f"topk_i2t_r{k}"])
         return out
     if task == "zeroshot":
         few = int(metrics.get("num_classes", 5)) < 5

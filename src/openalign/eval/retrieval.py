@@ -424,6 +424,42 @@ def recall_at_k(
     return out
 
 
+def topk_recall_at_k(
+    image_emb: Any,
+    text_emb: Any,
+    text_image_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    ks: Sequence[int] = DEFAULT_KS,
+    *,
+    block_size: int = 1024,
+) -> dict[str, float]:
+    """Recall at each K, in percent, with ties handed out as ``torch.topk`` orders them: CLIP_benchmark's rule.
+
+    A query hits at K when a correct item is among the K indices ``topk`` returns for its row of
+    caption × image scores (text→image) or of that matrix's transpose (image→text), each K its own ``topk``
+    as CLIP_benchmark calls it. Returns ``{"topk_i2t_r1", …, "topk_t2i_r10"}``; rows are scored
+    ``block_size`` queries at a time.
+    """
+    x, y, ids = _checked_inputs(image_emb, text_emb, text_image_ids)
+    ks = tuple(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"ks must be positive integers, got {list(ks)}")
+    caption_ids = ids.long()
+    hits = {f"topk_{name}_r{k}": 0 for name in ("i2t", "t2i") for k in ks}
+    for lo in range(0, y.shape[0], block_size):
+        scores = y[lo : lo + block_size] @ x.T
+        for k in ks:
+            top = torch.topk(scores, min(k, x.shape[0]), dim=1).indices
+            hits[f"topk_t2i_r{k}"] += int((top == caption_ids[lo : lo + block_size, None]).any(1).sum())
+    for lo in range(0, x.shape[0], block_size):
+        scores = (y @ x[lo : lo + block_size].T).T  # the caption × image matrix's columns, as CLIP_benchmark takes
+        for k in ks:
+            top = torch.topk(scores, min(k, y.shape[0]), dim=1).indices
+            own = caption_ids[top] == torch.arange(lo, lo + scores.shape[0])[:, None]
+            hits[f"topk_i2t_r{k}"] += int(own.any(1).sum())
+    counts = {"i2t": x.shape[0], "t2i": y.shape[0]}
+    return {key: 100.0 * n / counts[key.split("_")[1]] for key, n in hits.items()}
+
+
 # --------------------------------------------------------------------------------------------------
 # Retrieval against any set of positives
 
@@ -518,6 +554,7 @@ def evaluate_retrieval(
         )
     metrics: dict[str, Any] = recall_at_k(images, texts, dataset.text_image_ids)
     metrics["mean_recall"] = sum(metrics.values()) / len(metrics)
+    metrics.update(topk_recall_at_k(images, texts, dataset.text_image_ids))  # what --format clip_benchmark writes
     metrics["num_images"] = len(dataset.images)
     metrics["num_captions"] = len(dataset.captions)
     return metrics
