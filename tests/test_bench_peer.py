@@ -69,3 +69,27 @@ def test_inductors_backward_of_the_mended_pooling_is_eagers_of_the_shipped_one()
     ref_out, ref_grad = _forward_and_backward(shipped, x)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(grad, ref_grad)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "model", "--preset", "nano", "--image-size", "32", "--batch-size", "2", "--steps", "1"],
+        ["bench", "train", "--preset", "nano", "--image-size", "32", "--batch-size", "2", "--steps", "1"],
+        ["bench", "towers", "--preset", "nano", "--towers", "text"],
+    ],
+)
+def test_a_missing_baseline_package_is_one_line_naming_its_install(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without transformers (a `[serve]`-only install), the benches racing it stop before measuring anything."""
+    import importlib.util
+
+    from openalign.cli import main
+
+    real = importlib.util.find_spec
+    absent = lambda name, *a: None if name == "transformers" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", absent)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'pip install -e ".[hf]"' in err and "transformers" in err, err

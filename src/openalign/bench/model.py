@@ -24,7 +24,7 @@ import torch
 from openalign.bench.gradients import check as check_gradients
 from openalign.bench.gradients import report as report_gradients
 from openalign.bench.host import HostClock
-from openalign.bench.peer import align_model
+from openalign.bench.peer import align_model, require_baseline
 from openalign.bench.profile import keep_best, print_profiles
 from openalign.config import model_config
 from openalign.loss import contrastive_loss
@@ -265,6 +265,8 @@ def matmul_peak(device: str, bf16: bool) -> float:
 
 
 def run_model_bench(settings: BenchSettings) -> dict[str, Any]:
+    if settings.baseline:
+        require_baseline("transformers", "transformers' AlignModel")
     cfg = bench_config(settings)
     contenders = ["openalign", "transformers"] if settings.baseline else ["openalign"]
     best: dict[str, dict[str, Any]] = {}

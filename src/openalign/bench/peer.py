@@ -12,12 +12,25 @@ same mean written as ``x.mean((2, 3))``, whose backward every backend gets right
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 from torch import nn
 
+from openalign.config import ConfigError
 from openalign.model.hf import model_config_to_hf
+
+HF_INSTALL = 'pip install -e ".[hf]"'
+
+
+def require_baseline(package: str, baseline: str, instead: str = "--no-baseline to measure only ours") -> None:
+    """Refuse, in one line naming the install, a bench whose ``baseline`` needs ``package`` when it is absent:
+    the contender would otherwise fail in its own process after ours had run."""
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            f"the baseline ({baseline}) needs {package}, which is not installed: {HF_INSTALL} (or {instead})"
+        )
 
 
 class MapMean(nn.Module):

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from openalign.bench.peer import require_baseline
 from openalign.config import ModelConfig, model_config
 from openalign.model.dual_encoder import DualEncoder
 from openalign.model.hf import hf_state_to_ours
@@ -251,6 +252,7 @@ def run_towers_bench(settings: TowersBenchSettings) -> dict[str, Any]:
     model = DualEncoder(cfg).to(device).train()
     results: dict[str, list[dict[str, Any]]] = {}
     if settings.towers in ("both", "text"):
+        require_baseline("transformers", "transformers' BertModel", instead="--towers image")
         results["text"] = _rows(_time(text_contenders(model, settings), settings, device))
     if settings.towers in ("both", "image"):
         contenders = image_contenders(model, settings, size)

@@ -38,6 +38,7 @@ from openalign.bench.gradients import check as check_gradients
 from openalign.bench.gradients import report as report_gradients
 from openalign.bench.host import HostClock
 from openalign.bench.model import forward_flops, matmul_peak, peak_memory_mb
+from openalign.bench.peer import require_baseline
 from openalign.bench.profile import keep_best, print_profiles
 from openalign.bench.train_setup import TrainBenchSettings, model_cfg, shard_stream
 from openalign.data.transforms import model_resize
@@ -337,6 +338,8 @@ def run_train_bench(s: TrainBenchSettings) -> dict[str, Any]:
     s.validate()
     cfg = model_cfg(s)
     contenders = (["openalign", "transformers"] if s.baseline else ["openalign"]) if s.training and s.bare else []
+    if "transformers" in contenders:
+        require_baseline("transformers", "transformers' AlignModel in a training loop")
     if s.training and s.recipe:
         contenders.insert(1 if contenders else 0, "recipe")
     with tempfile.TemporaryDirectory(prefix="openalign-bench-train-") as tmp:
