@@ -331,3 +331,13 @@ def test_a_batch_the_gpu_cannot_hold_is_one_line_naming_the_batch_size(
         "openalign plot: error: out of GPU memory (allocating 2.50 GiB; the GPU holds 79.19 GiB, 1.02 GiB of it "
         "free): lower the batch size"
     ]
+
+
+def test_train_help_heads_each_tower_with_every_kind_the_recipes_pick(capsys: pytest.CaptureFixture[str]) -> None:
+    """A group's heading is its config's first docstring line; above a recipe that trains the convnet with mean
+    pooling it must not read as if only EfficientNet and the [CLS] vector existed."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    headings = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines() if line[:6] == "model."}
+    assert "EfficientNet" in headings["model.image"] and "convnet" in headings["model.image"]
+    assert "[CLS]" in headings["model.text"] and "mean" in headings["model.text"]

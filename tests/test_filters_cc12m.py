@@ -348,6 +348,27 @@ def test_a_pipeline_without_the_tagger_or_ner_a_rule_needs_is_refused_up_front(t
         filter_corpus(src, tmp_path / "api.parquet", cc12m(required_pos=["NOUN|PROPN", "DET"]), nlp=str(blank))
 
 
+def test_a_tagger_without_coarse_tags_is_named_as_such(tmp_path, capsys) -> None:
+    """A trained tagger with no attribute_ruler sets only fine-grained tags: the refusal says that, not that
+    the pipeline has no tagger."""
+    from spacy.training import Example
+
+    nlp = spacy.blank("en")
+    tagger = nlp.add_pipe("tagger")
+    for label in ("NN", "DT", "VBZ"):
+        tagger.add_label(label)
+    nlp.initialize()
+    example = Example.from_dict(nlp.make_doc("a dog runs"), {"tags": ["DT", "NN", "VBZ"]})
+    nlp.update([example])
+    nlp.to_disk(tmp_path / "fine_tags")
+    src = write_rows(tmp_path / "in.parquet", [row(0, "a dog runs on the beach")])
+    argv = ["filter", str(src), str(tmp_path / "out.parquet"), "--rules", "cc12m", "--quiet"]
+    assert main([*argv, "--set", "person_substitution=null", "--nlp", str(tmp_path / "fine_tags")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "components (tagger) set no coarse tag" in err, err
+    assert "no tagger" not in err
+
+
 @pytest.mark.slow
 def test_spark_and_duckdb_agree_on_every_cc12m_rule(tmp_path, pipeline, spark):
 

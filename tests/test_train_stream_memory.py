@@ -8,6 +8,7 @@ them with two batches of prefetch held 6.4 GB for this batch; the measurement st
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,16 @@ def test_a_budget_that_cannot_hold_a_batch_is_refused_naming_the_setting() -> No
     cfg = DataConfig(shards="x.tar", batch_size=16_384, prefetch_gb=4.0, workers=14)
     with pytest.raises(ConfigError, match=r"data\.prefetch_gb 4 cannot hold one batch of 16384 pairs at 289 px"):
         prefetch_pieces(cfg, 289)
+    tiny = DataConfig(shards="x.tar", batch_size=64, prefetch_gb=0.0001, workers=2)
+    with pytest.raises(ConfigError) as info:
+        prefetch_pieces(tiny, 64)
+    need = float(re.search(r"at least ([0-9.e-]+)", str(info.value)).group(1))  # type: ignore[union-attr]
+    assert f"({need:g} GB as uint8)" in str(info.value) and "0.00 GB" not in str(info.value)
+    tiny.prefetch_gb = need  # the figure named is enough, and no more than a tenth over
+    assert prefetch_pieces(tiny, 64) >= 1
+    tiny.prefetch_gb = need / 1.1
+    with pytest.raises(ConfigError):
+        prefetch_pieces(tiny, 64)
     cfg.prefetch_gb = 4.2
     # 4.2 GB holds 65 pieces of 256 pairs (a batch is 64 of them, 4.12 GB): 4 ahead for each of 14 workers.
     assert prefetch_pieces(cfg, 289) == 65 // 14

@@ -44,7 +44,7 @@ _B0_STRIDES = (1, 2, 2, 2, 1, 2, 1)
 
 @dataclass
 class ImageTowerConfig:
-    """EfficientNet image tower (Tan & Le 2019) as used by ALIGN: global average pool of the last block.
+    """The image tower: EfficientNet (Tan & Le 2019) as in ALIGN, or a plain convnet (family), average-pooled.
 
     ``family: convnet`` builds a plain stack of 3×3 convolutions instead (``openalign.model.convnet``: CPU-sized
     runs learn far more per second with it); of the fields below it reads ``conv_channels``, ``conv_strides`` and
@@ -86,7 +86,7 @@ class ImageTowerConfig:
 
 @dataclass
 class TextTowerConfig:
-    """BERT text tower (Devlin et al. 2019); the [CLS] vector of the last layer is the text feature."""
+    """The text tower: BERT (Devlin et al. 2019); its last layer's [CLS] vector or token mean (pooling)."""
 
     family: Literal["bert"] = "bert"
     num_layers: int = 12
@@ -102,10 +102,8 @@ class TextTowerConfig:
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
     gradient_checkpointing: bool = False
-    # The paper's text feature is the last layer's [CLS] vector. "mean" averages the last layer over the
-    # caption's tokens instead: a post-LN BERT trained from scratch (no masked-LM pretraining) starts with
-    # [CLS] vectors that are identical to 4 digits for every caption, so the contrastive loss has nothing
-    # to pull apart for hundreds of steps; the mean differs between captions from step 0.
+    # cls: the paper's text feature, the last layer's [CLS] vector; mean: its average over the caption's tokens,
+    # which differs between captions from the first step of a BERT trained from scratch.
     pooling: Literal["cls", "mean"] = "cls"
 
     @property

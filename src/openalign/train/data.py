@@ -935,6 +935,12 @@ def batch_bytes(cfg: DataConfig, image_size: int, rows: int | None = None) -> in
     return rows * (3 * image_size * image_size + 2 * 8 * cfg.max_text_length)
 
 
+def _two_digits_up(x: float) -> float:
+    """``x`` rounded up to two significant digits, so that a small need reads as itself and suffices."""
+    scale = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return math.ceil(round(x / scale, 9)) * scale
+
+
 def prefetch_pieces(cfg: DataConfig, image_size: int) -> int:
     """Pieces each worker may have decoded ahead: as many as ``data.prefetch_gb`` holds for all workers, and no
     more than two batches' worth, for each worker at least one. Raises ConfigError when the budget cannot hold a
@@ -944,11 +950,11 @@ def prefetch_pieces(cfg: DataConfig, image_size: int) -> int:
     piece = batch_bytes(cfg, image_size, piece_rows(cfg))
     workers = max(cfg.workers, 1)
     if budget < batch or budget < workers * piece:
-        need = max(batch, workers * piece) / GB
+        need = _two_digits_up(max(batch, workers * piece) / GB)
         raise ConfigError(
             f"data.prefetch_gb {cfg.prefetch_gb:g} cannot hold one batch of {cfg.batch_size} pairs at {image_size} px "
-            f"with {cfg.workers} workers ({need:.2f} GB as uint8); raise data.prefetch_gb to at least "
-            f"{math.ceil(need * 10) / 10:g} or lower the batch"
+            f"with {cfg.workers} workers ({need:g} GB as uint8); raise data.prefetch_gb to at least {need:g} "
+            "or lower the batch"
         )
     in_flight = min(int(budget // piece), 2 * pieces_per_batch(cfg))
     return max(1, in_flight // workers)

@@ -149,9 +149,18 @@ def check_backend(spec: str, *, pos: bool = False, persons: bool = False) -> Non
     probe = backend.analyze([POS_PROBE])[0]
     components = backend.components() if hasattr(backend, "components") else "?"
     if pos and not any(probe.pos):
+        names = set(backend.nlp.pipe_names) if hasattr(backend, "nlp") else set()
+        # A tagger alone sets fine-grained tags (Token.tag_); the coarse ones the rule reads come from a
+        # morphologizer or an attribute_ruler's tag map.
+        why = (
+            f"its components ({components}) set no coarse tag (Token.pos_): a tagger needs an attribute_ruler "
+            "mapping its tags, or a morphologizer"
+            if names & {"tagger", "morphologizer"}
+            else f"no tagger or morphologizer; components: {components}"
+        )
         raise NLPError(
-            f"spaCy pipeline '{spec}' tags no parts of speech (no tagger or morphologizer; components: "
-            f"{components}), so the missing_pos rule (required_pos) cannot run; {INSTALL_HINT}"
+            f"spaCy pipeline '{spec}' tags no parts of speech ({why}), so the missing_pos rule (required_pos) "
+            f"cannot run; {INSTALL_HINT}"
         )
     if persons and not probe.persons and hasattr(backend, "finds_entities") and not backend.finds_entities():
         raise NLPError(
