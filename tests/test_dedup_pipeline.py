@@ -60,6 +60,8 @@ def test_npy_embedder_finds_exactly_the_brute_force_pairs(tmp_path: Path, capsys
     with open(out / "duplicates.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(int(r["train_idx"]), int(r["test_idx"])) for r in rows} == truth
+    assert {(r["decided_by"], r["proposed_by"]) for r in rows} == {("embedding", "search")}
+    assert json.loads((out / "stats.json").read_text())["duplicate_pairs"] == len(rows)
     assert json.loads((out / "drop.json").read_text()) == sorted({i for i, _ in truth})
     assert f"{len(truth)} near-duplicate pairs" in capsys.readouterr().out
 

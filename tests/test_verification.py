@@ -297,3 +297,58 @@ def test_verify_votes_implies_verification(tmp_path: Path) -> None:
     phash_only = VerifyConfig(checks=["phash"])
     with pytest.raises(ConfigError, match="verify_votes needs the features check"):
         DedupRunConfig(embedder=f"copy-detector:{tmp_path}", verify_votes=True, verification=phash_only).validate()
+
+
+def test_votes_bookkeeping_agrees_across_stdout_stats_and_csv(photos: dict[str, Image.Image], tmp_path: Path) -> None:
+    """Every pair in duplicates.csv is counted once in stats.json and on stdout, each says which check accepted it
+    and whether the search or the votes proposed it, and the summary calls only the pairs above the threshold
+    pairs above it."""
+    import csv
+
+    from openalign.cli.data import dedup_summary
+    from openalign.model.copy_detector import CopyDetector
+    from openalign.pipeline.dedup import DedupRunConfig, Embedder, EmbedderSpec, run_dedup
+
+    train_dir, test_dir = tmp_path / "train", tmp_path / "test"
+    train_dir.mkdir()
+    test_dir.mkdir()
+    repost(photos["astronaut"], [("embed", 1.0)], random.Random(0)).save(train_dir / "page.png")
+    repost(photos["chelsea"], [("resize", 1.0), ("jpeg", 0.5)], random.Random(0)).save(train_dir / "cat_copy.png")
+    photos["coffee"].save(train_dir / "coffee_same.png")
+    photos["grace_hopper"].save(train_dir / "hopper.png")
+    for name in ("astronaut", "chelsea", "coffee"):
+        photos[name].save(test_dir / f"{name}.png")
+
+    class TinyImages(Embedder):
+        def embed(self, images: Iterable[Image.Image], *, batch_size: int = 64, progress: bool = False) -> np.ndarray:
+            return _tiny(list(images))
+
+    embedder = TinyImages(EmbedderSpec("copy-detector", tmp_path), CopyDetector())
+    # The exact copy of coffee (cosine 1) is above the band, where the embedding decides, the cat's thumbnail
+    # (0.9996) in it, where the pixels decide, and the page far below it, where only the votes find it.
+    cfg = DedupRunConfig(
+        embedder=f"copy-detector:{tmp_path}", verify_band=0.0009, verify_votes=True, threshold=0.999, verify_combo=1
+    )
+    run = run_dedup(train_dir, test_dir, tmp_path / "out", cfg, embedder=embedder)
+    with open(tmp_path / "out" / "duplicates.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    got = {(r["train_key"], r["test_key"]): (r["decided_by"], r["proposed_by"]) for r in rows}
+    assert set(got) == {("page", "astronaut"), ("cat_copy", "chelsea"), ("coffee_same", "coffee")}
+    assert got[("coffee_same", "coffee")] == ("embedding", "search")
+    assert got[("cat_copy", "chelsea")][0] in {"aligned", "phash", "features"}
+    assert got[("cat_copy", "chelsea")][1] == "search"
+    assert got[("page", "astronaut")] == ("features", "votes")
+    assert stats["duplicate_pairs"] == len(rows) == run.duplicate_pairs == 3
+    above = sum(float(r["cosine"]) > 0.999 for r in rows)
+    assert stats["pairs_above_threshold"] == above == 2
+    v = stats["verification"]
+    band = v["accepted_by_aligned_pixels"] + v["accepted_by_phash"] + v["accepted_by_features"] + v["rejected"]
+    assert band == v["pairs_verified"]
+    voted = v["voted"]
+    assert sum(voted.values()) == v["pairs_voted"] >= 1 and v["accepted_voted"] == voted["features"] == 1
+    summary = "\n".join(dedup_summary(run))
+    assert f"{len(rows)} near-duplicate pairs ({above} with cosine > 0.9990" in summary
+    assert f"{len(rows) - above} below it, accepted by their pixels; 1 proposed by votes" in summary
+    assert f"proposed by votes: {v['pairs_voted']} pairs, " in summary
+    assert f"(cosine in (0.998, 1.000]): {v['pairs_verified']} pairs, " in summary
