@@ -235,6 +235,23 @@ def test_a_picture_embedded_in_a_page_draws_the_votes_of_its_original(photos: di
         VerifyConfig(min_votes=0).validate()
 
 
+def test_a_test_image_present_twice_keeps_its_votes(photos: dict[str, Image.Image]) -> None:
+    # Lowe's ratio test compares a descriptor's two nearest references: a twin of the original would be the
+    # second nearest of every match and fail them all, so twins are indexed once and share the votes.
+    from openalign.data.verification import FeatureVotes
+
+    cfg = VerifyConfig()
+    names = ["astronaut", "chelsea", "coffee"]
+    refs = [features(photos[n], cfg, mirror=True) for n in names]
+    twin = features(photos["chelsea"].copy(), cfg, mirror=True)  # the same pixels, decoded twice
+    copy = features(repost(photos["chelsea"], [("crop", 0.5), ("jpeg", 0.5)], random.Random(0)), cfg)
+    alone = FeatureVotes(refs, cfg).votes(copy)
+    twinned = FeatureVotes([*refs, twin], cfg).votes(copy)
+    assert alone[1] >= 10 * cfg.min_votes
+    assert twinned.tolist() == [*alone.tolist(), alone[1]]
+    assert set(FeatureVotes([*refs, twin], cfg).candidates(copy).tolist()) == {1, 3}
+
+
 def test_dedup_with_votes_finds_a_picture_pasted_into_a_page(photos: dict[str, Image.Image], tmp_path: Path) -> None:
     from openalign.model.copy_detector import CopyDetector
     from openalign.pipeline.dedup import DedupRunConfig, Embedder, EmbedderSpec, run_dedup

@@ -31,6 +31,7 @@ OpenCV (``opencv-python-headless``, the ``verify`` extra) is needed only for ste
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,21 +187,39 @@ def features(image: Image.Image, config: VerifyConfig | None = None, *, mirror: 
     return out
 
 
+def _descriptor_digest(f: Features) -> bytes:
+    """A digest of an image's descriptors and its mirror's: equal for the same picture read twice."""
+    digest = hashlib.blake2b(digest_size=16)
+    for d in (f.descriptors, f.mirror_descriptors):
+        arr = np.zeros((0, 32), np.uint8) if d is None else np.ascontiguousarray(d)
+        digest.update(np.int64(len(arr)).tobytes())
+        digest.update(arr.tobytes())
+    return digest.digest()
+
+
 class FeatureVotes:
     """The references' ORB descriptors, and their mirrors', in one FAISS binary index (exact Hamming search):
     ``votes(query)`` counts, per reference, the query descriptors whose nearest indexed descriptor is that
     reference's and passes Lowe's ratio test against the second nearest. The memory is 32 bytes per reference
     keypoint (``keypoints`` per image, twice with the mirror) and each query costs a search of all of them, so it
-    suits a test set of thousands of images, not a crawl."""
+    suits a test set of thousands of images, not a crawl.
+
+    References with identical descriptors (the same picture twice in a test set) are indexed once and each gets
+    the votes: two copies of every descriptor would make each other the second nearest and fail every ratio
+    test."""
 
     def __init__(self, references: Sequence[Features], config: VerifyConfig | None = None):
         import faiss
 
         self.config = config or VerifyConfig()
         self.references = len(references)
+        # group[i]: the first reference with i's descriptors; only those first ones are indexed.
+        first: dict[bytes, int] = {}
+        self.group = np.array([first.setdefault(_descriptor_digest(f), i) for i, f in enumerate(references)], np.int64)
         parts = [
             (i, d)
             for i, f in enumerate(references)
+            if self.group[i] == i
             for d in (f.descriptors, f.mirror_descriptors)
             if d is not None and len(d)
         ]
@@ -219,7 +238,7 @@ class FeatureVotes:
         distances, labels = self.index.search(np.ascontiguousarray(query.descriptors), 2)
         passed = distances[:, 0] < self.config.ratio * distances[:, 1]
         np.add.at(out, self.owner[labels[passed, 0]], 1)
-        return out
+        return out[self.group]
 
     def candidates(self, query: Features) -> np.ndarray:
         """The references with at least ``min_votes`` votes from ``query``."""
