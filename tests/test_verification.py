@@ -129,7 +129,7 @@ def test_dedup_reports_who_decided_each_pair(photos: dict[str, Image.Image], tmp
 
 
 def test_shown_fraction_is_the_reference_area_inside_the_query() -> None:
-    from openalign.data.verification import shown_fraction
+    from openalign.data.verification import overlap_fractions, shown_fraction
 
     identity = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     assert shown_fraction(identity, (200, 100), (200, 100)) == 1.0
@@ -147,6 +147,12 @@ def test_shown_fraction_is_the_reference_area_inside_the_query() -> None:
     c, h = np.cos(np.pi / 4), 49.5
     turn = np.array([[c, -c, h - c * h + c * h], [c, c, h - c * h - c * h]])
     assert shown_fraction(turn, (100, 100), (100, 100)) == pytest.approx(2 * (np.sqrt(2) - 1))
+    # The share of the query inside the reference: all of a re-crop, a quarter of a page twice the picture's size.
+    assert overlap_fractions(crop, (160, 80), (200, 100)) == pytest.approx((0.64, 1.0))
+    page = identity + np.array([[0, 0, -100], [0, 0, -50]])
+    assert overlap_fractions(page, (400, 200), (200, 100)) == pytest.approx((1.0, 0.25))
+    half = identity + np.array([[0, 0, 100], [0, 0, 0]])  # the query's left half is the reference's right half
+    assert overlap_fractions(half, (200, 100), (200, 100)) == pytest.approx((0.5, 0.5))
 
 
 def test_a_zoom_into_a_detail_is_not_a_copy(photos: dict[str, Image.Image]) -> None:
@@ -166,6 +172,33 @@ def test_a_zoom_into_a_detail_is_not_a_copy(photos: dict[str, Image.Image]) -> N
         assert verify_pair(detail, reference, no_rule)[:2] == (True, "features")
         assert verify_pair(detail, reference, cfg)[:2] == (False, "rejected")
         assert verify_pair(features(zoom(0.6), cfg), reference, cfg)[:2] == (True, "features")
+
+
+def test_half_overlapping_crops_are_not_copies_unless_partial_copies_are_asked_for(
+    photos: dict[str, Image.Image],
+) -> None:
+    # Two crops of one photograph, each two thirds of its width, share half of each: the fit shows half of the
+    # reference and places half of the query inside it. A copy either shows most of its original or lies mostly
+    # inside it, whatever it was cropped, turned, padded or pasted into.
+    cfg, partial = VerifyConfig(checks=["features"]), VerifyConfig(checks=["features"], partial_copies=True)
+    copies = {
+        "crop": [("crop", 1.0)],
+        "crop+rotate": [("crop", 1.0), ("rotate", 1.0)],
+        "crop+pad": [("crop", 1.0), ("pad", 1.0)],
+        "embed": [("embed", 1.0)],
+        "crop+embed": [("crop", 0.67), ("embed", 0.67)],
+    }
+    for name in ("astronaut", "chelsea", "coffee"):
+        photo = photos[name]
+        w, h = photo.size
+        left, right = photo.crop((0, 0, 2 * w // 3, h)), photo.crop((w // 3, 0, w, h))
+        query, reference = features(left, cfg), features(right, cfg, mirror=True)
+        assert verify_pair(query, reference, partial)[:2] == (True, "features")
+        assert verify_pair(query, reference, cfg)[:2] == (False, "rejected")
+        original = features(photo, cfg, mirror=True)
+        for label, edits in copies.items():
+            copy = features(repost(photo, edits, random.Random(0)), cfg)
+            assert verify_pair(copy, original, cfg)[:2] == (True, "features"), (name, label)
 
 
 def test_each_reference_keypoint_is_matched_once() -> None:
