@@ -228,6 +228,10 @@ def dedup_summary(run: DedupRun) -> list[str]:
     for side, reasons in run.skipped.items():
         if reasons:
             lines.append(f"skipped {side} images: {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")
+    invalid = {side: int(st.get(f"{side}_skipped_invalid", 0)) for side in ("train", "test")}
+    if any(invalid.values()):
+        counted = " and ".join(f"{n:,} {side}" for side, n in invalid.items() if n)
+        lines.append(f"skipped {counted} embeddings that are NaN, infinite or zero (not compared)")
     if run.table is not None:
         m = run.table
         lines.append(f"metadata: {m['rows_in']:,} rows in, {m['rows_removed']:,} removed, {m['rows_out']:,} out")
