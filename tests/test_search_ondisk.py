@@ -1,7 +1,7 @@
 """On-disk IVF-PQ indexes built shard by shard from clip-retrieval's inference folders: recall against
 FAISS brute force, the merged lists bit-equal to one in-memory index, memory-mapped results equal to
 in-memory ones, build and serving memory that do not grow with the data, and one-line errors; a served
-version that keeps answering while its folder is rebuilt or removed."""
+version that keeps answering while its folder is rebuilt or removed, and damaged lists as server faults."""
 
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openalign.cli import main
+from openalign.data.held_file import DamagedFile
 from openalign.search.api import background_server, create_app, load_searcher
 from openalign.search.catalog import SearchIndex
 from openalign.search.disk_lists import LISTS, read_disk_index
 from openalign.search.imported import import_embeddings
 from openalign.search.index import AnnConfig, VectorStore
 from openalign.search.ondisk import TRAINED, build_disk_store
+from openalign.search.query import Query
 from test_search_import import _error
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -388,3 +390,68 @@ def _open_files() -> list[str]:
         with contextlib.suppress(OSError):  # the descriptor of the listing itself, closed by now
             found.append(os.readlink(f"/proc/self/fd/{fd}"))
     return found
+
+
+def _damage(path: Path, kind: str, at: int) -> None:
+    """Bytes of ``path`` at ``at`` inverted in place, or the file cut there (the same file, as a disk fault does)."""
+    with open(path, "r+b") as f:
+        if kind == "truncate":
+            f.truncate(at)
+            return
+        f.seek(at)
+        data = f.read(8)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("kind", ["codes", "ids", "truncate"])
+def test_damaged_lists_are_a_server_fault_that_names_no_path(
+    built: tuple[Path, np.ndarray], tmp_path: Path, kind: str
+) -> None:
+    copy = tmp_path / "index"
+    shutil.copytree(built[0], copy)
+    searcher = load_searcher(copy)
+    probed = searcher.index.store("image").probe.__self__  # type: ignore[union-attr]
+    queries = _unit(built[1][::90])
+    _, probe = probed.ivf.quantizer.search(queries, probed.ivf.nprobe)
+    hit = int(probe[0].max())  # a list the first query probes; lists lie in the file in their order
+    clear = next(q for q in range(len(queries)) if probe[q].max() < hit)  # one that reads only lists before it
+    with TestClient(create_app(searcher), raise_server_exceptions=False) as http:
+
+        def ask(q: int) -> httpx.Response:
+            return http.post("/search", json={"embedding": queries[q].tolist(), "k": 10})
+
+        before = ask(clear).json()["results"]
+        at = int(probed.ids_at[hit] if kind == "ids" else probed.codes_at[hit]) + (8 if kind == "codes" else 0)
+        _damage(copy / "image" / LISTS, kind, at)
+        for _ in range(2):  # the same answer every time, not a one-off
+            response = ask(0)
+            assert response.status_code == 500, response.text
+            detail = response.json()["detail"]
+            assert "damaged" in detail and LISTS in detail and "/" not in detail, detail
+            assert str(tmp_path) not in response.text
+        # Lists the damage did not reach still answer, as before.
+        assert ask(clear).status_code == 200 and ask(clear).json()["results"] == before
+    with pytest.raises(DamagedFile, match=LISTS):
+        searcher.search(Query(embedding=queries[0].tolist(), k=10))
+
+
+def test_damaged_rows_and_lists_cut_before_loading_are_one_line(
+    built: tuple[Path, np.ndarray], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "index"
+    shutil.copytree(built[0], copy)
+    query = _unit(built[1][:1])[0].tolist()
+    searcher = load_searcher(copy)
+    rows = copy / "image" / "rows.bin"
+    _damage(rows, "codes", rows.stat().st_size // 2)
+    _damage(rows, "codes", 0)  # the first result's row is id 0, the query's own vector
+    with TestClient(create_app(searcher), raise_server_exceptions=False) as http:
+        response = http.post("/search", json={"embedding": query, "k": 10})
+    assert response.status_code == 500 and "rows.bin" in response.json()["detail"], response.text
+    assert str(tmp_path) not in response.text
+    lists = copy / "image" / LISTS
+    _damage(lists, "truncate", lists.stat().st_size - 1)
+    (tmp_path / "q.json").write_text(json.dumps(query))
+    line = _error(capsys, ["search", str(copy), "--embedding", str(tmp_path / "q.json")])
+    assert f"{lists}: truncated" in line, line

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -31,6 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
+from openalign.data.held_file import DamagedFile
 from openalign.data.sources import BadInput, read_file
 from openalign.data.transforms import BadImage
 from openalign.search.build import make_thumbnail
@@ -164,6 +166,13 @@ def create_app(
     @app.exception_handler(Exception)
     async def unexpected(_request: Any, err: Exception) -> JSONResponse:
         return JSONResponse({"detail": f"internal error: {type(err).__name__}"}, status_code=500)
+
+    @app.exception_handler(DamagedFile)
+    async def damaged(_request: Any, err: DamagedFile) -> JSONResponse:
+        # The server's log names the file; the client learns what is damaged, not where the server keeps it.
+        print(f"error: {err.path}: {err.reason}", file=sys.stderr)
+        detail = f"internal error: the index is damaged ({err.public()}); rebuild it"
+        return JSONResponse({"detail": detail}, status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Any, err: RequestValidationError) -> JSONResponse:

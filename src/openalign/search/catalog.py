@@ -9,6 +9,7 @@ Layout::
     INDEX/image/thumbs.bin         JPEG thumbnails back to back; thumbs.idx.npy holds N+1 offsets
     INDEX/image/ann.json, faiss.index   the approximate index, when the store is large enough
     INDEX/image/lists.ivfdata      an on-disk IVF-PQ index's inverted lists (read by the lists probed)
+    INDEX/image/lists.crc32.npy    the CRC-32 of each list's codes and ids, checked as a list is read
     INDEX/image/rows.bin           imported indexes: each metadata row as JSON, back to back; rows.idx.npy
                                    holds N+1 offsets, so serving reads only the rows of its results
     INDEX/text/...                 the caption store: id, image_id, key, caption
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from openalign.data.held_file import HeldFile
+from openalign.data.held_file import DamagedFile, HeldFile
 from openalign.data.npy_rows import npy_header
 from openalign.search.index import VectorStore, read_json, read_matrix
 
@@ -121,7 +122,15 @@ class RowFile:
         bad = ids[(ids < 0) | (ids >= self.num_rows)]
         if len(bad):
             raise IndexError(f"row {int(bad[0])} is out of range for {self.num_rows} rows")
-        return [json.loads(self.rows_file.read(end - start, start)) for start, end in self._bounds(ids).tolist()]
+        out = []
+        for (start, end), row in zip(self._bounds(ids).tolist(), ids.tolist(), strict=True):
+            try:
+                if not 0 <= start <= end:
+                    raise ValueError("offsets out of order")
+                out.append(json.loads(self.rows_file.read(end - start, start)))
+            except ValueError:  # JSON and UTF-8 errors are ValueErrors
+                raise DamagedFile(self.rows_path, f"row {row} is not the JSON object {ROWS_INDEX} points to") from None
+        return out
 
 
 def write_rows(directory: Path, tables: Iterable[pa.Table], batch_rows: int = 65_536) -> int:

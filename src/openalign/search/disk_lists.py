@@ -1,4 +1,5 @@
-"""An on-disk IVF-PQ index opened for search: ``faiss.index`` with its inverted lists in ``lists.ivfdata``.
+"""An on-disk IVF-PQ index opened for search: ``faiss.index`` with its inverted lists in ``lists.ivfdata``
+and a CRC-32 of each list's codes and of its ids in ``lists.crc32.npy``.
 
 ``read_disk_index`` opens it with the lists memory-mapped by FAISS (or copied into memory); ``ProbedLists``
 searches it reading only the lists a group of queries probes, with ``pread`` through a descriptor opened
@@ -14,15 +15,17 @@ import ctypes
 import os
 import sys
 import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from openalign.data.held_file import HeldFile
+from openalign.data.held_file import DamagedFile, HeldFile
 
 LISTS = "lists.ivfdata"
+CHECKSUMS = "lists.crc32.npy"  # uint32 [nlist, 2]: CRC-32 of each list's codes, then of its ids
 
 
 @contextlib.contextmanager
@@ -78,10 +81,12 @@ class ProbedLists:
     scored by the same ``search_preassigned`` after the same coarse search. A group holds at most
     ``budget_bytes`` of lists (one query's lists at least), so memory is a setting, not the index's size.
 
-    The lists file is opened once, here: a file moved over its path later changes nothing read.
+    The lists file is opened once, here. Each list read is checked against its recorded CRC-32 (where the
+    index has them, which ``require_checksums`` demands) and its ids against the index's size: damage is
+    ``DamagedFile``, never a wrong answer.
     """
 
-    def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20):
+    def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20, require_checksums: bool = False):
         import faiss
 
         self.index, self.path, self.budget = index, lists_path, budget_bytes  # the index owns the IVF part used below
@@ -100,7 +105,8 @@ class ProbedLists:
         del entries, table, disk
         end = int((self.ids_at + self.sizes * 8).max(initial=0))
         if self.file.size() < end:
-            raise ValueError(f"{lists_path}: truncated, {self.file.size()} bytes where its lists end at {end}")
+            raise DamagedFile(lists_path, f"truncated, {self.file.size()} bytes where its lists end at {end}")
+        self.checksums = read_checksums(lists_path.with_name(CHECKSUMS), self.ivf.nlist, require_checksums)
         self._swap_lists()  # frees the mapped lists
         self.lock = threading.Lock()  # the index's lists are replaced for each group of queries
 
@@ -133,11 +139,16 @@ class ProbedLists:
         return groups
 
     def _read(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """List ``n``'s codes and ids."""
+        """List ``n``'s codes and ids, checked against its checksums and the index's size."""
         size = int(self.sizes[n])
         codes = self.file.read(size * self.ivf.code_size, int(self.codes_at[n]))
         ids = self.file.read(size * 8, int(self.ids_at[n]))
-        return np.frombuffer(codes, np.uint8), np.frombuffer(ids, np.int64)
+        if self.checksums is not None and (zlib.crc32(codes), zlib.crc32(ids)) != tuple(self.checksums[n].tolist()):
+            raise DamagedFile(self.path, f"list {n} fails its checksum")
+        found = np.frombuffer(ids, np.int64)
+        if found.min() < 0 or found.max() >= self.ivf.ntotal:
+            raise DamagedFile(self.path, f"list {n} holds ids outside [0, {self.ivf.ntotal})")
+        return np.frombuffer(codes, np.uint8), found
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import faiss
@@ -158,3 +169,18 @@ class ProbedLists:
                 finally:
                     self._swap_lists()  # frees this group's lists
         return scores, ids
+
+
+def read_checksums(path: Path, nlist: int, required: bool) -> np.ndarray | None:
+    """The lists' recorded checksums, None where an index has none and none are ``required``."""
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path}: missing; the index records a checksum for each of its lists")
+        return None
+    try:
+        sums: np.ndarray = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as err:
+        raise DamagedFile(path, f"not a checksum table ({err})") from None
+    if sums.shape != (nlist, 2) or sums.dtype != np.uint32:
+        raise DamagedFile(path, f"expected uint32 [{nlist}, 2] checksums, found {sums.dtype} {list(sums.shape)}")
+    return sums

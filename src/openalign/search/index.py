@@ -291,7 +291,8 @@ class VectorStore:
 
             store.read_rows = rows.take
             if mmap:
-                store.probe = ProbedLists(ann, d / LISTS).search
+                checked = bool(store.params.get("list_checksums"))
+                store.probe = ProbedLists(ann, d / LISTS, require_checksums=checked).search
         return store
 
 
