@@ -25,7 +25,6 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, HTTPException
 from fastapi import Path as PathParam
 from fastapi import Query as QueryParam
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -34,7 +33,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from openalign.data.sources import BadInput, read_file
 from openalign.data.transforms import BadImage
 from openalign.search.build import make_thumbnail
-from openalign.search.guard import ApiKeyGuard, BodyGuard, MemoryBudget, StrictJSONRoute, printable
+from openalign.search.guard import (
+    ApiKeyGuard,
+    BodyGuard,
+    BodyShape,
+    MemoryBudget,
+    StrictJSONRoute,
+    capped_errors,
+)
 from openalign.search.query import MAX_K, Query, Searcher
 from openalign.search.served import Indexes
 from openalign.search.uploads import (
@@ -133,6 +139,7 @@ def create_app(
     request_memory_bytes: int = DEFAULT_REQUEST_MEMORY,
     api_key: str | None = None,
     reload_check_s: float = -1.0,
+    body_shape: BodyShape | None = None,
 ) -> FastAPI:
     """The search app over ``searcher``.
 
@@ -142,7 +149,8 @@ def create_app(
     ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503. With ``api_key`` every
     route but ``/health`` needs it. ``searcher`` may be a mapping of names to searchers, one per index. With
     ``reload_check_s`` ≥ 0 a version of an index that ``index build`` grew is swapped in (``Indexes``) at most
-    that many seconds after a request notices it; below 0, the indexes served stay those given.
+    that many seconds after a request notices it; below 0, the indexes served stay those given. JSON bodies
+    larger in structure than ``body_shape`` allows get a one-line 422 before they are validated.
     """
     from openalign.search.clip_retrieval import add_clip_retrieval_routes
 
@@ -153,6 +161,7 @@ def create_app(
         description="Text → image, image → image, image → text and image ± text search over ALIGN embeddings.",
     )
     app.router.route_class = StrictJSONRoute
+    app.state.body_shape = body_shape = body_shape or BodyShape()
     decode_budget = DecodeBudget(decode_budget_bytes, wait_s=decode_wait_s)
 
     def decode(data: str, searcher: Searcher) -> Any:
@@ -167,7 +176,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Any, err: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": printable(jsonable_encoder(err.errors()))}, status_code=422)
+        return JSONResponse({"detail": capped_errors(list(err.errors()), body_shape)}, status_code=422)
 
     @app.get("/health", response_model=Health)
     def health() -> dict:

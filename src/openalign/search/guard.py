@@ -9,7 +9,9 @@ room and then refused (503). A body that has not arrived in time has its connect
 once the client has stopped sending: what it still sends is read and dropped (for at most another read
 timeout), since closing on unread bytes resets the connection and the client never reads why. Python's JSON
 parser accepts NaN, Infinity and 1e400 (as inf), which no validation error can then print as JSON; such
-a body gets a one-line 422 and leaves the connection usable.
+a body gets a one-line 422 and leaves the connection usable. So does a body too large in structure
+(``BodyShape``: keys, items, depth) for its validation errors to be worth building; other bodies are parsed
+and validated in a worker thread, and their errors listed up to a count.
 """
 
 from __future__ import annotations
@@ -22,17 +24,22 @@ import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import HTTPException, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 
 # A JSON body is held as bytes, then as the text json.loads decodes, then as the parsed image string.
 BODY_COPIES = 3
 # A client silent this long after the read timeout has stopped sending: its 408 can go and the connection close.
 QUIET_S = 0.5
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+# Items of a list (or keys of an object) a validation error shows of the input it names.
+PRINTED_ITEMS = 16
 
 
 async def reply(
@@ -259,40 +266,125 @@ def _finite_float(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class BodyShape:
+    """How large a JSON body may be by structure, checked before it is validated.
+
+    A body within the size limit can still hold hundreds of thousands of keys or items, each of which would
+    cost a validation error; such a body is refused with one line before parsing (from counts of its ``:``,
+    ``,`` and brackets, which no valid query comes near) or right after (per object, per list and in depth).
+    """
+
+    max_keys: int = 64  # keys in one JSON object
+    max_items: int = 16384  # items in one JSON list
+    max_depth: int = 8  # objects and lists nested in each other
+    max_tokens: int = 65536  # ':', ',' or opening brackets in the whole body (text inside strings counts too)
+    max_errors: int = 20  # validation errors listed in one reply
+
+
+def _refuse(detail: str) -> HTTPException:
+    return HTTPException(422, f"request body: {detail}")
+
+
+def check_bytes(body: bytes, shape: BodyShape) -> None:
+    """Refuse a body whose separators alone show it is far larger in structure than any query (C-speed counts)."""
+    limit = shape.max_tokens
+    if body.count(b":") > limit:
+        raise _refuse(f"more than {limit} keys; a query has a few dozen at most")
+    if body.count(b",") > limit:
+        raise _refuse(f"more than {limit} items; a list holds at most {shape.max_items}")
+    if body.count(b"[") + body.count(b"{") > limit:
+        raise _refuse(f"nested too deep or too many lists and objects (more than {limit})")
+
+
+def check_shape(value: Any, shape: BodyShape) -> None:
+    """Refuse a parsed body with an object of too many keys, a list of too many items, or too deep."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+            if len(node) > shape.max_keys:
+                raise _refuse(f"an object with {len(node)} keys, more than {shape.max_keys}")
+        elif isinstance(node, list):
+            children = node
+            if len(node) > shape.max_items:
+                raise _refuse(f"a list of {len(node)} items, more than {shape.max_items}")
+        else:
+            continue
+        if depth > shape.max_depth:
+            raise _refuse(f"nested deeper than {shape.max_depth} levels")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def capped_errors(errors: list[Any], shape: BodyShape) -> list[Any]:
+    """The first ``max_errors`` validation errors, printable, and a note of how many more there were."""
+    shown = [printable(error) for error in jsonable_encoder(errors[: shape.max_errors])]
+    if len(errors) > shape.max_errors:
+        more = len(errors) - shape.max_errors
+        shown.append({"type": "more_errors", "loc": ["body"], "msg": f"{more} more errors not shown"})
+    return shown
+
+
 class StrictJSONRequest(Request):
-    """A request whose JSON body may hold only finite numbers (Python's parser accepts NaN and Infinity)."""
+    """A request whose JSON body may hold only finite numbers (Python's parser accepts NaN and Infinity),
+    within ``BodyShape``, parsed and validated against ``body_field`` in a worker thread."""
+
+    body_field: Any = None
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            try:
-                self._json = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
-            except NonFiniteNumber as err:
-                raise HTTPException(422, str(err)) from None
+            shape = getattr(self.app.state, "body_shape", None) or BodyShape()
+            self._json = await run_in_threadpool(self._parse, body, shape)
         return self._json
+
+    def _parse(self, body: bytes, shape: BodyShape) -> Any:
+        check_bytes(body, shape)
+        try:
+            value = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+        except NonFiniteNumber as err:
+            raise HTTPException(422, str(err)) from None
+        except RecursionError:
+            raise _refuse(f"nested deeper than {shape.max_depth} levels") from None
+        check_shape(value, shape)
+        if self.body_field is not None:
+            # Errors are built here, off the event loop, and capped; a valid body is validated again by the route.
+            _, errors = self.body_field.validate(value, {}, loc=("body",))
+            if errors:
+                raise HTTPException(422, capped_errors(list(errors), shape))
+        return value
 
 
 class StrictJSONRoute(APIRoute):
-    """A route that parses its body with ``StrictJSONRequest``: non-finite numbers get a one-line 422."""
+    """A route that parses its body with ``StrictJSONRequest``: non-finite numbers and bodies outside
+    ``BodyShape`` get a one-line 422, and validation errors are built in a worker thread."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        body_field = self.body_field
 
         async def strict(request: Request) -> Response:
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            strict_request = StrictJSONRequest(request.scope, request.receive)
+            strict_request.body_field = body_field
+            return await handler(strict_request)
 
         return strict
 
 
 def printable(value: Any) -> Any:
-    """``value`` (validation errors) with non-finite floats as text and long strings cut, so that the
-    error itself is valid JSON and does not echo a whole upload back."""
+    """``value`` (validation errors) with non-finite floats as text and long strings, lists and objects cut,
+    so that the error itself is valid JSON and does not echo a whole upload back."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, str) and len(value) > 200:
         return value[:200] + "…"
     if isinstance(value, dict):
-        return {k: printable(v) for k, v in value.items()}
+        shown = {k: printable(v) for k, v in list(value.items())[:PRINTED_ITEMS]}
+        if len(value) > PRINTED_ITEMS:
+            shown["…"] = f"{len(value) - PRINTED_ITEMS} more keys"
+        return shown
     if isinstance(value, (list, tuple)):
-        return [printable(v) for v in value]
+        items = [printable(v) for v in value[:PRINTED_ITEMS]]
+        return [*items, f"… {len(value) - PRINTED_ITEMS} more items"] if len(value) > PRINTED_ITEMS else items
     return value
