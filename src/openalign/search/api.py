@@ -289,9 +289,18 @@ class ServeConfig:
     request_memory_mb: float = 256.0  # request bodies (and parsed copies) held at once; more wait, then 503
     api_key: str | None = None  # key every route but /health requires (default: $OPENALIGN_API_KEY)
     reload_check_s: float = 2.0  # seconds between looks for a new version from index build, swapped in live; -1: never
+    # a connection whose request head has not fully arrived this long after it opened or got its answer is closed
+    header_timeout_s: float = 10.0
+    keep_alive_s: int = 5  # a connection idle this many seconds after its answer is closed
+    # connections open at once (lowered to fit the open-file limit); past it the longest-idle one is closed, else 503
+    max_connections: int = 1000
+
+    def limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.header_timeout_s, self.keep_alive_s, self.max_connections)
 
     def validate(self) -> None:
-        for name in ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb"):
+        names = ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb", "header_timeout_s")
+        for name in (*names, "keep_alive_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not (self.reload_check_s == -1 or 0 <= self.reload_check_s < float("inf")):
@@ -322,28 +331,51 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a connection may take to send its request head or stay idle, and how many may be open."""
+
+    header_timeout_s: float = 10.0
+    keep_alive_s: int = 5
+    max_connections: int = 1000
+
+
+def uvicorn_config(app: FastAPI, limits: ConnectionLimits, **options: Any) -> Any:
+    """uvicorn's settings for ``app`` with the header deadline, keep-alive time and connection cap of ``limits``
+    (the cap and the listening backlog fitted to the open-file limit)."""
+    import uvicorn
+
+    from openalign.search.guard import connection_cap, guarded_protocol
+
+    cap, backlog = connection_cap(limits.max_connections)
+    protocol = guarded_protocol(limits.header_timeout_s, cap)
+    return uvicorn.Config(app, http=protocol, timeout_keep_alive=limits.keep_alive_s, backlog=backlog, **options)
+
+
 def serve(
     app: FastAPI,
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
     sock: socket.socket | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Run ``app`` with uvicorn until interrupted, on ``sock`` (from ``listen``) when given, else binding
-    ``host:port``; freed image buffers go back to the system at once."""
+    ``host:port``, within the connection ``limits``; freed image buffers go back to the system at once."""
     import uvicorn
 
     unmap_large_frees()
     access_log = log_level in ("debug", "info")
-    if sock is None:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
-        return
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
-    uvicorn.Server(config).run(sockets=[sock])
+    config = uvicorn_config(
+        app, limits or ConnectionLimits(), host=host, port=port, log_level=log_level, access_log=access_log
+    )
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 
 @contextmanager
-def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+def background_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None
+) -> Iterator[str]:
     """Run ``app`` under uvicorn in a background thread; yields its base URL and stops it on exit.
 
     ``port=0`` binds a free port. Useful in notebooks and tests that need a real HTTP server.
@@ -353,8 +385,7 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> I
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, limits or ConnectionLimits(), log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from fastapi import HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
@@ -287,13 +288,23 @@ def _refuse(detail: str) -> HTTPException:
 
 
 def check_bytes(body: bytes, shape: BodyShape) -> None:
-    """Refuse a body whose separators alone show it is far larger in structure than any query (C-speed counts)."""
+    """Refuse a body whose separators alone show it is far larger in structure than any query.
+
+    The counts run in NumPy, which lets other threads run meanwhile; a body shorter than the limit is within it.
+    """
     limit = shape.max_tokens
-    if body.count(b":") > limit:
+    if len(body) <= limit:
+        return
+    data = np.frombuffer(body, np.uint8)
+
+    def count(*chars: bytes) -> int:
+        return sum(int(np.count_nonzero(data == ord(char))) for char in chars)
+
+    if count(b":") > limit:
         raise _refuse(f"more than {limit} keys; a query has a few dozen at most")
-    if body.count(b",") > limit:
+    if count(b",") > limit:
         raise _refuse(f"more than {limit} items; a list holds at most {shape.max_items}")
-    if body.count(b"[") + body.count(b"{") > limit:
+    if count(b"[", b"{") > limit:
         raise _refuse(f"nested too deep or too many lists and objects (more than {limit})")
 
 
@@ -388,3 +399,85 @@ def printable(value: Any) -> Any:
         items = [printable(v) for v in value[:PRINTED_ITEMS]]
         return [*items, f"… {len(value) - PRINTED_ITEMS} more items"] if len(value) > PRINTED_ITEMS else items
     return value
+
+
+# Descriptors kept back from connections for the index's files, images served and the listening socket.
+FD_RESERVE = 64
+_BUSY = b'{"detail":"the server has too many open connections; retry later"}'
+BUSY_REPLY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 5\r\n"
+    b"connection: close\r\ncontent-length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY
+)
+
+
+def connection_cap(max_connections: int) -> tuple[int, int]:
+    """(connections, backlog): ``max_connections`` lowered to what the open-file limit leaves after
+    ``FD_RESERVE`` and the backlog, which asyncio accepts in one go before any connection can be closed."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections, 2048
+    room = max(2, soft - FD_RESERVE)
+    backlog = max(1, min(2048, room // 4))
+    return max(1, min(max_connections, room - backlog)), backlog
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol that closes a connection whose request headers have not fully arrived within
+    ``header_timeout_s`` of its opening or its last answer, and keeps at most ``max_connections`` open.
+
+    Past the cap the connection waiting longest for its headers is closed to make room, so idle sockets
+    cannot crowd out a client that asks; with none waiting (all busy) the new one gets a 503.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        header_timer: asyncio.TimerHandle | None = None
+        waiting_since = 0.0
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            if len(self.connections) > max_connections and not self._evict():
+                transport.write(BUSY_REPLY)  # type: ignore[attr-defined]
+                transport.close()
+                return
+            self._arm()
+
+        def waiting(self) -> bool:
+            """Whether this connection is open and has not sent a whole request head since its last answer."""
+            return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
+        def _evict(self) -> bool:
+            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol) and c.waiting()]
+            if not idle:
+                return False
+            min(idle, key=lambda c: c.waiting_since).transport.close()
+            return True
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.waiting_since = self.loop.time()
+            self.header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def _header_timeout(self) -> None:
+            self.header_timer = None
+            if self.waiting():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
