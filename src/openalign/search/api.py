@@ -104,7 +104,7 @@ class Health(BaseModel):
     captions: int
     embed_dim: int
     index: dict[str, str]
-    model: str | None = None
+    model: str | None = Field(None, description="the model's name (its folder), without its path")
 
 
 class Error(BaseModel):
@@ -181,7 +181,9 @@ def create_app(
     @app.get("/health", response_model=Health)
     def health() -> dict:
         first = indexes.get(None)[1]
-        return {"status": "ok", **first.index.summary(), "model": first.model_name}
+        # /health is open without the API key, so it names the model by its folder, never its path on disk.
+        model = Path(first.model_name).name if first.model_name else None
+        return {"status": "ok", **first.index.summary(), "model": model}
 
     @app.post("/search", response_model=SearchResponse, responses=errors)
     def search(request: SearchRequest) -> dict:
