@@ -259,6 +259,21 @@ def test_cli_on_npy_embeddings(tmp_path, capsys) -> None:
     assert "near-duplicate pairs" in capsys.readouterr().out
 
 
+def test_cli_summary_counts_the_rows_it_could_not_compare(tmp_path, capsys) -> None:
+    from openalign.cli import main
+
+    train, test, _ = _world(n_train=600, n_test=250, seed=8)
+    train[[3, 9]] = np.nan
+    train[4] = 0.0
+    test[7] = np.inf
+    np.save(tmp_path / "train.npy", train)
+    np.save(tmp_path / "test.npy", test)
+    argv = ["dedup", str(tmp_path / "train.npy"), str(tmp_path / "test.npy"), str(tmp_path / "out"), "--quiet"]
+    assert main([*argv, "--clusters", "20"]) == 0
+    said = capsys.readouterr().out
+    assert "skipped 3 train and 1 test embeddings that are NaN, infinite or zero" in said
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     from openalign.cli import main
 

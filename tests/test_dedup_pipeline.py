@@ -60,6 +60,8 @@ def test_npy_embedder_finds_exactly_the_brute_force_pairs(tmp_path: Path, capsys
     with open(out / "duplicates.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(int(r["train_idx"]), int(r["test_idx"])) for r in rows} == truth
+    assert {(r["decided_by"], r["proposed_by"]) for r in rows} == {("embedding", "search")}
+    assert json.loads((out / "stats.json").read_text())["duplicate_pairs"] == len(rows)
     assert json.loads((out / "drop.json").read_text()) == sorted({i for i, _ in truth})
     assert f"{len(truth)} near-duplicate pairs" in capsys.readouterr().out
 
@@ -112,7 +114,7 @@ def test_copy_detector_trained_on_the_command_line_finds_the_planted_copies(tmp_
     argv = ["copy-detector", "train", str(train_dir), str(detector), "--image-size", "32", "--steps", "3"]
     assert main([*argv, "--batch-size", "8", "--warmup-steps", "1", "--quiet"]) == 0
     said = capsys.readouterr().out
-    assert "trained 3 steps" in said and "24 distinct images" in said and "1 unreadable" in said
+    assert "trained 3 steps" in said and "24 distinct images" in said and "1 unreadable: corrupt 1" in said
     meta = json.loads((detector / "config.json").read_text())
     assert meta["architecture"] == "copy_detector" and meta["train"]["skipped"] == {"corrupt": 1}
 
@@ -128,6 +130,21 @@ def test_copy_detector_trained_on_the_command_line_finds_the_planted_copies(tmp_
     assert stats["train_n"] == 24 and stats["test_n"] == 7 and stats["images_skipped"]["train"] == {"corrupt": 1}
     assert np.load(out / "train_emb.npy").shape == (24, meta["model"]["embed_dim"])
     assert len(json.loads((out / "test_keys.json").read_text())) == 7
+
+
+def test_copy_detector_train_names_the_reasons_it_skipped(tmp_path: Path, capsys) -> None:
+    world = SyntheticWorld(seed=3, image_size=32)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(6):
+        world.render(world.scene(i)).save(folder / f"s{i}.png")
+    (folder / "text.png").write_bytes(b"not an image")
+    (folder / "empty.png").write_bytes(b"")
+    whole = (folder / "s0.png").read_bytes()
+    (folder / "cut.png").write_bytes(whole[: len(whole) // 2])  # a truncated file
+    argv = ["copy-detector", "train", str(folder), str(tmp_path / "det"), "--image-size", "32", "--steps", "1"]
+    assert main([*argv, "--batch-size", "4", "--warmup-steps", "0", "--quiet"]) == 0
+    assert "(skipped 3 unreadable: corrupt 2, empty 1)" in capsys.readouterr().out
 
 
 def test_copy_detector_trains_from_shards(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def test_health_and_page(http, searcher):
         "captions": 40,
         "embed_dim": 128,
         "index": {"image": "exact", "text": "exact"},
-        "model": str(searcher.index.info["model"]),
+        "model": Path(searcher.index.info["model"]).name,
     }
     page = http.get("/")
     assert page.status_code == 200 and 'id="query"' in page.text
@@ -198,10 +198,13 @@ def test_openapi_fuzzing(server):
 
 
 def test_health_names_the_model_the_server_was_started_with(demo_index, searcher, tmp_path):
-    """`openalign serve INDEX --model DIR` serves DIR's model, so /health must say DIR, not the index's."""
+    """`openalign serve INDEX --model DIR` serves DIR's model, so /health must name DIR, not the index's; it is
+    open without the API key, so it names the model without its path on disk."""
     served = shutil.copytree(searcher.index.info["model"], tmp_path / "served-model")
-    client = TestClient(create_app(load_searcher(demo_index, served)))
-    assert client.get("/health").json()["model"] == str(served)
+    client = TestClient(create_app(load_searcher(demo_index, served), api_key="k"))
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["model"] == "served-model"
+    assert str(tmp_path) not in health.text and str(Path(searcher.index.info["model"]).parent) not in health.text
 
 
 def test_results_link_images_on_this_server_never_paths(http, demo_index):

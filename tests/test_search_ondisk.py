@@ -1,28 +1,40 @@
 """On-disk IVF-PQ indexes built shard by shard from clip-retrieval's inference folders: recall against
 FAISS brute force, the merged lists bit-equal to one in-memory index, memory-mapped results equal to
-in-memory ones, build and serving memory that do not grow with the data, and one-line errors."""
+in-memory ones, build and serving memory that do not grow with the data, and one-line errors; a served
+version that keeps answering while its folder is rebuilt or removed, and damaged lists as server faults."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import faiss
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fastapi.testclient import TestClient
 
 from openalign.cli import main
+from openalign.data.held_file import DamagedFile
+from openalign.search.api import background_server, create_app, load_searcher
 from openalign.search.catalog import SearchIndex
 from openalign.search.disk_lists import LISTS, read_disk_index
 from openalign.search.imported import import_embeddings
 from openalign.search.index import AnnConfig, VectorStore
 from openalign.search.ondisk import TRAINED, build_disk_store
+from openalign.search.query import Query
 from test_search_import import _error
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -36,13 +48,14 @@ def _clustered(n: int, d: int, seed: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _write_folder(root: Path, shards: list[np.ndarray]) -> Path:
+def _write_folder(root: Path, shards: list[np.ndarray], tag: str = "") -> Path:
     (root / "img_emb").mkdir(parents=True)
     (root / "metadata").mkdir()
     for i, x in enumerate(shards):
         np.save(root / "img_emb" / f"img_emb_{i}.npy", x)
         paths = [f"/photos/{i}/{j}.jpg" for j in range(len(x))]
-        pq.write_table(pa.table({"image_path": paths, "caption": [f"photo {i} {j}" for j in range(len(x))]}),
+        captions = [f"photo {tag}{i} {j}" for j in range(len(x))]
+        pq.write_table(pa.table({"image_path": paths, "caption": captions}),
                        root / "metadata" / f"metadata_{i}.parquet")  # fmt: skip
     return root
 
@@ -286,3 +299,159 @@ def test_missing_lists_file_is_one_line_error(
     query = tmp_path / "q.json"
     query.write_text(json.dumps([0.1] * 32))
     assert LISTS in _error(capsys, ["search", str(moved), "--embedding", str(query)])
+
+
+SWAP_ANN = AnnConfig(exact_threshold=500, nlist=32, pq_m=8, disk_nbits=6, train_size=1500, nprobe=6, rerank=4)
+
+
+def _answers(index: Path, queries: np.ndarray) -> list[list[dict]]:
+    """What a server over ``index`` alone answers to each query (the results of ``/search``)."""
+    with TestClient(create_app(load_searcher(index))) as http:
+        return [http.post("/search", json={"embedding": q.tolist(), "k": 10}).json()["results"] for q in queries]
+
+
+def test_a_served_version_keeps_its_files_while_its_folder_is_rebuilt_or_removed(tmp_path: Path) -> None:
+    versions = []
+    for v in range(3):  # three builds of the same shape over other vectors (and captions)
+        shards = [_clustered(1500, 32, 10 * v + s) for s in range(2)]
+        import_embeddings(_write_folder(tmp_path / f"emb{v}", shards, f"v{v} "), tmp_path / f"v{v}", ann=SWAP_ANN)
+        versions.append(tmp_path / f"v{v}")
+    queries = _unit(_clustered(24, 32, 77))
+    expected = [_answers(v, queries) for v in versions]
+    assert all(len({json.dumps(e[q]) for e in expected}) == 3 for q in range(len(queries)))  # versions differ
+    live = tmp_path / "live"
+    shutil.copytree(versions[0], live)
+    errors: list[str] = []
+    seen: list[int] = []  # the version each answer came from, in order
+    stop = threading.Event()
+
+    def client(url: str, worker: int) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for n in itertools.count(worker, 8):
+                if stop.is_set():
+                    return
+                q = n % len(queries)
+                try:
+                    response = http.post("/search", json={"embedding": queries[q].tolist(), "k": 10})
+                except httpx.HTTPError as err:
+                    errors.append(f"query {q}: {err!r}")
+                    continue
+                if response.status_code != 200:
+                    errors.append(f"{response.status_code} {response.text[:200]}")
+                    continue
+                found = [v for v in range(3) if response.json()["results"] == expected[v][q]]
+                if not found:
+                    errors.append(f"query {q}: an answer of no version")
+                seen.extend(found)
+
+    def served(version: int) -> None:
+        mark, deadline = len(seen), time.monotonic() + 60
+        while version not in seen[mark:] and not errors:
+            assert time.monotonic() < deadline, f"version {version} is never served"
+            time.sleep(0.02)
+        time.sleep(0.3)  # requests keep coming to this version, with the previous one's files gone
+
+    def replace(version: int) -> None:
+        shutil.copytree(versions[version], tmp_path / "staging")
+        if live.exists():
+            live.rename(tmp_path / "trash")
+        (tmp_path / "staging").rename(live)
+        shutil.rmtree(tmp_path / "trash", ignore_errors=True)  # the served version's files are deleted
+
+    with background_server(create_app(load_searcher(live), reload_check_s=0)) as url:
+        threads = [threading.Thread(target=client, args=(url, w)) for w in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            served(0)
+            for version in (1, 2, 0, 1):
+                replace(version)
+                served(version)
+            mark = len(seen)
+            shutil.rmtree(live)  # rm -rf of the served folder: the version held keeps answering
+            time.sleep(0.5)
+            assert set(seen[mark:]) == {1}
+            replace(2)
+            served(2)
+            gc.collect()  # the versions swapped out have closed their files: descriptors do not pile up
+            assert not [f for f in _open_files() if f.startswith(str(tmp_path)) and f.endswith("(deleted)")]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+    assert not errors, (len(errors), errors[:5])
+    assert len(seen) > 100
+
+
+def _open_files() -> list[str]:
+    """What this process's file descriptors point at."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the descriptor of the listing itself, closed by now
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return found
+
+
+def _damage(path: Path, kind: str, at: int) -> None:
+    """Bytes of ``path`` at ``at`` inverted in place, or the file cut there (the same file, as a disk fault does)."""
+    with open(path, "r+b") as f:
+        if kind == "truncate":
+            f.truncate(at)
+            return
+        f.seek(at)
+        data = f.read(8)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("kind", ["codes", "ids", "truncate"])
+def test_damaged_lists_are_a_server_fault_that_names_no_path(
+    built: tuple[Path, np.ndarray], tmp_path: Path, kind: str
+) -> None:
+    copy = tmp_path / "index"
+    shutil.copytree(built[0], copy)
+    searcher = load_searcher(copy)
+    probed = searcher.index.store("image").probe.__self__  # type: ignore[union-attr]
+    queries = _unit(built[1][::90])
+    _, probe = probed.ivf.quantizer.search(queries, probed.ivf.nprobe)
+    hit = int(probe[0].max())  # a list the first query probes; lists lie in the file in their order
+    clear = next(q for q in range(len(queries)) if probe[q].max() < hit)  # one that reads only lists before it
+    with TestClient(create_app(searcher), raise_server_exceptions=False) as http:
+
+        def ask(q: int) -> httpx.Response:
+            return http.post("/search", json={"embedding": queries[q].tolist(), "k": 10})
+
+        before = ask(clear).json()["results"]
+        at = int(probed.ids_at[hit] if kind == "ids" else probed.codes_at[hit]) + (8 if kind == "codes" else 0)
+        _damage(copy / "image" / LISTS, kind, at)
+        for _ in range(2):  # the same answer every time, not a one-off
+            response = ask(0)
+            assert response.status_code == 500, response.text
+            detail = response.json()["detail"]
+            assert "damaged" in detail and LISTS in detail and "/" not in detail, detail
+            assert str(tmp_path) not in response.text
+        # Lists the damage did not reach still answer, as before.
+        assert ask(clear).status_code == 200 and ask(clear).json()["results"] == before
+    with pytest.raises(DamagedFile, match=LISTS):
+        searcher.search(Query(embedding=queries[0].tolist(), k=10))
+
+
+def test_damaged_rows_and_lists_cut_before_loading_are_one_line(
+    built: tuple[Path, np.ndarray], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "index"
+    shutil.copytree(built[0], copy)
+    query = _unit(built[1][:1])[0].tolist()
+    searcher = load_searcher(copy)
+    rows = copy / "image" / "rows.bin"
+    _damage(rows, "codes", rows.stat().st_size // 2)
+    _damage(rows, "codes", 0)  # the first result's row is id 0, the query's own vector
+    with TestClient(create_app(searcher), raise_server_exceptions=False) as http:
+        response = http.post("/search", json={"embedding": query, "k": 10})
+    assert response.status_code == 500 and "rows.bin" in response.json()["detail"], response.text
+    assert str(tmp_path) not in response.text
+    lists = copy / "image" / LISTS
+    _damage(lists, "truncate", lists.stat().st_size - 1)
+    (tmp_path / "q.json").write_text(json.dumps(query))
+    line = _error(capsys, ["search", str(copy), "--embedding", str(tmp_path / "q.json")])
+    assert f"{lists}: truncated" in line, line

@@ -129,7 +129,7 @@ def test_dedup_reports_who_decided_each_pair(photos: dict[str, Image.Image], tmp
 
 
 def test_shown_fraction_is_the_reference_area_inside_the_query() -> None:
-    from openalign.data.verification import shown_fraction
+    from openalign.data.verification import overlap_fractions, shown_fraction
 
     identity = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     assert shown_fraction(identity, (200, 100), (200, 100)) == 1.0
@@ -147,6 +147,12 @@ def test_shown_fraction_is_the_reference_area_inside_the_query() -> None:
     c, h = np.cos(np.pi / 4), 49.5
     turn = np.array([[c, -c, h - c * h + c * h], [c, c, h - c * h - c * h]])
     assert shown_fraction(turn, (100, 100), (100, 100)) == pytest.approx(2 * (np.sqrt(2) - 1))
+    # The share of the query inside the reference: all of a re-crop, a quarter of a page twice the picture's size.
+    assert overlap_fractions(crop, (160, 80), (200, 100)) == pytest.approx((0.64, 1.0))
+    page = identity + np.array([[0, 0, -100], [0, 0, -50]])
+    assert overlap_fractions(page, (400, 200), (200, 100)) == pytest.approx((1.0, 0.25))
+    half = identity + np.array([[0, 0, 100], [0, 0, 0]])  # the query's left half is the reference's right half
+    assert overlap_fractions(half, (200, 100), (200, 100)) == pytest.approx((0.5, 0.5))
 
 
 def test_a_zoom_into_a_detail_is_not_a_copy(photos: dict[str, Image.Image]) -> None:
@@ -166,6 +172,33 @@ def test_a_zoom_into_a_detail_is_not_a_copy(photos: dict[str, Image.Image]) -> N
         assert verify_pair(detail, reference, no_rule)[:2] == (True, "features")
         assert verify_pair(detail, reference, cfg)[:2] == (False, "rejected")
         assert verify_pair(features(zoom(0.6), cfg), reference, cfg)[:2] == (True, "features")
+
+
+def test_half_overlapping_crops_are_not_copies_unless_partial_copies_are_asked_for(
+    photos: dict[str, Image.Image],
+) -> None:
+    # Two crops of one photograph, each two thirds of its width, share half of each: the fit shows half of the
+    # reference and places half of the query inside it. A copy either shows most of its original or lies mostly
+    # inside it, whatever it was cropped, turned, padded or pasted into.
+    cfg, partial = VerifyConfig(checks=["features"]), VerifyConfig(checks=["features"], partial_copies=True)
+    copies = {
+        "crop": [("crop", 1.0)],
+        "crop+rotate": [("crop", 1.0), ("rotate", 1.0)],
+        "crop+pad": [("crop", 1.0), ("pad", 1.0)],
+        "embed": [("embed", 1.0)],
+        "crop+embed": [("crop", 0.67), ("embed", 0.67)],
+    }
+    for name in ("astronaut", "chelsea", "coffee"):
+        photo = photos[name]
+        w, h = photo.size
+        left, right = photo.crop((0, 0, 2 * w // 3, h)), photo.crop((w // 3, 0, w, h))
+        query, reference = features(left, cfg), features(right, cfg, mirror=True)
+        assert verify_pair(query, reference, partial)[:2] == (True, "features")
+        assert verify_pair(query, reference, cfg)[:2] == (False, "rejected")
+        original = features(photo, cfg, mirror=True)
+        for label, edits in copies.items():
+            copy = features(repost(photo, edits, random.Random(0)), cfg)
+            assert verify_pair(copy, original, cfg)[:2] == (True, "features"), (name, label)
 
 
 def test_each_reference_keypoint_is_matched_once() -> None:
@@ -235,6 +268,23 @@ def test_a_picture_embedded_in_a_page_draws_the_votes_of_its_original(photos: di
         VerifyConfig(min_votes=0).validate()
 
 
+def test_a_test_image_present_twice_keeps_its_votes(photos: dict[str, Image.Image]) -> None:
+    # Lowe's ratio test compares a descriptor's two nearest references: a twin of the original would be the
+    # second nearest of every match and fail them all, so twins are indexed once and share the votes.
+    from openalign.data.verification import FeatureVotes
+
+    cfg = VerifyConfig()
+    names = ["astronaut", "chelsea", "coffee"]
+    refs = [features(photos[n], cfg, mirror=True) for n in names]
+    twin = features(photos["chelsea"].copy(), cfg, mirror=True)  # the same pixels, decoded twice
+    copy = features(repost(photos["chelsea"], [("crop", 0.5), ("jpeg", 0.5)], random.Random(0)), cfg)
+    alone = FeatureVotes(refs, cfg).votes(copy)
+    twinned = FeatureVotes([*refs, twin], cfg).votes(copy)
+    assert alone[1] >= 10 * cfg.min_votes
+    assert twinned.tolist() == [*alone.tolist(), alone[1]]
+    assert set(FeatureVotes([*refs, twin], cfg).candidates(copy).tolist()) == {1, 3}
+
+
 def test_dedup_with_votes_finds_a_picture_pasted_into_a_page(photos: dict[str, Image.Image], tmp_path: Path) -> None:
     from openalign.model.copy_detector import CopyDetector
     from openalign.pipeline.dedup import DedupRunConfig, Embedder, EmbedderSpec, run_dedup
@@ -297,3 +347,58 @@ def test_verify_votes_implies_verification(tmp_path: Path) -> None:
     phash_only = VerifyConfig(checks=["phash"])
     with pytest.raises(ConfigError, match="verify_votes needs the features check"):
         DedupRunConfig(embedder=f"copy-detector:{tmp_path}", verify_votes=True, verification=phash_only).validate()
+
+
+def test_votes_bookkeeping_agrees_across_stdout_stats_and_csv(photos: dict[str, Image.Image], tmp_path: Path) -> None:
+    """Every pair in duplicates.csv is counted once in stats.json and on stdout, each says which check accepted it
+    and whether the search or the votes proposed it, and the summary calls only the pairs above the threshold
+    pairs above it."""
+    import csv
+
+    from openalign.cli.data import dedup_summary
+    from openalign.model.copy_detector import CopyDetector
+    from openalign.pipeline.dedup import DedupRunConfig, Embedder, EmbedderSpec, run_dedup
+
+    train_dir, test_dir = tmp_path / "train", tmp_path / "test"
+    train_dir.mkdir()
+    test_dir.mkdir()
+    repost(photos["astronaut"], [("embed", 1.0)], random.Random(0)).save(train_dir / "page.png")
+    repost(photos["chelsea"], [("resize", 1.0), ("jpeg", 0.5)], random.Random(0)).save(train_dir / "cat_copy.png")
+    photos["coffee"].save(train_dir / "coffee_same.png")
+    photos["grace_hopper"].save(train_dir / "hopper.png")
+    for name in ("astronaut", "chelsea", "coffee"):
+        photos[name].save(test_dir / f"{name}.png")
+
+    class TinyImages(Embedder):
+        def embed(self, images: Iterable[Image.Image], *, batch_size: int = 64, progress: bool = False) -> np.ndarray:
+            return _tiny(list(images))
+
+    embedder = TinyImages(EmbedderSpec("copy-detector", tmp_path), CopyDetector())
+    # The exact copy of coffee (cosine 1) is above the band, where the embedding decides, the cat's thumbnail
+    # (0.9996) in it, where the pixels decide, and the page far below it, where only the votes find it.
+    cfg = DedupRunConfig(
+        embedder=f"copy-detector:{tmp_path}", verify_band=0.0009, verify_votes=True, threshold=0.999, verify_combo=1
+    )
+    run = run_dedup(train_dir, test_dir, tmp_path / "out", cfg, embedder=embedder)
+    with open(tmp_path / "out" / "duplicates.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    got = {(r["train_key"], r["test_key"]): (r["decided_by"], r["proposed_by"]) for r in rows}
+    assert set(got) == {("page", "astronaut"), ("cat_copy", "chelsea"), ("coffee_same", "coffee")}
+    assert got[("coffee_same", "coffee")] == ("embedding", "search")
+    assert got[("cat_copy", "chelsea")][0] in {"aligned", "phash", "features"}
+    assert got[("cat_copy", "chelsea")][1] == "search"
+    assert got[("page", "astronaut")] == ("features", "votes")
+    assert stats["duplicate_pairs"] == len(rows) == run.duplicate_pairs == 3
+    above = sum(float(r["cosine"]) > 0.999 for r in rows)
+    assert stats["pairs_above_threshold"] == above == 2
+    v = stats["verification"]
+    band = v["accepted_by_aligned_pixels"] + v["accepted_by_phash"] + v["accepted_by_features"] + v["rejected"]
+    assert band == v["pairs_verified"]
+    voted = v["voted"]
+    assert sum(voted.values()) == v["pairs_voted"] >= 1 and v["accepted_voted"] == voted["features"] == 1
+    summary = "\n".join(dedup_summary(run))
+    assert f"{len(rows)} near-duplicate pairs ({above} with cosine > 0.9990" in summary
+    assert f"{len(rows) - above} below it, accepted by their pixels; 1 proposed by votes" in summary
+    assert f"proposed by votes: {v['pairs_voted']} pairs, " in summary
+    assert f"(cosine in (0.998, 1.000]): {v['pairs_verified']} pairs, " in summary

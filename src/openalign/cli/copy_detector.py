@@ -64,11 +64,13 @@ def run_train(args: argparse.Namespace) -> int:
     run = train_copy_detector_from_source(args.source, args.out, cfg, progress=not args.quiet)
     st = run.stats
     losses = st.get("losses") or [float("nan")]
-    ignored = {
-        "exact duplicates": st.get("exact_duplicates", 0),
-        "unreadable": st.get("unreadable", 0) + sum(run.skipped.values()),
-    }
-    skipped = ", ".join(f"{n} {what}" for what, n in ignored.items() if n)
+    # Unreadable items by reason: the source's, and images whose pixels would not convert once decoded.
+    reasons = {**run.skipped, "unconvertible": st.get("unreadable", 0)}
+    parts = [f"{st['exact_duplicates']:,} exact duplicates"] if st.get("exact_duplicates") else []
+    if sum(reasons.values()):
+        counted = ", ".join(f"{reason} {n:,}" for reason, n in reasons.items() if n)
+        parts.append(f"{sum(reasons.values()):,} unreadable: {counted}")
+    skipped = ", ".join(parts)
     print(
         f"trained {run.steps} steps of {st['batch_size']} images on {run.images_used:,} distinct images"
         f"{f' (skipped {skipped})' if skipped else ''} in {st['train_seconds']:.0f} s; "

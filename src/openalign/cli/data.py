@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openalign.cli import schema
 from openalign.cli.options import Alias, Parser, add_config, data, print_config, str_value, yaml_value
+
+if TYPE_CHECKING:
+    from openalign.pipeline.dedup import DedupRun
 
 FILTER = "openalign.data.filters.pipeline:FilterConfig"
 DEDUP = "openalign.pipeline.dedup:DedupRunConfig"
@@ -186,6 +189,55 @@ def dedup_config(settings: dict[str, Any]) -> Any:
     return cfg
 
 
+def _verdicts(counts: dict[str, int]) -> str:
+    return (
+        f"{counts.get('aligned', 0):,} accepted by aligned pixels, {counts.get('phash', 0):,} by pHash, "
+        f"{counts.get('features', 0):,} by feature matching, {counts.get('rejected', 0):,} rejected"
+    )
+
+
+def dedup_summary(run: DedupRun) -> list[str]:
+    """The lines ``openalign dedup`` prints about a ``DedupRun``: counts that add up to the rows of
+    duplicates.csv, the pairs above the threshold told apart from those verification accepted below it."""
+    st = run.result.stats
+    source = {"detector": "fitted by the copy detector", "default": "default", "setting": "set"}
+    threshold = f"cosine > {st['threshold']:.4f}, {source.get(st['threshold_source'], st['threshold_source'])}"
+    head = f"{run.train_images:,} train × {run.test_images:,} test images, {st.get('clusters', 0)} clusters: "
+    head += f"{run.candidate_pairs:,} candidate pairs, {run.duplicate_pairs:,} near-duplicate pairs "
+    v = st.get("verification")
+    if v is None:
+        head += f"({threshold})"
+    else:
+        above = int(st.get("pairs_above_threshold", run.duplicate_pairs))
+        voted = int(v.get("accepted_voted", 0))
+        head += f"({above:,} with {threshold}; {run.duplicate_pairs - above:,} below it, accepted by their pixels"
+        head += f"; {voted:,} proposed by votes)" if v.get("pairs_voted") else ")"
+    lines = [head + f", {run.train_rows_removed:,} train images to drop"]
+    if v is not None:
+        band = {"aligned": v.get("accepted_by_aligned_pixels", 0), "phash": v["accepted_by_phash"]}
+        band.update(features=v["accepted_by_features"], rejected=v["rejected"])
+        line = (
+            f"decided by the embedding alone: {v['pairs_by_embedding']:,} pairs; by verification (cosine in "
+            f"({v['band'][0]:.3f}, {v['band'][1]:.3f}]): {v['pairs_verified']:,} pairs, {_verdicts(band)}"
+        )
+        if v.get("pairs_beyond_nearest"):
+            line += f"; {v['pairs_beyond_nearest']:,} pairs beyond each image's nearest"
+        if v.get("pairs_voted"):
+            line += f"; proposed by votes: {v['pairs_voted']:,} pairs, {_verdicts(v.get('voted', {}))}"
+        lines.append(line)
+    for side, reasons in run.skipped.items():
+        if reasons:
+            lines.append(f"skipped {side} images: {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")
+    invalid = {side: int(st.get(f"{side}_skipped_invalid", 0)) for side in ("train", "test")}
+    if any(invalid.values()):
+        counted = " and ".join(f"{n:,} {side}" for side, n in invalid.items() if n)
+        lines.append(f"skipped {counted} embeddings that are NaN, infinite or zero (not compared)")
+    if run.table is not None:
+        m = run.table
+        lines.append(f"metadata: {m['rows_in']:,} rows in, {m['rows_removed']:,} removed, {m['rows_out']:,} out")
+    return lines
+
+
 def run_dedup(args: argparse.Namespace) -> int:
     from openalign.config import to_dict
 
@@ -199,36 +251,10 @@ def run_dedup(args: argparse.Namespace) -> int:
     # A threshold given by flag or in --config wins; otherwise a copy detector's fitted one is used.
     fitted = "threshold" not in settings
     run = run_dedup(args.train, args.test, args.out, cfg, progress=not args.quiet, detector_threshold=fitted)
-    st = run.result.stats
     for note in run.result.notes:
         print(f"note: {note}", file=sys.stderr)
-    source = {"detector": "fitted by the copy detector", "default": "default", "setting": "set"}
-    print(
-        f"{run.train_images:,} train × {run.test_images:,} test images, {st.get('clusters', 0)} clusters: "
-        f"{run.candidate_pairs:,} candidate pairs, {run.duplicate_pairs:,} near-duplicate pairs "
-        f"(cosine > {st['threshold']:.4f}, {source.get(st['threshold_source'], st['threshold_source'])}), "
-        f"{run.train_rows_removed:,} train images to drop"
-    )
-    if "verification" in st:
-        v = st["verification"]
-        print(
-            f"decided by the embedding alone: {v['pairs_by_embedding']:,} pairs; by verification "
-            f"(cosine in ({v['band'][0]:.3f}, {v['band'][1]:.3f}]): {v['pairs_verified']:,} pairs, "
-            f"{v.get('accepted_by_aligned_pixels', 0):,} accepted by aligned pixels, "
-            f"{v['accepted_by_phash']:,} by pHash, {v['accepted_by_features']:,} by feature matching, "
-            f"{v['rejected']:,} rejected"
-            + (
-                f"; {v['pairs_beyond_nearest']:,} pairs beyond each image's nearest"
-                if v.get("pairs_beyond_nearest")
-                else ""
-            )
-        )
-    for side, reasons in run.skipped.items():
-        if reasons:
-            print(f"skipped {side} images: {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")
-    if run.table is not None:
-        m = run.table
-        print(f"metadata: {m['rows_in']:,} rows in, {m['rows_removed']:,} removed, {m['rows_out']:,} out")
+    for line in dedup_summary(run):
+        print(line)
     print(f"wrote {', '.join(str(p) for p in run.paths.values())}")
     return 0
 

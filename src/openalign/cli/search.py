@@ -356,4 +356,4 @@ def _run_serve(args: argparse.Namespace, cfg: ServeConfig, sock: socket.socket) 
     )
     port = sock.getsockname()[1]  # the one bound, when --port 0 asked for any free one
     print(f"openalign search on http://{cfg.host}:{port}/  (API docs at /docs)", file=sys.stderr)
-    serve(app, host=cfg.host, port=port, log_level=cfg.log_level, sock=sock)
+    serve(app, host=cfg.host, port=port, log_level=cfg.log_level, sock=sock, limits=cfg.limits())

@@ -104,13 +104,18 @@ class DedupConfig:
 
 @dataclass
 class DedupResult:
-    """Near-duplicate pairs (one row per train/test pair with cosine > threshold) and run statistics."""
+    """Near-duplicate pairs (one row per train/test pair: cosine above the threshold, or accepted by verification)
+    and run statistics."""
 
     train_idx: np.ndarray  # int64 [P], row of the train embedding matrix
     test_idx: np.ndarray  # int64 [P], row of the test embedding matrix
     cosine: np.ndarray  # float32 [P]
     stats: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # human-readable remarks (e.g. a capped K)
+    # str [P] each: the check that accepted a pair (embedding, aligned, phash or features) and what proposed it
+    # (search: the cosine search, votes: local-feature votes); None means embedding and search for every pair
+    decided_by: np.ndarray | None = None
+    proposed_by: np.ndarray | None = None
 
     @property
     def drop_indices(self) -> np.ndarray:
@@ -119,7 +124,12 @@ class DedupResult:
 
     def pairs_table(self, train_keys: Sequence[str] | None = None, test_keys: Sequence[str] | None = None) -> pa.Table:
         """The pairs as an Arrow table, with the images' keys when given."""
+        n = len(self.train_idx)
+        decided = self.decided_by if self.decided_by is not None else np.full(n, "embedding")
+        proposed = self.proposed_by if self.proposed_by is not None else np.full(n, "search")
         columns: dict[str, Any] = {"train_idx": self.train_idx, "test_idx": self.test_idx, "cosine": self.cosine}
+        columns["decided_by"] = pa.array(decided.tolist(), pa.string())
+        columns["proposed_by"] = pa.array(proposed.tolist(), pa.string())
         if train_keys is not None:
             columns["train_key"] = pa.array([train_keys[i] for i in self.train_idx], pa.string())
         if test_keys is not None:

@@ -9,21 +9,26 @@ what its settings bound.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from openalign.data.held_file import HeldFile
+
 BLOCK = 65_536  # rows per block of a sequential pass
 SPAN_BYTES = 4 << 20  # the most one read of ``take`` covers: bounds its buffer at any request
 GAP_BYTES = 16 << 10  # unrequested bytes a read may cover between two requested rows rather than seek again
 
 
-def npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """(shape, Fortran order, dtype, byte offset of the data) of a ``.npy`` file; ValueError naming a damaged one."""
+def npy_header(path: Path, held: HeldFile | None = None) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, Fortran order, dtype, byte offset of the data) of a ``.npy`` file, read through ``held`` when
+    given; ValueError naming a damaged one."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") if held is None else os.fdopen(os.dup(held.fd), "rb") as f:
+            f.seek(0)
             version = np.lib.format.read_magic(f)
             read_header = (
                 np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -37,11 +42,16 @@ def npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype, int]:
 
 
 class NpyRows:
-    """A 2-D .npy matrix read by row ranges and row lists with plain reads (nothing mapped, nothing cached)."""
+    """A 2-D .npy matrix read by row ranges and row lists with plain reads (nothing mapped, nothing cached).
 
-    def __init__(self, path: str | Path):
+    With ``hold``, the file is opened once and every read goes through that descriptor, so what is read
+    stays the file as opened when its path is replaced or removed (a served index); else each read opens it.
+    """
+
+    def __init__(self, path: str | Path, hold: bool = False):
         self.path = Path(path)
-        shape, fortran, self.dtype, self.offset = npy_header(self.path)
+        self.file = HeldFile(self.path) if hold else None
+        shape, fortran, self.dtype, self.offset = npy_header(self.path, self.file)
         if len(shape) != 2 or not shape[1]:
             raise ValueError(f"{self.path}: expected a 2-D [rows, dim] matrix, got shape {list(shape)}")
         if fortran:
@@ -49,7 +59,7 @@ class NpyRows:
         self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
         self.row_bytes = self.shape[1] * self.dtype.itemsize
         need = self.offset + self.shape[0] * self.row_bytes
-        have = os.path.getsize(self.path)
+        have = os.path.getsize(self.path) if self.file is None else self.file.size()
         if have < need:
             raise ValueError(f"{self.path}: truncated, {have} bytes where its header needs {need}")
 
@@ -59,10 +69,25 @@ class NpyRows:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` as an array of the file's dtype."""
         count = max(0, min(stop, len(self)) - start)
+        if self.file is not None:
+            data = self.file.read(count * self.row_bytes, self.offset + start * self.row_bytes)
+            return np.frombuffer(data, self.dtype).reshape(count, self.shape[1])
         with open(self.path, "rb") as f:
             f.seek(self.offset + start * self.row_bytes)
-            data = np.fromfile(f, dtype=self.dtype, count=count * self.shape[1])
-        return data.reshape(count, self.shape[1])
+            rows = np.fromfile(f, dtype=self.dtype, count=count * self.shape[1])
+        return rows.reshape(count, self.shape[1])
+
+    def mapped(self) -> np.ndarray:
+        """The matrix memory-mapped read-only, from the held file when there is one (the version reads see)."""
+        if not len(self):
+            return np.empty(self.shape, self.dtype)
+        file = self.file or HeldFile(self.path)
+        try:
+            view = mmap.mmap(file.fd, 0, access=mmap.ACCESS_READ)  # the map keeps its own descriptor
+        finally:
+            if file is not self.file:
+                file.close()
+        return np.frombuffer(view, self.dtype, len(self) * self.shape[1], self.offset).reshape(self.shape)
 
     def take(self, rows: np.ndarray) -> np.ndarray:
         """The given rows (any order, repeats allowed) in the file's dtype.
@@ -82,7 +107,7 @@ class NpyRows:
         gap = max(1, GAP_BYTES // self.row_bytes)
         span = max(1, SPAN_BYTES // self.row_bytes)
         cuts = np.flatnonzero(np.diff(ordered) > gap) + 1
-        fd = os.open(self.path, os.O_RDONLY)
+        file = self.file or HeldFile(self.path)
         try:
             for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(ordered)].tolist(), strict=True):
                 while a < b:  # split a long run so that no read exceeds ``span`` rows
@@ -90,14 +115,13 @@ class NpyRows:
                     end = a + int(np.searchsorted(ordered[a:b], lo + span, side="left"))
                     hi = int(ordered[end - 1]) + 1
                     size = (hi - lo) * self.row_bytes
-                    buf = os.pread(fd, size, self.offset + lo * self.row_bytes)
-                    if len(buf) != size:
-                        raise ValueError(f"{self.path}: short read at row {lo} (the file shrank while open)")
+                    buf = file.read(size, self.offset + lo * self.row_bytes)
                     block = np.frombuffer(buf, self.dtype).reshape(hi - lo, self.shape[1])
                     out[order[a:end]] = block[ordered[a:end] - lo]
                     a = end
         finally:
-            os.close(fd)
+            if file is not self.file:
+                file.close()
         return out
 
     def blocks(self, block: int = BLOCK) -> Iterator[tuple[int, np.ndarray]]:

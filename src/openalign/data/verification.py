@@ -17,7 +17,9 @@ Three checks, each able to accept a pair (``VerifyConfig.checks`` names those th
    consistent matches accept, provided the fit shows at least ``min_shown`` of the reference. Both rules stop
    the same failure: repeated texture (text, foliage, gravel) lets many query keypoints match one reference
    keypoint, and a fit that squeezes the whole query onto that patch of the reference then "explains" them
-   all; with one match per reference keypoint such false pairs stay far below the copies' counts.
+   all; with one match per reference keypoint such false pairs stay far below the copies' counts. Unless
+   ``partial_copies`` is set, the fit must also show ``WHOLE_COPY`` of the reference or place as much of the
+   query inside it: two crops of one photo that share half of each are different pictures, not copies.
 
 Which pairs reach the checks is the embedding's call, except where ``FeatureVotes`` adds its own: a picture
 pasted into a page or collage fills a fraction of the copy, and a global embedding then barely knows it (the
@@ -31,6 +33,7 @@ OpenCV (``opencv-python-headless``, the ``verify`` extra) is needed only for ste
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +45,7 @@ from openalign.config import ConfigError
 
 __all__ = [
     "CHECKS",
+    "WHOLE_COPY",
     "FeatureVotes",
     "Features",
     "VerifyConfig",
@@ -49,6 +53,7 @@ __all__ = [
     "decide",
     "features",
     "in_band",
+    "overlap_fractions",
     "phash",
     "require_opencv",
     "shown_fraction",
@@ -56,6 +61,9 @@ __all__ = [
 ]
 
 CHECKS = ("aligned", "phash", "features")
+# Without partial_copies, a feature fit must show this share of the reference or place this share of the query
+# inside it: a re-crop, turn, letterbox or paste of a picture does, two crops sharing half of each do not.
+WHOLE_COPY = 0.6
 
 
 @dataclass
@@ -68,6 +76,10 @@ class VerifyConfig:
     # inside the query: a copy shows most of its original (a re-crop to 80 % of each side, straightened by
     # 10°, still shows 0.4 of it)
     min_shown: float = 0.3
+    # also count as copies pictures that share only part of each other (two crops of one photo overlapping by
+    # half): catches copies cut down to a part of a test image, at the cost of also dropping other crops of it.
+    # Off, feature matching needs the fit to show 0.6 of the reference or place 0.6 of the query inside it
+    partial_copies: bool = False
     keypoints: int = 1000  # ORB keypoints per image
     max_side: int = 512  # larger images are scaled down to this longest side before feature extraction
     ratio: float = 0.8  # Lowe's ratio test on the two nearest descriptors
@@ -186,21 +198,39 @@ def features(image: Image.Image, config: VerifyConfig | None = None, *, mirror: 
     return out
 
 
+def _descriptor_digest(f: Features) -> bytes:
+    """A digest of an image's descriptors and its mirror's: equal for the same picture read twice."""
+    digest = hashlib.blake2b(digest_size=16)
+    for d in (f.descriptors, f.mirror_descriptors):
+        arr = np.zeros((0, 32), np.uint8) if d is None else np.ascontiguousarray(d)
+        digest.update(np.int64(len(arr)).tobytes())
+        digest.update(arr.tobytes())
+    return digest.digest()
+
+
 class FeatureVotes:
     """The references' ORB descriptors, and their mirrors', in one FAISS binary index (exact Hamming search):
     ``votes(query)`` counts, per reference, the query descriptors whose nearest indexed descriptor is that
     reference's and passes Lowe's ratio test against the second nearest. The memory is 32 bytes per reference
     keypoint (``keypoints`` per image, twice with the mirror) and each query costs a search of all of them, so it
-    suits a test set of thousands of images, not a crawl."""
+    suits a test set of thousands of images, not a crawl.
+
+    References with identical descriptors (the same picture twice in a test set) are indexed once and each gets
+    the votes: two copies of every descriptor would make each other the second nearest and fail every ratio
+    test."""
 
     def __init__(self, references: Sequence[Features], config: VerifyConfig | None = None):
         import faiss
 
         self.config = config or VerifyConfig()
         self.references = len(references)
+        # group[i]: the first reference with i's descriptors; only those first ones are indexed.
+        first: dict[bytes, int] = {}
+        self.group = np.array([first.setdefault(_descriptor_digest(f), i) for i, f in enumerate(references)], np.int64)
         parts = [
             (i, d)
             for i, f in enumerate(references)
+            if self.group[i] == i
             for d in (f.descriptors, f.mirror_descriptors)
             if d is not None and len(d)
         ]
@@ -219,7 +249,7 @@ class FeatureVotes:
         distances, labels = self.index.search(np.ascontiguousarray(query.descriptors), 2)
         passed = distances[:, 0] < self.config.ratio * distances[:, 1]
         np.add.at(out, self.owner[labels[passed, 0]], 1)
-        return out
+        return out[self.group]
 
     def candidates(self, query: Features) -> np.ndarray:
         """The references with at least ``min_votes`` votes from ``query``."""
@@ -271,30 +301,43 @@ def _clip(polygon: list[tuple[float, float]], axis: int, bound: float, keep_belo
     return out
 
 
-def shown_fraction(transform: np.ndarray, query_size: tuple[int, int], reference_size: tuple[int, int]) -> float:
-    """The fraction of the reference's area that ``transform`` (2 × 3, query pixels → reference pixels) places
-    inside the query: 1 for a resize, padding or embedding of the whole picture, 0.64 for a re-crop to 80 % of
-    each side, near 0 for a fit that squeezes the query onto a small patch. Exact: the query's outline mapped
-    into the reference, clipped to it, and its area taken by the shoelace formula."""
+def overlap_fractions(
+    transform: np.ndarray, query_size: tuple[int, int], reference_size: tuple[int, int]
+) -> tuple[float, float]:
+    """(the fraction of the reference's area that ``transform`` (2 × 3, query pixels → reference pixels) places
+    inside the query, the fraction of the query's area it places inside the reference). Exact: the query's
+    outline mapped into the reference, clipped to it, and its area taken by the shoelace formula."""
     m = np.asarray(transform, np.float64)
     (qw, qh), (rw, rh) = query_size, reference_size
+    mapped_area = abs(float(np.linalg.det(m[:, :2]))) * qw * qh
     corners = [(-0.5, -0.5), (qw - 0.5, -0.5), (qw - 0.5, qh - 0.5), (-0.5, qh - 0.5)]
     polygon = [(m[0, 0] * x + m[0, 1] * y + m[0, 2], m[1, 0] * x + m[1, 1] * y + m[1, 2]) for x, y in corners]
     for axis, low, high in ((0, -0.5, rw - 0.5), (1, -0.5, rh - 0.5)):
         polygon = _clip(_clip(polygon, axis, low, keep_below=False), axis, high, keep_below=True)
         if not polygon:
-            return 0.0
+            return 0.0, 0.0
     xs, ys = np.array([p[0] for p in polygon]), np.array([p[1] for p in polygon])
     area = 0.5 * abs(float(np.dot(xs, np.roll(ys, -1)) - np.dot(ys, np.roll(xs, -1))))
-    return area / (rw * rh)
+    return area / (rw * rh), (area / mapped_area if mapped_area > 0 else 0.0)
+
+
+def shown_fraction(transform: np.ndarray, query_size: tuple[int, int], reference_size: tuple[int, int]) -> float:
+    """The fraction of the reference's area that ``transform`` (2 × 3, query pixels → reference pixels) places
+    inside the query: 1 for a resize, padding or embedding of the whole picture, 0.64 for a re-crop to 80 % of
+    each side, near 0 for a fit that squeezes the query onto a small patch (``overlap_fractions``)."""
+    return overlap_fractions(transform, query_size, reference_size)[0]
 
 
 def _consistent(
     cv2: Any, a: Features, b_points: np.ndarray, b_desc: np.ndarray, size: tuple[int, int], cfg: VerifyConfig
 ) -> int:
-    """Inliers of a's fit into b, or 0 when that fit shows less than ``min_shown`` of b."""
+    """Inliers of a's fit into b, or 0 when that fit shows less than ``min_shown`` of b or, without
+    ``partial_copies``, neither shows ``WHOLE_COPY`` of b nor places that much of a inside b."""
     inliers, transform = _similarity(cv2, a.points, a.descriptors, b_points, b_desc, cfg)
-    if transform is None or shown_fraction(transform, a.size, size) < cfg.min_shown:
+    if transform is None:
+        return 0
+    shown, covered = overlap_fractions(transform, a.size, size)
+    if shown < cfg.min_shown or (not cfg.partial_copies and max(shown, covered) < WHOLE_COPY):
         return 0
     return inliers
 

@@ -109,8 +109,11 @@ def verify_pairs(
     added_train: list[int] = []
     added_test: list[int] = []
     added_accepted: list[bool] = []
+    added_how: list[str] = []
     accepted = sure.copy()
-    counts = {"aligned": 0, "phash": 0, "features": 0, "rejected": 0}
+    how_found = np.where(sure, "embedding", "rejected").astype(object)
+    # What decided each pair, counted apart for the band's pairs and the votes' so each adds up to its total.
+    counts = {origin: dict.fromkeys(("aligned", "phash", "features", "rejected"), 0) for origin in ("band", "votes")}
     pending: list[tuple[int, _Side]] = []  # (pair, the train image's side of it)
 
     n_found = len(result.train_idx)
@@ -118,30 +121,30 @@ def verify_pairs(
     def test_row(p: int) -> int:  # pairs past the search's are the ones the votes added
         return int(result.test_idx[p]) if p < n_found else added_test[p - n_found]
 
-    def settle(p: int, yes: bool) -> None:
+    def settle(p: int, yes: bool, how: str) -> None:
+        counts["band" if p < n_found else "votes"][how] += 1
         if p < n_found:
-            accepted[p] = yes
+            accepted[p], how_found[p] = yes, how
         else:
-            added_accepted[p - n_found] = yes
+            added_accepted[p - n_found], added_how[p - n_found] = yes, how
 
     def decide(batch: list[tuple[int, _Side]]) -> None:
         left = batch
         if "aligned" in cfg.checks:
             queries = np.stack([train.thumb for _, train in batch])  # type: ignore[misc]
             refs = np.stack([tests[test_row(p)].thumb for p, _ in batch])  # type: ignore[misc]
-            ok = aligned_check(queries, refs, cfg)
-            for (p, _), yes in zip(batch, ok.tolist(), strict=True):
-                settle(p, yes)
-            counts["aligned"] += int(ok.sum())
-            left = [item for item, yes in zip(batch, ok.tolist(), strict=True) if not yes]
+            ok = aligned_check(queries, refs, cfg).tolist()
+            for (p, _), yes in zip(batch, ok, strict=True):
+                if yes:
+                    settle(p, True, "aligned")
+            left = [item for item, yes in zip(batch, ok, strict=True) if not yes]
         for p, train in left:
             reference = tests[test_row(p)].feats
             if train.feats is None or reference is None:
-                counts["rejected"] += 1
+                settle(p, False, "rejected")
                 continue
             yes, how, _ = verify_pair(train.feats, reference, cfg)
-            counts[how] += 1
-            settle(p, yes)
+            settle(p, yes, how)
 
     if len(unsure) or voter is not None:
         for row, image in enumerate(train_images):
@@ -156,6 +159,7 @@ def verify_pairs(
                         added_train.append(row)
                         added_test.append(j)
                         added_accepted.append(False)
+                        added_how.append("rejected")
             pending += [(p, mine) for p in pairs]
             if len(pending) >= _BATCH:
                 decide(pending)
@@ -164,17 +168,23 @@ def verify_pairs(
             decide(pending)
     keep = np.flatnonzero(accepted)
     train_idx, test_idx, cosine = result.train_idx[keep], result.test_idx[keep], result.cosine[keep]
+    decided_by, proposed_by = how_found[keep], np.full(len(keep), "search", dtype=object)
     if votes is not None and added_train:
         yes = np.asarray(added_accepted)
         extra_train, extra_test = np.asarray(added_train, np.int64)[yes], np.asarray(added_test, np.int64)[yes]
         train_idx, test_idx = np.concatenate([train_idx, extra_train]), np.concatenate([test_idx, extra_test])
         cosine = np.concatenate([cosine, votes(extra_train, extra_test).astype(cosine.dtype)])
+        decided_by = np.concatenate([decided_by, np.asarray(added_how, dtype=object)[yes]])
+        proposed_by = np.concatenate([proposed_by, np.full(int(yes.sum()), "votes", dtype=object)])
         order = np.lexsort((test_idx, train_idx))
         train_idx, test_idx, cosine = train_idx[order], test_idx[order], cosine[order]
+        decided_by, proposed_by = decided_by[order], proposed_by[order]
+    band_counts, vote_counts = counts["band"], counts["votes"]
     stats: dict[str, Any] = {
         **result.stats,
         "threshold": threshold,
-        "duplicate_pairs": len(keep),
+        "duplicate_pairs": len(train_idx),
+        "pairs_above_threshold": int((cosine > threshold).sum()),
         "train_rows_removed": len(np.unique(train_idx)),
         "test_images_matched": len(np.unique(test_idx)),
         "verification": {
@@ -183,13 +193,14 @@ def verify_pairs(
             "pairs_by_embedding": int(sure.sum()),
             "pairs_verified": len(unsure),
             "pairs_beyond_nearest": len(beyond),
+            "accepted_by_aligned_pixels": band_counts["aligned"],
+            "accepted_by_phash": band_counts["phash"],
+            "accepted_by_features": band_counts["features"],
+            "rejected": band_counts["rejected"],
             "pairs_voted": len(added_train),
             "accepted_voted": int(sum(added_accepted)),
-            "accepted_by_aligned_pixels": counts["aligned"],
-            "accepted_by_phash": counts["phash"],
-            "accepted_by_features": counts["features"],
-            "rejected": counts["rejected"],
+            "voted": vote_counts,  # what decided the voted pairs: the check that accepted, or rejected
             "seconds": round(time.perf_counter() - started, 3),
         },
     }
-    return DedupResult(train_idx, test_idx, cosine, stats, list(result.notes))
+    return DedupResult(train_idx, test_idx, cosine, stats, list(result.notes), decided_by, proposed_by)

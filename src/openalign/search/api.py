@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -25,16 +26,23 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, HTTPException
 from fastapi import Path as PathParam
 from fastapi import Query as QueryParam
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
+from openalign.data.held_file import DamagedFile
 from openalign.data.sources import BadInput, read_file
 from openalign.data.transforms import BadImage
 from openalign.search.build import make_thumbnail
-from openalign.search.guard import ApiKeyGuard, BodyGuard, MemoryBudget, StrictJSONRoute, printable
+from openalign.search.guard import (
+    ApiKeyGuard,
+    BodyGuard,
+    BodyShape,
+    MemoryBudget,
+    StrictJSONRoute,
+    capped_errors,
+)
 from openalign.search.query import MAX_K, Query, Searcher
 from openalign.search.served import Indexes
 from openalign.search.uploads import (
@@ -98,7 +106,7 @@ class Health(BaseModel):
     captions: int
     embed_dim: int
     index: dict[str, str]
-    model: str | None = None
+    model: str | None = Field(None, description="the model's name (its folder), without its path")
 
 
 class Error(BaseModel):
@@ -133,6 +141,7 @@ def create_app(
     request_memory_bytes: int = DEFAULT_REQUEST_MEMORY,
     api_key: str | None = None,
     reload_check_s: float = -1.0,
+    body_shape: BodyShape | None = None,
 ) -> FastAPI:
     """The search app over ``searcher``.
 
@@ -142,7 +151,8 @@ def create_app(
     ``request_memory_bytes`` (a body waits up to ``body_timeout_s``); then 503. With ``api_key`` every
     route but ``/health`` needs it. ``searcher`` may be a mapping of names to searchers, one per index. With
     ``reload_check_s`` ≥ 0 a version of an index that ``index build`` grew is swapped in (``Indexes``) at most
-    that many seconds after a request notices it; below 0, the indexes served stay those given.
+    that many seconds after a request notices it; below 0, the indexes served stay those given. JSON bodies
+    larger in structure than ``body_shape`` allows get a one-line 422 before they are validated.
     """
     from openalign.search.clip_retrieval import add_clip_retrieval_routes
 
@@ -153,6 +163,7 @@ def create_app(
         description="Text → image, image → image, image → text and image ± text search over ALIGN embeddings.",
     )
     app.router.route_class = StrictJSONRoute
+    app.state.body_shape = body_shape = body_shape or BodyShape()
     decode_budget = DecodeBudget(decode_budget_bytes, wait_s=decode_wait_s)
 
     def decode(data: str, searcher: Searcher) -> Any:
@@ -165,14 +176,23 @@ def create_app(
     async def unexpected(_request: Any, err: Exception) -> JSONResponse:
         return JSONResponse({"detail": f"internal error: {type(err).__name__}"}, status_code=500)
 
+    @app.exception_handler(DamagedFile)
+    async def damaged(_request: Any, err: DamagedFile) -> JSONResponse:
+        # The server's log names the file; the client learns what is damaged, not where the server keeps it.
+        print(f"error: {err.path}: {err.reason}", file=sys.stderr)
+        detail = f"internal error: the index is damaged ({err.public()}); rebuild it"
+        return JSONResponse({"detail": detail}, status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Any, err: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": printable(jsonable_encoder(err.errors()))}, status_code=422)
+        return JSONResponse({"detail": capped_errors(list(err.errors()), body_shape)}, status_code=422)
 
     @app.get("/health", response_model=Health)
     def health() -> dict:
         first = indexes.get(None)[1]
-        return {"status": "ok", **first.index.summary(), "model": first.model_name}
+        # /health is open without the API key, so it names the model by its folder, never its path on disk.
+        model = Path(first.model_name).name if first.model_name else None
+        return {"status": "ok", **first.index.summary(), "model": model}
 
     @app.post("/search", response_model=SearchResponse, responses=errors)
     def search(request: SearchRequest) -> dict:
@@ -280,9 +300,18 @@ class ServeConfig:
     request_memory_mb: float = 256.0  # request bodies (and parsed copies) held at once; more wait, then 503
     api_key: str | None = None  # key every route but /health requires (default: $OPENALIGN_API_KEY)
     reload_check_s: float = 2.0  # seconds between looks for a new version from index build, swapped in live; -1: never
+    # a connection whose request head has not fully arrived this long after it opened or got its answer is closed
+    header_timeout_s: float = 10.0
+    keep_alive_s: int = 5  # a connection idle this many seconds after its answer is closed
+    # connections open at once (lowered to fit the open-file limit); past it the longest-idle one is closed, else 503
+    max_connections: int = 1000
+
+    def limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.header_timeout_s, self.keep_alive_s, self.max_connections)
 
     def validate(self) -> None:
-        for name in ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb"):
+        names = ("max_upload_mb", "body_timeout_s", "decode_budget_mb", "request_memory_mb", "header_timeout_s")
+        for name in (*names, "keep_alive_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not (self.reload_check_s == -1 or 0 <= self.reload_check_s < float("inf")):
@@ -313,28 +342,51 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a connection may take to send its request head or stay idle, and how many may be open."""
+
+    header_timeout_s: float = 10.0
+    keep_alive_s: int = 5
+    max_connections: int = 1000
+
+
+def uvicorn_config(app: FastAPI, limits: ConnectionLimits, **options: Any) -> Any:
+    """uvicorn's settings for ``app`` with the header deadline, keep-alive time and connection cap of ``limits``
+    (the cap and the listening backlog fitted to the open-file limit)."""
+    import uvicorn
+
+    from openalign.search.guard import connection_cap, guarded_protocol
+
+    cap, backlog = connection_cap(limits.max_connections)
+    protocol = guarded_protocol(limits.header_timeout_s, cap)
+    return uvicorn.Config(app, http=protocol, timeout_keep_alive=limits.keep_alive_s, backlog=backlog, **options)
+
+
 def serve(
     app: FastAPI,
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
     sock: socket.socket | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Run ``app`` with uvicorn until interrupted, on ``sock`` (from ``listen``) when given, else binding
-    ``host:port``; freed image buffers go back to the system at once."""
+    ``host:port``, within the connection ``limits``; freed image buffers go back to the system at once."""
     import uvicorn
 
     unmap_large_frees()
     access_log = log_level in ("debug", "info")
-    if sock is None:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
-        return
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
-    uvicorn.Server(config).run(sockets=[sock])
+    config = uvicorn_config(
+        app, limits or ConnectionLimits(), host=host, port=port, log_level=log_level, access_log=access_log
+    )
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 
 @contextmanager
-def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+def background_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None
+) -> Iterator[str]:
     """Run ``app`` under uvicorn in a background thread; yields its base URL and stops it on exit.
 
     ``port=0`` binds a free port. Useful in notebooks and tests that need a real HTTP server.
@@ -344,8 +396,7 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> I
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, limits or ConnectionLimits(), log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -8,7 +8,8 @@ Layout::
     INDEX/image/metadata.parquet   id, key, path, url, caption, width, height (row i = id i)
     INDEX/image/thumbs.bin         JPEG thumbnails back to back; thumbs.idx.npy holds N+1 offsets
     INDEX/image/ann.json, faiss.index   the approximate index, when the store is large enough
-    INDEX/image/lists.ivfdata      an on-disk IVF-PQ index's inverted lists (memory-mapped when served)
+    INDEX/image/lists.ivfdata      an on-disk IVF-PQ index's inverted lists (read by the lists probed)
+    INDEX/image/lists.crc32.npy    the CRC-32 of each list's codes and ids, checked as a list is read
     INDEX/image/rows.bin           imported indexes: each metadata row as JSON, back to back; rows.idx.npy
                                    holds N+1 offsets, so serving reads only the rows of its results
     INDEX/text/...                 the caption store: id, image_id, key, caption
@@ -17,7 +18,6 @@ Layout::
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from openalign.data.held_file import DamagedFile, HeldFile
 from openalign.data.npy_rows import npy_header
 from openalign.search.index import VectorStore, read_json, read_matrix
 
@@ -90,32 +91,30 @@ class RowFile:
 
     Both are read with ``pread``, not memory-mapped: a served lookup touches a few scattered rows, and every
     page a map faults in (with the neighbours the kernel maps around it) would stay in the server's resident
-    set, which then grows towards the file's size with the queries served.
+    set, which then grows towards the file's size with the queries served. Both are opened once, so a rebuilt
+    index moved over this one's folder changes nothing it reads.
     """
 
     def __init__(self, directory: Path):
         self.rows_path, index_path = directory / ROWS, directory / ROWS_INDEX
-        shape, _, dtype, self.index_offset = npy_header(index_path)
+        self.index_file = HeldFile(index_path)
+        shape, _, dtype, self.index_offset = npy_header(index_path, self.index_file)
         if len(shape) != 1 or dtype != np.dtype("<i8"):
             raise ValueError(f"{index_path}: expected 1-d int64 offsets, got {np.dtype(dtype)} {list(shape)}")
         self.num_rows = max(0, int(shape[0]) - 1)
-        if os.path.getsize(index_path) < self.index_offset + 8 * int(shape[0]):
+        if self.index_file.size() < self.index_offset + 8 * int(shape[0]):
             raise ValueError(f"{index_path}: truncated, fewer offsets than its header says")
         if not self.rows_path.is_file():
             raise FileNotFoundError(f"{self.rows_path}: missing; {ROWS_INDEX} points into it")
-        self.index_path = index_path
+        self.rows_file = HeldFile(self.rows_path)
         size = self._bounds(np.array([self.num_rows - 1]))[0, 1] if self.num_rows else 0
-        have = os.path.getsize(self.rows_path)
+        have = self.rows_file.size()
         if have < size:
             raise ValueError(f"{self.rows_path}: truncated, {have} bytes where {ROWS_INDEX} needs {size}")
 
     def _bounds(self, ids: np.ndarray) -> np.ndarray:
         """[len(ids), 2] byte ranges of rows ``ids`` in ``rows.bin``: offsets i and i + 1, one 16-byte read."""
-        fd = os.open(self.index_path, os.O_RDONLY)
-        try:
-            data = b"".join(os.pread(fd, 16, self.index_offset + 8 * i) for i in ids.tolist())
-        finally:
-            os.close(fd)
+        data = b"".join(self.index_file.read(16, self.index_offset + 8 * i) for i in ids.tolist())
         return np.frombuffer(data, "<i8").reshape(-1, 2)
 
     def take(self, ids: list[int] | np.ndarray) -> list[dict[str, Any]]:
@@ -123,14 +122,14 @@ class RowFile:
         bad = ids[(ids < 0) | (ids >= self.num_rows)]
         if len(bad):
             raise IndexError(f"row {int(bad[0])} is out of range for {self.num_rows} rows")
-        bounds = self._bounds(ids)
         out = []
-        fd = os.open(self.rows_path, os.O_RDONLY)
-        try:
-            for start, end in bounds.tolist():
-                out.append(json.loads(os.pread(fd, end - start, start)))
-        finally:
-            os.close(fd)
+        for (start, end), row in zip(self._bounds(ids).tolist(), ids.tolist(), strict=True):
+            try:
+                if not 0 <= start <= end:
+                    raise ValueError("offsets out of order")
+                out.append(json.loads(self.rows_file.read(end - start, start)))
+            except ValueError:  # JSON and UTF-8 errors are ValueErrors
+                raise DamagedFile(self.rows_path, f"row {row} is not the JSON object {ROWS_INDEX} points to") from None
         return out
 
 

@@ -1,8 +1,10 @@
-"""An on-disk IVF-PQ index opened for search: ``faiss.index`` with its inverted lists in ``lists.ivfdata``.
+"""An on-disk IVF-PQ index opened for search: ``faiss.index`` with its inverted lists in ``lists.ivfdata``
+and a CRC-32 of each list's codes and of its ids in ``lists.crc32.npy``.
 
 ``read_disk_index`` opens it with the lists memory-mapped by FAISS (or copied into memory); ``ProbedLists``
-searches it reading only the lists a group of queries probes, with ``pread``, so that a served index keeps no
-more of the file resident than one group's lists. ``search/index.py`` opens stores with these;
+searches it reading only the lists a group of queries probes, with ``pread`` through a descriptor opened
+once, so that a served index keeps no more of the file resident than one group's lists, and a rebuild that
+replaces the file changes nothing it reads. ``search/index.py`` opens stores with these;
 ``search/ondisk.py`` builds them.
 """
 
@@ -13,13 +15,17 @@ import ctypes
 import os
 import sys
 import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from openalign.data.held_file import DamagedFile, HeldFile
+
 LISTS = "lists.ivfdata"
+CHECKSUMS = "lists.crc32.npy"  # uint32 [nlist, 2]: CRC-32 of each list's codes, then of its ids
 
 
 @contextlib.contextmanager
@@ -74,12 +80,17 @@ class ProbedLists:
     cache keeps hot) and freed afterwards. Results are those of the memory-mapped index: the same codes,
     scored by the same ``search_preassigned`` after the same coarse search. A group holds at most
     ``budget_bytes`` of lists (one query's lists at least), so memory is a setting, not the index's size.
+
+    The lists file is opened once, here. Each list read is checked against its recorded CRC-32 (where the
+    index has them, which ``require_checksums`` demands) and its ids against the index's size: damage is
+    ``DamagedFile``, never a wrong answer.
     """
 
-    def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20):
+    def __init__(self, index: Any, lists_path: Path, budget_bytes: int = 64 << 20, require_checksums: bool = False):
         import faiss
 
         self.index, self.path, self.budget = index, lists_path, budget_bytes  # the index owns the IVF part used below
+        self.file = HeldFile(lists_path)
         self.ivf: Any = faiss.extract_index_ivf(index)  # Any: the Python wrappers' signatures, not the stub's
         disk = faiss.downcast_InvertedLists(self.ivf.invlists)  # type: ignore[arg-type]  # faiss stub
         if not isinstance(disk, faiss.OnDiskInvertedLists):
@@ -92,6 +103,10 @@ class ProbedLists:
         self.ids_at = self.codes_at + np.array([e.capacity for e in entries], np.int64) * self.ivf.code_size
         self.list_bytes = self.sizes * (self.ivf.code_size + 8)
         del entries, table, disk
+        end = int((self.ids_at + self.sizes * 8).max(initial=0))
+        if self.file.size() < end:
+            raise DamagedFile(lists_path, f"truncated, {self.file.size()} bytes where its lists end at {end}")
+        self.checksums = read_checksums(lists_path.with_name(CHECKSUMS), self.ivf.nlist, require_checksums)
         self._swap_lists()  # frees the mapped lists
         self.lock = threading.Lock()  # the index's lists are replaced for each group of queries
 
@@ -123,11 +138,17 @@ class ProbedLists:
         groups.append((start, len(probe)))
         return groups
 
-    def _read(self, fd: int, size: int, offset: int, dtype: type) -> np.ndarray:
-        data = os.pread(fd, size, offset)
-        if len(data) != size:  # FAISS would read past the buffer
-            raise ValueError(f"{self.path}: truncated, {len(data)} of {size} bytes at offset {offset}")
-        return np.frombuffer(data, dtype)
+    def _read(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """List ``n``'s codes and ids, checked against its checksums and the index's size."""
+        size = int(self.sizes[n])
+        codes = self.file.read(size * self.ivf.code_size, int(self.codes_at[n]))
+        ids = self.file.read(size * 8, int(self.ids_at[n]))
+        if self.checksums is not None and (zlib.crc32(codes), zlib.crc32(ids)) != tuple(self.checksums[n].tolist()):
+            raise DamagedFile(self.path, f"list {n} fails its checksum")
+        found = np.frombuffer(ids, np.int64)
+        if found.min() < 0 or found.max() >= self.ivf.ntotal:
+            raise DamagedFile(self.path, f"list {n} holds ids outside [0, {self.ivf.ntotal})")
+        return np.frombuffer(codes, np.uint8), found
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import faiss
@@ -135,19 +156,31 @@ class ProbedLists:
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         scores = np.empty((len(queries), k), np.float32)
         ids = np.empty((len(queries), k), np.int64)
-        with self.lock, open(self.path, "rb") as f:
-            fd = f.fileno()
+        with self.lock:
             coarse, probe = self.ivf.quantizer.search(queries, self.ivf.nprobe)
             for a, b in self._groups(probe):
                 memory = self._swap_lists()
                 try:
                     for n in np.unique(probe[a:b][probe[a:b] >= 0]).tolist():
-                        size = int(self.sizes[n])
-                        if size:
-                            codes = self._read(fd, size * self.ivf.code_size, int(self.codes_at[n]), np.uint8)
-                            found = self._read(fd, size * 8, int(self.ids_at[n]), np.int64)
-                            memory.add_entries(n, size, faiss.swig_ptr(found), faiss.swig_ptr(codes))
+                        if self.sizes[n]:
+                            codes, found = self._read(n)
+                            memory.add_entries(n, len(found), faiss.swig_ptr(found), faiss.swig_ptr(codes))
                     scores[a:b], ids[a:b] = self.ivf.search_preassigned(queries[a:b], k, probe[a:b], coarse[a:b])
                 finally:
                     self._swap_lists()  # frees this group's lists
         return scores, ids
+
+
+def read_checksums(path: Path, nlist: int, required: bool) -> np.ndarray | None:
+    """The lists' recorded checksums, None where an index has none and none are ``required``."""
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path}: missing; the index records a checksum for each of its lists")
+        return None
+    try:
+        sums: np.ndarray = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as err:
+        raise DamagedFile(path, f"not a checksum table ({err})") from None
+    if sums.shape != (nlist, 2) or sums.dtype != np.uint32:
+        raise DamagedFile(path, f"expected uint32 [{nlist}, 2] checksums, found {sums.dtype} {list(sums.shape)}")
+    return sums

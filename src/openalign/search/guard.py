@@ -9,7 +9,9 @@ room and then refused (503). A body that has not arrived in time has its connect
 once the client has stopped sending: what it still sends is read and dropped (for at most another read
 timeout), since closing on unread bytes resets the connection and the client never reads why. Python's JSON
 parser accepts NaN, Infinity and 1e400 (as inf), which no validation error can then print as JSON; such
-a body gets a one-line 422 and leaves the connection usable.
+a body gets a one-line 422 and leaves the connection usable. So does a body too large in structure
+(``BodyShape``: keys, items, depth) for its validation errors to be worth building; other bodies are parsed
+and validated in a worker thread, and their errors listed up to a count.
 """
 
 from __future__ import annotations
@@ -22,17 +24,23 @@ import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from fastapi import HTTPException, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 
 # A JSON body is held as bytes, then as the text json.loads decodes, then as the parsed image string.
 BODY_COPIES = 3
 # A client silent this long after the read timeout has stopped sending: its 408 can go and the connection close.
 QUIET_S = 0.5
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+# Items of a list (or keys of an object) a validation error shows of the input it names.
+PRINTED_ITEMS = 16
 
 
 async def reply(
@@ -259,40 +267,217 @@ def _finite_float(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class BodyShape:
+    """How large a JSON body may be by structure, checked before it is validated.
+
+    A body within the size limit can still hold hundreds of thousands of keys or items, each of which would
+    cost a validation error; such a body is refused with one line before parsing (from counts of its ``:``,
+    ``,`` and brackets, which no valid query comes near) or right after (per object, per list and in depth).
+    """
+
+    max_keys: int = 64  # keys in one JSON object
+    max_items: int = 16384  # items in one JSON list
+    max_depth: int = 8  # objects and lists nested in each other
+    max_tokens: int = 65536  # ':', ',' or opening brackets in the whole body (text inside strings counts too)
+    max_errors: int = 20  # validation errors listed in one reply
+
+
+def _refuse(detail: str) -> HTTPException:
+    return HTTPException(422, f"request body: {detail}")
+
+
+def check_bytes(body: bytes, shape: BodyShape) -> None:
+    """Refuse a body whose separators alone show it is far larger in structure than any query.
+
+    The counts run in NumPy, which lets other threads run meanwhile; a body shorter than the limit is within it.
+    """
+    limit = shape.max_tokens
+    if len(body) <= limit:
+        return
+    data = np.frombuffer(body, np.uint8)
+
+    def count(*chars: bytes) -> int:
+        return sum(int(np.count_nonzero(data == ord(char))) for char in chars)
+
+    if count(b":") > limit:
+        raise _refuse(f"more than {limit} keys; a query has a few dozen at most")
+    if count(b",") > limit:
+        raise _refuse(f"more than {limit} items; a list holds at most {shape.max_items}")
+    if count(b"[", b"{") > limit:
+        raise _refuse(f"nested too deep or too many lists and objects (more than {limit})")
+
+
+def check_shape(value: Any, shape: BodyShape) -> None:
+    """Refuse a parsed body with an object of too many keys, a list of too many items, or too deep."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+            if len(node) > shape.max_keys:
+                raise _refuse(f"an object with {len(node)} keys, more than {shape.max_keys}")
+        elif isinstance(node, list):
+            children = node
+            if len(node) > shape.max_items:
+                raise _refuse(f"a list of {len(node)} items, more than {shape.max_items}")
+        else:
+            continue
+        if depth > shape.max_depth:
+            raise _refuse(f"nested deeper than {shape.max_depth} levels")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def capped_errors(errors: list[Any], shape: BodyShape) -> list[Any]:
+    """The first ``max_errors`` validation errors, printable, and a note of how many more there were."""
+    shown = [printable(error) for error in jsonable_encoder(errors[: shape.max_errors])]
+    if len(errors) > shape.max_errors:
+        more = len(errors) - shape.max_errors
+        shown.append({"type": "more_errors", "loc": ["body"], "msg": f"{more} more errors not shown"})
+    return shown
+
+
 class StrictJSONRequest(Request):
-    """A request whose JSON body may hold only finite numbers (Python's parser accepts NaN and Infinity)."""
+    """A request whose JSON body may hold only finite numbers (Python's parser accepts NaN and Infinity),
+    within ``BodyShape``, parsed and validated against ``body_field`` in a worker thread."""
+
+    body_field: Any = None
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            try:
-                self._json = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
-            except NonFiniteNumber as err:
-                raise HTTPException(422, str(err)) from None
+            shape = getattr(self.app.state, "body_shape", None) or BodyShape()
+            self._json = await run_in_threadpool(self._parse, body, shape)
         return self._json
+
+    def _parse(self, body: bytes, shape: BodyShape) -> Any:
+        check_bytes(body, shape)
+        try:
+            value = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+        except NonFiniteNumber as err:
+            raise HTTPException(422, str(err)) from None
+        except RecursionError:
+            raise _refuse(f"nested deeper than {shape.max_depth} levels") from None
+        check_shape(value, shape)
+        if self.body_field is not None:
+            # Errors are built here, off the event loop, and capped; a valid body is validated again by the route.
+            _, errors = self.body_field.validate(value, {}, loc=("body",))
+            if errors:
+                raise HTTPException(422, capped_errors(list(errors), shape))
+        return value
 
 
 class StrictJSONRoute(APIRoute):
-    """A route that parses its body with ``StrictJSONRequest``: non-finite numbers get a one-line 422."""
+    """A route that parses its body with ``StrictJSONRequest``: non-finite numbers and bodies outside
+    ``BodyShape`` get a one-line 422, and validation errors are built in a worker thread."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        body_field = self.body_field
 
         async def strict(request: Request) -> Response:
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            strict_request = StrictJSONRequest(request.scope, request.receive)
+            strict_request.body_field = body_field
+            return await handler(strict_request)
 
         return strict
 
 
 def printable(value: Any) -> Any:
-    """``value`` (validation errors) with non-finite floats as text and long strings cut, so that the
-    error itself is valid JSON and does not echo a whole upload back."""
+    """``value`` (validation errors) with non-finite floats as text and long strings, lists and objects cut,
+    so that the error itself is valid JSON and does not echo a whole upload back."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, str) and len(value) > 200:
         return value[:200] + "…"
     if isinstance(value, dict):
-        return {k: printable(v) for k, v in value.items()}
+        shown = {k: printable(v) for k, v in list(value.items())[:PRINTED_ITEMS]}
+        if len(value) > PRINTED_ITEMS:
+            shown["…"] = f"{len(value) - PRINTED_ITEMS} more keys"
+        return shown
     if isinstance(value, (list, tuple)):
-        return [printable(v) for v in value]
+        items = [printable(v) for v in value[:PRINTED_ITEMS]]
+        return [*items, f"… {len(value) - PRINTED_ITEMS} more items"] if len(value) > PRINTED_ITEMS else items
     return value
+
+
+# Descriptors kept back from connections for the index's files, images served and the listening socket.
+FD_RESERVE = 64
+_BUSY = b'{"detail":"the server has too many open connections; retry later"}'
+BUSY_REPLY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 5\r\n"
+    b"connection: close\r\ncontent-length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY
+)
+
+
+def connection_cap(max_connections: int) -> tuple[int, int]:
+    """(connections, backlog): ``max_connections`` lowered to what the open-file limit leaves after
+    ``FD_RESERVE`` and the backlog, which asyncio accepts in one go before any connection can be closed."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections, 2048
+    room = max(2, soft - FD_RESERVE)
+    backlog = max(1, min(2048, room // 4))
+    return max(1, min(max_connections, room - backlog)), backlog
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol that closes a connection whose request headers have not fully arrived within
+    ``header_timeout_s`` of its opening or its last answer, and keeps at most ``max_connections`` open.
+
+    Past the cap the connection waiting longest for its headers is closed to make room, so idle sockets
+    cannot crowd out a client that asks; with none waiting (all busy) the new one gets a 503.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        header_timer: asyncio.TimerHandle | None = None
+        waiting_since = 0.0
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            if len(self.connections) > max_connections and not self._evict():
+                transport.write(BUSY_REPLY)  # type: ignore[attr-defined]
+                transport.close()
+                return
+            self._arm()
+
+        def waiting(self) -> bool:
+            """Whether this connection is open and has not sent a whole request head since its last answer."""
+            return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
+        def _evict(self) -> bool:
+            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol) and c.waiting()]
+            if not idle:
+                return False
+            min(idle, key=lambda c: c.waiting_since).transport.close()
+            return True
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.waiting_since = self.loop.time()
+            self.header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def _header_timeout(self) -> None:
+            self.header_timer = None
+            if self.waiting():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol

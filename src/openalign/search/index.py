@@ -258,14 +258,16 @@ class VectorStore:
     @classmethod
     def load(cls, directory: str | Path, mmap: bool = True) -> VectorStore:
         """Open a saved store; the matrix (and an on-disk index's lists) are memory-mapped unless ``mmap`` is
-        False."""
+        False. An on-disk index opens its files once and reads through them, so a rebuild that replaces them, or
+        removes the folder, leaves what this store reads as it was."""
         d = Path(directory)
         if not (d / VECTORS).is_file():
             raise FileNotFoundError(f"{d}: no {VECTORS}")
-        vectors = read_matrix(d / VECTORS, mmap)
         meta: dict[str, Any] = read_json(d / ANN_FILE) if (d / ANN_FILE).is_file() else {"kind": "exact"}
         if not isinstance(meta.get("kind"), str):
             raise ValueError(f"{d / ANN_FILE}: damaged, it names no index kind")
+        rows = NpyRows(d / VECTORS, hold=True) if meta["kind"] == "ivf_pq_disk" else None
+        vectors = read_matrix(d / VECTORS, mmap) if rows is None else rows.mapped() if mmap else rows.read(0, len(rows))
         ann = None
         if meta["kind"] != "exact":
             if not (d / FAISS_FILE).is_file():
@@ -284,12 +286,13 @@ class VectorStore:
             if ann.ntotal != vectors.shape[0]:
                 raise ValueError(f"{d}: {FAISS_FILE} holds {ann.ntotal} vectors but {VECTORS} has {vectors.shape[0]}")
         store = cls(vectors, ann, meta["kind"], meta.get("params", {}))
-        if meta["kind"] == "ivf_pq_disk":
+        if rows is not None:
             from openalign.search.disk_lists import LISTS, ProbedLists
 
-            store.read_rows = NpyRows(d / VECTORS).take
+            store.read_rows = rows.take
             if mmap:
-                store.probe = ProbedLists(ann, d / LISTS).search
+                checked = bool(store.params.get("list_checksums"))
+                store.probe = ProbedLists(ann, d / LISTS, require_checksums=checked).search
         return store
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from openalign.config import ConfigError
 from openalign.data.npy_rows import BLOCK, NpyRows
-from openalign.search.disk_lists import LISTS, ProbedLists, quiet_c_stdout
+from openalign.search.disk_lists import CHECKSUMS, LISTS, ProbedLists, quiet_c_stdout
 from openalign.search.index import (
     FAISS_FILE,
     VECTORS,
@@ -121,7 +122,8 @@ def encode_shard(vectors: NpyRows, start: int, stop: int, trained: Path, path: P
 
 
 def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
-    """The trained index with the inverted lists of every part, in order, merged into ``lists`` on disk.
+    """The trained index with the inverted lists of every part, in order, merged into ``lists`` on disk, and
+    each list's checksums beside it (``disk_lists.CHECKSUMS``).
 
     FAISS's own merge copies the codes through its memory map of ``lists``, so every page of the merged file
     stays resident in the building process: its peak grew with the index. Here FAISS only allocates each
@@ -156,17 +158,20 @@ def merge_shards(trained: Path, parts: list[Path], lists: Path) -> Any:
     codes_at = np.array([table.at(n).offset for n in range(nlist)], np.int64)
     ids_at = codes_at + np.array([table.at(n).capacity for n in range(nlist)], np.int64) * code_size
     written = np.zeros(nlist, np.int64)
+    sums = np.zeros((nlist, 2), np.uint32)  # a list's parts lie back to back, so its CRC-32 runs on over them
     with open(lists, "r+b") as f:
         for p, part in enumerate(parts):
             shard, invlists = part_lists(part)
             for n in np.flatnonzero(sizes[p]).tolist():
                 count = int(sizes[p, n])
-                codes = faiss.rev_swig_ptr(invlists.get_codes(n), count * code_size)
-                found = faiss.rev_swig_ptr(invlists.get_ids(n), count)
-                os.pwrite(f.fileno(), codes.tobytes(), int(codes_at[n] + written[n] * code_size))
-                os.pwrite(f.fileno(), found.tobytes(), int(ids_at[n] + written[n] * 8))
+                codes = faiss.rev_swig_ptr(invlists.get_codes(n), count * code_size).tobytes()
+                found = faiss.rev_swig_ptr(invlists.get_ids(n), count).tobytes()
+                os.pwrite(f.fileno(), codes, int(codes_at[n] + written[n] * code_size))
+                os.pwrite(f.fileno(), found, int(ids_at[n] + written[n] * 8))
+                sums[n] = zlib.crc32(codes, int(sums[n, 0])), zlib.crc32(found, int(sums[n, 1]))
                 written[n] += count
             del shard, invlists  # unmaps the part
+    np.save(lists.with_name(CHECKSUMS), sums)
     index.ntotal = ivf.ntotal = int(written.sum())
     ivf.replace_invlists(merged, True)
     merged.this.disown()
@@ -218,12 +223,12 @@ def build_disk_store(
         lists: Any = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)  # type: ignore[arg-type]
         lists.filename = str(home / LISTS)
     faiss.write_index(index, str(directory / FAISS_FILE))
-    params.update(rerank=cfg.rerank)
+    params.update(rerank=cfg.rerank, list_checksums="crc32")
     store = VectorStore(np.load(directory / VECTORS, mmap_mode="r"), index, DISK_KIND, params)
     store.read_rows = vectors.take
     # Calibration searches as a server does, reading the lists it probes: through FAISS's map they would
     # stay resident, and the build's peak would grow with the index.
-    store.probe = ProbedLists(index, directory / LISTS).search
+    store.probe = ProbedLists(index, directory / LISTS, require_checksums=True).search
     if cfg.nprobe:
         store.params["nprobe"] = min(cfg.nprobe, params["nlist"])
         store._apply_params()

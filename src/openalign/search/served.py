@@ -31,7 +31,8 @@ class Indexes:
     With ``reload_check_s`` ≥ 0, a request looks (at most once in that many seconds per index) whether
     ``index build`` has committed a new version of its index; if so the new version is opened in a background
     thread beside the old one and swapped in whole. A request keeps the searcher it started with, so none
-    sees half of one version and half of another; a version that does not open keeps the old one served.
+    sees half of one version and half of another; a version that does not open keeps the old one served. A
+    searcher holds its files open, so a version swapped out or deleted keeps answering the requests it took.
     """
 
     def __init__(self, searchers: Searcher | Mapping[str, Searcher], *, reload_check_s: float = -1.0):
@@ -85,8 +86,10 @@ class Indexes:
                 self._reloading.discard(name)
             return
         with self._lock:
-            self.searchers[name] = fresh  # one reference swapped: requests under way keep the old searcher
-            self._versions[name] = version
+            # A version replaced while it opened may mix two versions' files: the next check opens the newer one.
+            if index_version(old.index.root) == version:
+                self.searchers[name] = fresh  # one reference swapped: requests under way keep the old searcher
+                self._versions[name] = version
             self._reloading.discard(name)
 
     def image_path(self, name: str, image_id: int) -> str:
