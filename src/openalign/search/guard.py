@@ -412,15 +412,19 @@ BUSY_REPLY = (
 
 def connection_cap(max_connections: int) -> tuple[int, int]:
     """(connections, backlog): ``max_connections`` lowered to what the open-file limit leaves after
-    ``FD_RESERVE`` and the backlog, which asyncio accepts in one go before any connection can be closed."""
+    ``FD_RESERVE`` and three backlogs' worth of sockets.
+
+    asyncio accepts a backlog's worth in one go, and a connection is made, and one closed to make room for it,
+    over the loop's next iterations: up to three such bursts are open before the cap has closed any.
+    """
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return max_connections, 2048
-    room = max(2, soft - FD_RESERVE)
-    backlog = max(1, min(2048, room // 4))
-    return max(1, min(max_connections, room - backlog)), backlog
+    room = max(4, soft - FD_RESERVE)
+    backlog = max(1, min(2048, room // 8))
+    return max(1, min(max_connections, room - 3 * backlog)), backlog
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type:
