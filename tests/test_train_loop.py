@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import openalign
 from conftest import declare_accelerator, tiny_overrides
+from openalign.config import ConfigError
 from openalign.train.checkpoint import list_checkpoints, load_trainer_state
 from openalign.train.config import load_train_config
 from openalign.train.loop import NonFiniteError, train
@@ -371,6 +372,36 @@ def test_time_based_checkpoints_and_atomic_leftovers(tmp_path: Path) -> None:
 def test_resume_latest_without_checkpoints_starts_fresh(tmp_path: Path) -> None:
     result = train(tiny_config(tmp_path / "run", train={"steps": 1}), resume="latest", stream_factory=factory())
     assert result.step == 1
+
+
+class FailingStream(MemoryStream):
+    """A stream whose first batch fails, as a decoder or a shard reader can."""
+
+    def __iter__(self):
+        raise ValueError("the first batch could not be read")
+        yield
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for GPU decoding on a machine without a GPU")
+def test_gpu_decoding_on_a_cpu_run_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path / "run", data={"decode": "cuda"}, train={"device": "auto"})
+    with pytest.raises(ConfigError, match=r"data\.decode: cuda .* trains on cpu"):
+        train(cfg, stream_factory=factory())
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_failing_before_its_first_step_leaves_only_what_was_there(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="first batch"):
+        train(tiny_config(tmp_path / "new"), stream_factory=FailingStream)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match="first batch"):
+        train(tiny_config(tmp_path / "old"), stream_factory=FailingStream)
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["notes.txt"]
+    # A run that took a step keeps its record of it.
+    train(tiny_config(tmp_path / "old", train={"steps": 1}), stream_factory=factory())
+    assert (tmp_path / "old" / "config.yaml").is_file() and (tmp_path / "old" / "metrics.jsonl").is_file()
 
 
 def test_resume_from_a_missing_path_is_a_clear_error(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ and the checkpoints before it stay, and a non-finite final model stops the run w
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -51,7 +52,7 @@ from openalign.train.distributed import (
     unwrap,
     wrap_model,
 )
-from openalign.train.logging import say
+from openalign.train.logging import METRICS_FILE, TENSORBOARD_DIR, say
 from openalign.train.meter import Meter
 from openalign.train.step import StepStats, TrainStep
 from openalign.train.towers import Towers, eager_towers
@@ -105,8 +106,14 @@ def train(
     check_wandb(cfg.log.wandb)
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
+    if cfg.data.decode == "cuda" and info.device.type != "cuda":
+        raise ConfigError(
+            f"data.decode: cuda decodes on the training GPU, but this run trains on {info.device.type} "
+            "(use data.decode: cpu)"
+        )
     if info.is_main:  # before any step, so that a run never trains for nothing
         check_writable(cfg.train.run_dir, what="train.run_dir", directory=True)
+    written = _FirstWrites(cfg.train.run_dir) if info.is_main else None
     opened = _open_resume(cfg, resume, info) if resume else None
     if tokenizer is None:
         tokenizer = _load_tokenizer(cfg, opened.path if opened else None, info.is_main)
@@ -127,6 +134,11 @@ def train(
         except torch.OutOfMemoryError as err:
             # PyTorch's message is a paragraph of allocator figures; the run's settings are what the user changes.
             raise OutOfMemoryError(_out_of_memory(cfg, info.device, run.step + 1, err)) from None
+    except BaseException:
+        run.close()
+        if written is not None and run.step == 0:
+            written.undo()
+        raise
     finally:
         run.close()
         if owns_group:
@@ -606,6 +618,27 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+class _FirstWrites:
+    """What a run writes into ``run_dir`` before its first step, taken back when it fails before that step: a
+    failed start then leaves the folder as it was, and the next run is not taken for a resumed one."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.new_dir = not self.run_dir.exists()
+        self.new = [n for n in ("config.yaml", METRICS_FILE, TENSORBOARD_DIR) if not (self.run_dir / n).exists()]
+
+    def undo(self) -> None:
+        if self.new_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
+        for name in self.new:
+            path = self.run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def _out_of_memory(cfg: TrainConfig, device: torch.device, step: int | None, err: BaseException) -> str:
