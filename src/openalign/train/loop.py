@@ -106,11 +106,6 @@ def train(
     check_wandb(cfg.log.wandb)
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = init_distributed(cfg.train.device)
-    if cfg.data.decode == "cuda" and info.device.type != "cuda":
-        raise ConfigError(
-            f"data.decode: cuda decodes on the training GPU, but this run trains on {info.device.type} "
-            "(use data.decode: cpu)"
-        )
     if info.is_main:  # before any step, so that a run never trains for nothing
         check_writable(cfg.train.run_dir, what="train.run_dir", directory=True)
     written = _FirstWrites(cfg.train.run_dir) if info.is_main else None
