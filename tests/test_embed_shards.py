@@ -188,8 +188,67 @@ def test_a_killed_job_resumes_to_the_same_files(
     assert again.worked == [2] and again.already_done == [0, 1] and again.rows == 4
     assert _files(resumed) == _files(whole)
     # Another model, or other settings, cannot resume into this folder.
-    with pytest.raises(openalign.config.ConfigError, match="another settings"):
+    with pytest.raises(openalign.config.ConfigError, match="another dtype"):
         embed_shards(_spec(world), resumed, model, EmbedShardsConfig(batch_size=2), rank=Rank())
+
+
+def test_a_folder_is_resumed_only_by_the_job_that_wrote_it(
+    world: dict[str, Path], single: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    import shutil
+
+    model = load_embed_model(str(world["ckpt"]), None)
+    cfg = EmbedShardsConfig(batch_size=2, dtype="float32")
+    # Every setting that changes a byte is in embed.json, and a refusal names the one that differs.
+    copy = tmp_path / "copy"
+    shutil.copytree(single, copy)
+    for other, named in (
+        (EmbedShardsConfig(batch_size=3, dtype="float32"), r"another batch_size \(2 ≠ 3\)"),
+        (EmbedShardsConfig(batch_size=2, dtype="float32", allow_outside_root=True), "another allow_outside_root"),
+    ):
+        with pytest.raises(openalign.config.ConfigError, match=named):
+            embed_shards(_spec(world), copy, model, other, rank=Rank())
+    # A part counts as done only when its stats carry this job's id: a part another job wrote is redone.
+    stats = copy / "stats" / "stats_0001.json"
+    stats.write_text(json.dumps({**json.loads(stats.read_text()), "job": "another job"}))
+    redone = embed_shards(_spec(world), copy, model, cfg, rank=Rank())
+    assert redone.worked == [1] and redone.already_done == [0, 2] and _files(copy) == _files(single)
+    # Parts without embed.json say nothing about how they were made: the folder is refused, not adopted.
+    (copy / "embed.json").unlink()
+    before = _files(copy)
+    with pytest.raises(openalign.config.ConfigError, match=r"no embed\.json"):
+        embed_shards(_spec(world), copy, model, cfg, rank=Rank())
+    assert _files(copy) == before and not (copy / "embed.json").exists()
+
+    # A run that fails before its first part leaves nothing that would refuse the corrected rerun.
+    def broken(*args: object, **kwargs: object) -> None:
+        raise IndexError("index out of range in self")
+
+    monkeypatch.setattr("openalign.embed.embed_texts", broken)
+    for out, made in ((tmp_path / "new", False), (tmp_path / "given", True)):
+        if made:
+            out.mkdir()
+        with pytest.raises(IndexError):
+            embed_shards(_spec(world), out, model, cfg, rank=Rank())
+        assert out.is_dir() == made and (not made or not list(out.iterdir()))
+    monkeypatch.undo()
+    fresh = embed_shards(_spec(world), tmp_path / "given", model, EmbedShardsConfig(batch_size=2), rank=Rank())
+    assert fresh.complete and fresh.worked == [0, 1, 2]
+
+
+def test_an_output_holding_the_shards_a_spec_names_is_refused(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    shards = tmp_path / "shards"
+    shutil.copytree(world["shards"], shards)
+    before = sorted(p.name for p in shards.iterdir())
+    for spec in (f"{shards}/*.tar", f"{shards}/{{a,b,c}}00000.tar", f"{shards}/a00000.tar::{shards}/b00000.tar"):
+        assert main(["embed", spec, str(shards), "--model", str(world["ckpt"]), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds, the input" in err[0], err
+        assert sorted(p.name for p in shards.iterdir()) == before
 
 
 def test_clip_retrieval_readers_and_index_import_read_the_output(

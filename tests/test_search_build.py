@@ -276,3 +276,18 @@ def test_search_and_serve_refuse_a_model_other_than_the_one_that_built_the_index
     write_folder(tmp_path / "imgs", range(4, 6))
     assert main(["index", "build", "--model", str(other), "--images", str(tmp_path / "imgs"), "--out", str(out)]) == 2
     assert "built by another model" in capsys.readouterr().err
+
+
+def test_an_output_holding_the_shards_a_spec_names_is_refused(tmp_path, model_dir, capsys):
+    from openalign.data.shards import write_shards
+
+    samples = [{"key": f"{i:05d}", "jpg": picture(i)[0], "txt": picture(i)[1]} for i in range(6)]
+    shards = tmp_path / "shards"
+    write_shards(samples, shards, samples_per_shard=3)
+    before = sorted(p.name for p in shards.iterdir())
+    for spec in (f"{shards}/{{00000..00001}}.tar", f"{shards}/*.tar", str(shards)):
+        argv = ["index", "build", "--model", str(model_dir), "--images", spec, "--out", str(shards), "--quiet"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds, the input" in err[0], err
+        assert sorted(p.name for p in shards.iterdir()) == before

@@ -1341,6 +1341,17 @@ class Source:
             return iter(()) if first is None else _chain(first, events)
         return _shard_events(self.urls, self.max_file_bytes)
 
+    def local_paths(self) -> list[str]:
+        """The files and folders on this machine that the input reads (the shards a glob or brace spec names,
+        the table and its image root, the folder): what an output must not be, or hold."""
+        if self.kind == "folder":
+            assert self.scan is not None
+            return [os.fspath(self.scan.root)]
+        if self.kind == "table":
+            assert self.table is not None
+            return [os.fspath(p) for p in (self.table, self.image_root) if p is not None]
+        return [url for url in self.urls if not is_remote(url)]
+
     def records(self, on_skip: ErrorHandler | None = None) -> Iterator[Record]:
         """The usable records; every skipped item goes to ``on_skip(reason, detail)`` (default: a warning)."""
         report = on_skip or _log_error

@@ -7,19 +7,23 @@ part's position in the input, so the output does not depend on how many processe
     OUT/img_emb/img_emb_0003.npy      [rows, D] image embeddings (L2-normalised; float16 as clip-retrieval)
     OUT/text_emb/text_emb_0003.npy    [rows, D] caption embeddings of the same rows
     OUT/metadata/metadata_0003.parquet  image_path, caption, key, url: one row per embedding
-    OUT/stats/stats_0003.json         the part's source, rows and skipped items by reason
+    OUT/stats/stats_0003.json         the part's source, rows, skipped items by reason and the job's id
     (a part without a usable row has its stats only: clip-retrieval's readers fail on an empty .npy pair)
     OUT/embed.json                    the model's fingerprint and the settings; totals once every part is done
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) rank r works the parts i with i mod world = r, on
 ``cuda:LOCAL_RANK`` when CUDA is there; one plain process is rank 0 of 1. Each file is written under a
 temporary name and renamed, the metadata last, so a part whose metadata exists is finished and a restarted
-job skips it, while a part cut short is redone from its start. No process group is needed: whichever rank
-finishes last finds every part done and writes the totals. Unreadable images are skipped and counted.
+job skips it, while a part cut short is redone from its start. A part counts as done only when its stats carry
+the id of this job (a hash of the source, the model and every setting that changes a byte of output), and a
+folder is resumed only by a job with the same embed.json. No process group is needed: whichever rank finishes
+last finds every part done and writes the totals. Unreadable images are skipped and counted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 from collections import Counter
@@ -190,8 +194,10 @@ class Layout:
     """clip-retrieval's file names in ``out``, numbered with at least 4 digits (more for 10000+ parts, so that
     names sort in part order, as clip-retrieval's readers sort them)."""
 
-    def __init__(self, out: Path, parts: int):
-        self.out = out
+    KINDS = ("img_emb", "text_emb", "metadata", "stats")
+
+    def __init__(self, out: Path, parts: int, job: str):
+        self.out, self.job = out, job
         self.width = max(4, len(str(max(parts - 1, 0))))
 
     def path(self, kind: str, part: int) -> Path:
@@ -199,14 +205,20 @@ class Layout:
         return self.out / kind / f"{kind}_{part:0{self.width}d}.{suffix}"
 
     def done(self, part: int) -> bool:
-        """Its metadata is in place, or it had no usable row: then its stats alone say so (stats are written
+        """Its stats name this job, and its metadata is in place or it had no usable row (stats are written
         before the metadata, so a part with rows whose metadata is missing is redone)."""
-        if self.path("metadata", part).is_file():
-            return True
         try:
-            return bool(json.loads(self.path("stats", part).read_text())["rows"] == 0)
+            stats = json.loads(self.path("stats", part).read_text())
+            if stats["job"] != self.job:
+                return False
+            return self.path("metadata", part).is_file() or stats["rows"] == 0
         except (OSError, ValueError, KeyError, TypeError):
             return False
+
+    def any_files(self) -> bool:
+        return any(
+            p.is_file() for kind in self.KINDS if (self.out / kind).is_dir() for p in (self.out / kind).iterdir()
+        )
 
 
 def _tmp(path: Path) -> Path:
@@ -270,7 +282,7 @@ class PartOut:
         self.skipped: Counter[str] = Counter()
         self.images: list[Any] = []
         self.captions: list[str] = []
-        for kind in ("img_emb", "text_emb", "metadata", "stats"):  # what a killed run left of this part
+        for kind in layout.KINDS:  # what a killed run left of this part
             final = layout.path(kind, part)
             for stale in final.parent.glob(f".{final.name}.*.tmp"):
                 stale.unlink(missing_ok=True)
@@ -312,7 +324,7 @@ class PartOut:
         for writer in self.npy.values():
             writer.close()
         self.meta.close()
-        stats = {"source": source_name, "rows": self.meta.rows, "skipped": dict(self.skipped)}
+        stats = {"source": source_name, "rows": self.meta.rows, "skipped": dict(self.skipped), "job": self.layout.job}
         text = json.dumps(stats, indent=1, sort_keys=True) + "\n"
         if not self.meta.rows:
             # No files for a part without rows: embedding_reader's npy+parquet reader fails on an empty pair
@@ -339,28 +351,82 @@ class PartOut:
             _tmp(self.layout.path(kind, self.part)).unlink(missing_ok=True)
 
 
-def _settings(cfg: EmbedShardsConfig) -> dict[str, Any]:
-    """The settings that decide the files' content: a restart must use the same ones."""
-    keep = ("images", "captions", "dtype", "table_chunk_rows", "max_pixels", "max_file_mb", "image_root")
-    return {k: v for k, v in to_dict(cfg).items() if k in keep}
+def _settings(cfg: EmbedShardsConfig, device: str) -> dict[str, Any]:
+    """The settings that decide the files' content (the device type too: a GPU's float sums differ from a
+    CPU's); a restart must use the same ones. The number of decoding workers changes no byte."""
+    keep = (
+        "images",
+        "captions",
+        "batch_size",
+        "dtype",
+        "table_chunk_rows",
+        "image_root",
+        "max_pixels",
+        "max_file_mb",
+        "allow_outside_root",
+    )
+    settings = {k: v for k, v in to_dict(cfg).items() if k in keep}
+    return {**settings, "device": device.split(":")[0]}
 
 
-def _check_or_write_info(out: Path, info: dict[str, Any], rank: Rank) -> None:
+def _job_id(info: dict[str, Any]) -> str:
+    """What a part's stats carry: the hash of everything in ``info`` that decides its bytes."""
+    decides = {k: info[k] for k in ("source", "parts", "fingerprint", "embed_dim", "settings")}
+    return hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _differs(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first thing that makes ``old`` another job's embed.json, in words, or None."""
+    if old.get("format") != FORMAT:
+        return f"{INFO} is not openalign embed's"
+    for part in ("source", "parts", "fingerprint", "settings"):
+        was, now = old.get(part), new[part]
+        if was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            key = next(k for k in sorted({*was, *now}) if was.get(k) != now.get(k))
+            return f"another {'model ' if part == 'fingerprint' else ''}{key} ({was.get(key)} ≠ {now.get(key)})"
+        return f"another {part} ({was} ≠ {now})"
+    return None
+
+
+def _check_or_write_info(out: Path, info: dict[str, Any], layout: Layout) -> bool:
+    """Refuse a folder another job wrote (its embed.json differs, or it holds parts and no embed.json); write
+    embed.json when absent, as any rank may, since every rank writes the same. True when this call wrote it."""
     path = out / INFO
     if path.is_file():
         try:
             old = json.loads(path.read_text())
         except ValueError:
             old = {}
-        for part in ("fingerprint", "settings", "parts", "source"):
-            if old.get(part) != info[part]:
-                raise ConfigError(
-                    f"{path}: this folder was written with another {part} ({old.get(part)} ≠ {info[part]}); "
-                    "resume with the same model and settings, or write to a new folder"
-                )
+        why = _differs(old if isinstance(old, dict) else {}, info)
+        if why is not None:
+            raise ConfigError(
+                f"{path}: this folder was written with {why}; resume with the same model and settings, "
+                "or write to a new folder"
+            )
+        return False
+    if layout.any_files():
+        raise ConfigError(
+            f"{out}: holds embedding parts but no {INFO}, so nothing says how they were made; "
+            "write to a new folder or remove them"
+        )
+    atomic_write_text(path, json.dumps(info, indent=2) + "\n")
+    return True
+
+
+def _undo_start(out: Path, layout: Layout, parts: int, created: bool) -> None:
+    """After a failure before any part of the job was done: remove this run's embed.json, empty part
+    folders, and the folder itself if the run made it, so a corrected rerun starts clean."""
+    if any(layout.done(i) for i in range(parts)):
         return
-    if rank.rank == 0:
-        atomic_write_text(path, json.dumps(info, indent=2) + "\n")
+    (out / INFO).unlink(missing_ok=True)
+    for kind in layout.KINDS:
+        with contextlib.suppress(OSError):  # absent, or another rank's files are in it
+            (out / kind).rmdir()
+    if created:
+        with contextlib.suppress(OSError):
+            out.rmdir()
 
 
 def _totals(layout: Layout, parts: int) -> dict[str, Any]:
@@ -387,13 +453,13 @@ def embed_shards(
     rank = rank or Rank.from_env()
     out = Path(out)
     check_writable(out, what="embedding folder", directory=True)
-    refuse_input_as_output(out, [source])
     opened = open_source(
         source,
         image_root=cfg.image_root,
         max_file_bytes=file_limit(cfg.max_file_mb),
         allow_outside_root=cfg.allow_outside_root,
     )
+    refuse_input_as_output(out, [source, *opened.local_paths()])
     parts = count_parts(opened, cfg.table_chunk_rows)
     if parts == 0:
         raise ValueError(f"{source}: no rows to embed")
@@ -405,11 +471,36 @@ def embed_shards(
         "model": model.name,
         "fingerprint": model.fingerprint(),
         "embed_dim": dim,
-        "settings": _settings(cfg),
+        "settings": _settings(cfg, model.image.device),
     }
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    _check_or_write_info(out, info, rank)
-    layout = Layout(out, parts)
+    layout = Layout(out, parts, _job_id(info))
+    try:
+        wrote = _check_or_write_info(out, info, layout)
+    except BaseException:
+        if created:
+            out.rmdir()
+        raise
+    try:
+        result = _embed_parts(opened, layout, model, cfg, rank, info, progress)
+    except BaseException:
+        if wrote:
+            _undo_start(out, layout, parts, created)
+        raise
+    return result
+
+
+def _embed_parts(
+    opened: Source,
+    layout: Layout,
+    model: Model,
+    cfg: EmbedShardsConfig,
+    rank: Rank,
+    info: dict[str, Any],
+    progress: bool,
+) -> EmbedShardsResult:
+    out, parts, dim = layout.out, int(info["parts"]), int(info["embed_dim"])
     mine = [i for i in range(parts) if i % rank.world == rank.rank]
     done = [i for i in mine if layout.done(i)]
     todo = [i for i in mine if not layout.done(i)]

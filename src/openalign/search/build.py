@@ -31,8 +31,17 @@ from PIL import Image
 from tqdm import tqdm
 
 from openalign.config import ConfigError, from_dict, to_dict
-from openalign.data.sources import DEFAULT_MAX_FILE_BYTES, BadInput, Record, batched, file_limit, open_source
+from openalign.data.sources import (
+    DEFAULT_MAX_FILE_BYTES,
+    BadInput,
+    Record,
+    Source,
+    batched,
+    file_limit,
+    open_source,
+)
 from openalign.data.transforms import decode_image, model_transform
+from openalign.outputs import refuse_input_as_output
 from openalign.search.catalog import (
     FORMAT,
     FORMAT_VERSION,
@@ -142,7 +151,7 @@ def _item(record: Record, on_error: Callable[[str, str], None]) -> Item:
 
 
 def iter_source(
-    source: str | Path,
+    source: str | Path | Source,
     on_error: Callable[[str, str], None],
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -151,8 +160,13 @@ def iter_source(
     """Every item of an image folder (recursive; ``foo.txt`` beside ``foo.jpg`` is its caption), a table or
     WebDataset shards (``openalign.data.sources.open_source``, which skips files over ``max_file_bytes`` and a
     table's image paths outside its folder unless ``allow_outside_root``); skipped items go to ``on_error``.
-    Recognising the input happens here, so a missing one raises before the first item."""
-    opened = open_source(source, max_file_bytes=max_file_bytes, allow_outside_root=allow_outside_root)
+    Recognising the input happens here (or was done by the caller), so a missing one raises before the first
+    item."""
+    opened = (
+        source
+        if isinstance(source, Source)
+        else open_source(source, max_file_bytes=max_file_bytes, allow_outside_root=allow_outside_root)
+    )
     return (_item(record, on_error) for record in opened.records(on_error))
 
 
@@ -391,12 +405,11 @@ def _build_into(
     if cfg.captions and tokenizer is None:
         raise ValueError("a caption store needs the model's tokenizer to embed captions")
     errors: Counter = Counter()
-    source_items = iter_source(  # checks that the source exists
-        source,
-        lambda reason, detail: errors.update([reason]),
-        max_file_bytes=file_limit(cfg.max_file_mb),
-        allow_outside_root=cfg.allow_outside_root,
+    opened = open_source(  # checks that the source exists
+        source, max_file_bytes=file_limit(cfg.max_file_mb), allow_outside_root=cfg.allow_outside_root
     )
+    refuse_input_as_output(out, [source, *opened.local_paths()])
+    source_items = iter_source(opened, lambda reason, detail: errors.update([reason]))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     commit_stage(out)  # a previous run that died while moving files into place
