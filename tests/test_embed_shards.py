@@ -251,6 +251,38 @@ def test_an_output_holding_the_shards_a_spec_names_is_refused(
         assert sorted(p.name for p in shards.iterdir()) == before
 
 
+_KILL_A_WORKER = """
+import os, signal, sys
+from openalign.pipeline import embed_shards
+from openalign.cli import main
+make = embed_shards._preparer
+def preparer(*args, **kwargs):
+    prepare, seen = make(*args, **kwargs), [0]
+    def dying(part, event):
+        from torch.utils.data import get_worker_info
+        seen[0] += 1
+        if get_worker_info() is not None and seen[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return prepare(part, event)
+    return dying
+embed_shards._preparer = preparer
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_decoding_worker_is_one_line_and_the_rerun_resumes(
+    world: dict[str, Path], single: Path, tmp_path: Path, one_thread: None
+) -> None:
+    out = tmp_path / "out"
+    argv = [sys.executable, "-c", _KILL_A_WORKER, *_embed_argv(world, out), "--workers", "2", "--quiet"]
+    killed = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 2, killed.stderr
+    lines = killed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a decoding worker (pid" in lines[0] and "run the command again" in lines[0], lines
+    _one_process(world, out)
+    assert _files(out) == _files(single)
+
+
 def test_clip_retrieval_readers_and_index_import_read_the_output(
     world: dict[str, Path], single: Path, tmp_path: Path, one_thread: None
 ) -> None:

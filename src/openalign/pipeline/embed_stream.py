@@ -99,8 +99,21 @@ def decoded_items(
 
     # batch_size=None: each chunk is one DataLoader item; two chunks ahead per worker bound the memory.
     loader = DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_identity, prefetch_factor=2)
-    for items in loader:
-        yield from items
+    try:
+        for items in loader:
+            yield from items
+    except RuntimeError as err:
+        if not str(err).startswith("DataLoader worker"):
+            raise
+        raise WorkerDied(
+            f"a decoding worker {str(err).removeprefix('DataLoader worker ')} (killed, or out of memory); "
+            "finished parts are kept: run the command again to resume"
+        ) from None
+
+
+class WorkerDied(ChildProcessError):
+    """A decoding process ended without a word (a kill, the kernel's out-of-memory killer): one line, since
+    its traceback is the DataLoader's and says nothing the user can act on."""
 
 
 # --------------------------------------------------------------------------------------------------
