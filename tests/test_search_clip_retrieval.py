@@ -245,7 +245,7 @@ def test_serve_takes_several_named_indexes(
     assert client.get(hits[0]["url"]).headers["content-type"] == "image/jpeg"
     # A single bare --index keeps working, named by its folder.
     assert main(["serve", "--index", str(indexes["demo"])]) == 0
-    assert TestClient(started[-1]).get("/indices-list").json() == ["demo"]
+    assert TestClient(started[-1]).get("/indices-list").json() == [indexes["demo"].name]
     capsys.readouterr()
     assert main(["serve", "--index", f"a={indexes['demo']}", "--index", f"a={indexes['vectors']}"]) == 2
     assert "two indexes are named 'a'" in capsys.readouterr().err

@@ -201,3 +201,47 @@ def test_attached_model_answers_text_queries_and_must_match_the_width(
     wide = ["index", "build", "--embeddings", str(tmp_path / "wide.npy"), "--metadata", str(tmp_path / "m.parquet")]
     err = _error(capsys, [*wide, "--model", str(ckpt), "--out", str(tmp_path / "idx2")])
     assert "the model makes 24-d embeddings" in err and "48-d" in err
+
+
+def test_image_files_are_served_only_inside_the_declared_image_root(tmp_path: Path) -> None:
+    """The metadata of an imported index names files; /image/{id} reads one only if, with ``..`` and links
+    resolved, it lies inside ``--image-root``, and answers every other case with the same 404."""
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    from openalign.search.api import create_app
+    from openalign.search.query import Searcher
+
+    photos, private = tmp_path / "photos", tmp_path / "private"
+    (photos / "sub").mkdir(parents=True)
+    private.mkdir()
+    Image.new("RGB", (40, 30), (200, 20, 20)).save(photos / "sub" / "in.jpg")
+    Image.new("RGB", (40, 30), (20, 200, 20)).save(private / "secret.jpg")
+    (photos / "notes.jpg").write_text("not an image")
+    (photos / "link.jpg").symlink_to(private / "secret.jpg")
+    paths = [
+        "sub/in.jpg",  # 0: relative, inside: served
+        str(photos / "sub" / "in.jpg"),  # 1: absolute, inside: served
+        str(private / "secret.jpg"),  # 2: absolute, outside
+        "../private/secret.jpg",  # 3: relative, climbs out
+        "sub/../../private/secret.jpg",  # 4: climbs out through a folder
+        "link.jpg",  # 5: a link inside that points outside
+        "notes.jpg",  # 6: inside, not an image
+        "sub/missing.jpg",  # 7: inside, no such file
+        "",  # 8: no path
+    ]
+    np.save(tmp_path / "emb.npy", _vectors(len(paths), 8, 0))
+    pq.write_table(pa.table({"image_path": paths, "caption": ["x"] * len(paths)}), tmp_path / "meta.parquet")
+    argv = ["index", "build", "--embeddings", str(tmp_path / "emb.npy"), "--metadata", str(tmp_path / "meta.parquet")]
+    assert main([*argv, "--out", str(tmp_path / "rooted"), "--image-root", str(photos)]) == 0
+    assert main([*argv, "--out", str(tmp_path / "rootless")]) == 0
+
+    rooted = TestClient(create_app(Searcher(SearchIndex.open(tmp_path / "rooted"))))
+    for image_id in (0, 1):
+        served = rooted.get(f"/image/{image_id}")
+        assert served.status_code == 200 and served.headers["content-type"] == "image/jpeg"
+    bodies = {rooted.get(f"/image/{i}").text.replace(str(i), "N") for i in (*range(2, len(paths)), 999)}
+    assert bodies == {'{"detail":"image N is not available"}'}
+    rootless = TestClient(create_app(Searcher(SearchIndex.open(tmp_path / "rootless"))))
+    assert {rootless.get(f"/image/{i}").status_code for i in range(len(paths))} == {404}
+    assert main([*argv, "--out", str(tmp_path / "bad"), "--image-root", str(tmp_path / "nope")]) == 2

@@ -76,6 +76,11 @@ def _build(parser: Parser) -> None:
     )
     parser.add_argument("--metadata", help="with an --embeddings .npy: Parquet table, one row per embedding "
                         "(image_path, caption, url, key, ... columns)")  # fmt: skip
+    parser.add_argument(
+        "--image-root",
+        help="with --embeddings: the folder the metadata's image paths lie in (relative ones start there); "
+        "serve reads image files only inside it, and none without it",
+    )
     parser.add_argument("--out", required=True, help="index directory (created, resumed or extended)")
     parser.add_argument("--tokenizer", help="tokenizer file or dir (default: the model's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -114,8 +119,8 @@ def run_build(args: argparse.Namespace) -> int:
         return 0
     if (args.images is None) == (args.embeddings is None):
         raise ValueError("give either --images (to embed) or --embeddings (made elsewhere)")
-    if args.metadata and not args.embeddings:
-        raise ValueError("--metadata goes with --embeddings")
+    if (args.metadata or args.image_root) and not args.embeddings:
+        raise ValueError("--metadata and --image-root go with --embeddings (--images records its own folder)")
     check_writable(args.out, what="index", directory=True)  # before the model loads and the images are embedded
     if args.embeddings:
         return _import(args, cfg)
@@ -157,6 +162,7 @@ def _import(args: argparse.Namespace, cfg: BuildConfig) -> int:
         model_path=model_path,
         tokenizer_path=tokenizer_path,
         model_dim=model_dim,
+        image_root=args.image_root,
     )
     note = f"; normalised {result.normalized} rows that were not unit length" if result.normalized else ""
     attached = "" if model_path else "; no model attached (query by embedding, or pass --model to search)"

@@ -246,20 +246,22 @@ def create_app(
         index_name: Annotated[str | None, QueryParam(alias="index", max_length=200)] = None,
     ) -> Response:
         index = indexes.get(index_name)[1].index
+        # One answer for an unknown id, a file outside the index's image roots, a missing or unreadable file:
+        # a client learns nothing about the disk.
+        unavailable = HTTPException(404, f"image {image_id} is not available")
         if image_id >= index.size("image"):
-            raise HTTPException(404, f"no image with id {image_id}")
+            raise unavailable
         data = index.thumbnails.get(image_id)
         if data is None:
-            # Only paths recorded in the metadata are ever opened, never one taken from the request.
-            path = Path(index.rows("image", [image_id])[0]["path"] or "")
-            if not path.is_file():
-                raise HTTPException(404, f"image {image_id} has no thumbnail and its file is not readable")
+            path = index.image_file(image_id)  # only a path the index recorded, never one from the request
+            if path is None:
+                raise unavailable
             try:
                 image = decode_bounded(
                     read_file(path), decode_budget, side=thumbnail_size, max_pixels=max_pixels, keep_aspect=True
                 )
-            except BadInput as err:
-                raise HTTPException(404, f"image {image_id} could not be read") from err
+            except (BadInput, OSError):
+                raise unavailable from None
             except Busy as err:
                 raise HTTPException(503, f"{err}; retry later", headers={"Retry-After": "5"}) from err
             data = make_thumbnail(image, thumbnail_size)

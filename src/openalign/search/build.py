@@ -150,6 +150,21 @@ def _item(record: Record, on_error: Callable[[str, str], None]) -> Item:
     return Item(record.key, record.origin, record.read, record.caption or "", str(meta.get("url") or ""))
 
 
+def _with_root(roots: list[str], opened: Source) -> list[str]:
+    """``roots`` and the folder ``opened``'s image files lie in (an image folder, a table's image root), which
+    ``serve`` may read an image from when it has no thumbnail; shard samples have none outside their tars."""
+    if opened.kind == "folder":
+        assert opened.scan is not None
+        root: Path | None = opened.scan.root
+    elif opened.kind == "table":
+        assert opened.table is not None
+        root = opened.image_root if opened.image_root is not None else opened.table.parent
+    else:
+        root = None
+    here = [] if root is None else [str(root.resolve())]
+    return [*roots, *(r for r in here if r not in roots)]
+
+
 def iter_source(
     source: str | Path | Source,
     on_error: Callable[[str, str], None],
@@ -518,6 +533,7 @@ def _build_into(
         "counts": counts,
         "ann": to_dict(cfg.ann),
         "sources": [*info.get("sources", []), os.fspath(source)],
+        "image_roots": _with_root(info.get("image_roots") or [], opened),
         "skipped": dict(total_skipped),
     }
     (stage / INFO).write_text(json.dumps(new_info, indent=2) + "\n")

@@ -18,6 +18,7 @@ Layout::
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -240,6 +241,25 @@ class SearchIndex:
             return table.take(ids)
         rows: list[dict[str, Any]] = table.take(pa.array(np.asarray(ids, dtype=np.int64))).to_pylist()
         return rows
+
+    def image_roots(self) -> list[Path]:
+        """The folders this index's image files were declared to lie in (``index build`` records its input's,
+        ``index import --image-root`` the one given), with links resolved; none for shards."""
+        return [Path(os.path.realpath(root)) for root in self.info.get("image_roots") or []]
+
+    def image_file(self, image_id: int) -> Path | None:
+        """The file image ``image_id``'s row names, only if it lies inside one of ``image_roots`` once ``..``
+        and links are resolved (a relative path starts at the first root); else None."""
+        roots = self.image_roots()
+        if not roots or not 0 <= image_id < self.size("image"):
+            return None
+        recorded = self.rows("image", [image_id])[0].get("path")
+        if not recorded or "\0" in recorded:
+            return None
+        real = Path(os.path.realpath(roots[0] / recorded))
+        if not any(real.is_relative_to(root) for root in roots) or not real.is_file():
+            return None
+        return real
 
     def vector(self, modality: str, item_id: int) -> np.ndarray:
         """The stored (normalised) embedding of one item."""

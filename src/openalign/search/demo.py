@@ -52,13 +52,15 @@ def build_demo_index(
     seed: int = 0,
     progress: bool = True,
 ) -> Path:
-    """Write the synthetic retrieval scenes (PNG + caption files) and index them with captions in ``out``."""
+    """Write the synthetic retrieval scenes (PNG + caption files) in ``out/images`` and index them with
+    captions in ``out/index`` (beside the images, since an index may not hold its input); returns the index."""
     import openalign
     from openalign.data.synthetic import SyntheticWorld
 
     out = Path(out)
-    if (out / "index.json").is_file():
-        return out
+    index = out / "index"
+    if (index / "index.json").is_file():
+        return index
     if n_images < 1:
         raise ValueError(f"n_images must be positive, got {n_images}")
     images_dir = out / "images"
@@ -83,10 +85,10 @@ def build_demo_index(
         model,
         tokenizer,
         images_dir,
-        out,
+        index,
         BuildConfig(captions=True, chunk_size=256),
         model_path=str(model_dir),
         tokenizer_path=str(model_dir),
         progress=progress,
     )
-    return out
+    return index

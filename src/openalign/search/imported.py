@@ -187,12 +187,17 @@ def import_embeddings(
     model_path: str | None = None,
     tokenizer_path: str | None = None,
     model_dim: int | None = None,
+    image_root: str | Path | None = None,
 ) -> ImportResult:
     """Write a new index at ``out`` from embeddings made elsewhere (see the module docstring).
 
     ``model_path`` attaches a model for text and image queries; ``model_dim`` (its embedding width) must
-    then equal the embeddings'. Raises ValueError or FileNotFoundError naming the problem before writing.
+    then equal the embeddings'. ``image_root`` is the folder the metadata's image paths lie in (relative
+    ones start there): ``serve`` reads image files only inside it, and none without it. Raises ValueError or
+    FileNotFoundError naming the problem before writing.
     """
+    if image_root is not None and not Path(image_root).is_dir():
+        raise FileNotFoundError(f"image root {image_root}: no such directory")
     out = Path(out)
     if (out / INFO).is_file() or (out / PENDING).is_dir():
         raise ValueError(f"{out} already holds an index; import embeddings into a new directory")
@@ -239,6 +244,7 @@ def import_embeddings(
             "counts": counts,
             "ann": to_dict(ann),
             "sources": [os.fspath(embeddings)],
+            "image_roots": [] if image_root is None else [str(Path(image_root).resolve())],
             "skipped": {},
             "imported": {"normalized": normalized},
         }
