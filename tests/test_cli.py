@@ -186,6 +186,12 @@ def test_an_alias_of_a_field_is_its_one_flag(capsys: pytest.CaptureFixture[str])
     assert cfg["ann"]["nprobe"] == 4
 
 
+def test_a_list_flag_reads_its_items_as_the_field_types_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """A list[float] field takes numbers from the command line; a list[str] field keeps text as typed."""
+    assert _printed(capsys, "bench", "copy-detection", "--strengths", "0.5", "1")["strengths"] == [0.5, 1.0]
+    assert _printed(capsys, "search", "idx", "--text", "red", "--plus", "001", "1.5")["plus"] == ["001", "1.5"]
+
+
 def test_verify_votes_turns_verification_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """dedup --verify-votes alone verifies (the pairs the votes find are verified, so it asks for verification)."""
     assert "Implies --verify" in _help(capsys, "dedup")

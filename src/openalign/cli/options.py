@@ -178,7 +178,8 @@ def add_knob(parser: argparse.ArgumentParser | Any, knob: Knob) -> None:
                             help=text)  # fmt: skip
         return
     if knob.kind == "list" and "." not in knob.path:
-        parser.add_argument(flag, action=_Set, path=knob.path, nargs="+", type=str_value, dest=argparse.SUPPRESS,
+        item = str_value if knob.item in (None, "str") else yaml_value  # list[float] items are numbers
+        parser.add_argument(flag, action=_Set, path=knob.path, nargs="+", type=item, dest=argparse.SUPPRESS,
                             extend=True, metavar=knob.metavar or "VALUE", help=text)  # fmt: skip
         return
     metavar = knob.metavar or ("{" + ",".join(map(str, knob.choices)) + "}" if knob.choices else knob.kind.upper())

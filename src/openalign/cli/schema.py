@@ -33,6 +33,7 @@ class Knob:
     choices: tuple[Any, ...] | None = None
     metavar: str | None = None
     required: bool = False
+    item: str | None = None  # a list's element kind, when the annotation names a scalar (list[float])
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,8 @@ def _read_class(module: str, cls: ast.ClassDef, prefix: str) -> Schema:
         kind, choices = _kind(module, stmt.annotation)
         if isinstance(default, tuple):
             default = list(default)
-        knobs.append(Knob(path, kind, default, _comment(stmt, comments, lines), choices, required=stmt.value is None))
+        help_text, item = _comment(stmt, comments, lines), _item(module, stmt.annotation)
+        knobs.append(Knob(path, kind, default, help_text, choices, required=stmt.value is None, item=item))
     by_path = {k.path: k for k in knobs}  # a field redefined in a subclass keeps its place and takes the new one
     return Schema(tuple(by_path.values()), tuple(sections))
 
@@ -290,6 +292,18 @@ def _options(module: str, node: ast.AST) -> tuple[Knob, ...]:
         else:
             out.append(_option(module, elt))
     return tuple(out)
+
+
+def _item(module: str, node: ast.AST) -> str | None:
+    """The scalar kind of a list annotation's elements (``list[float]`` → float), else None."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        parts = [p for p in (node.left, node.right) if not (isinstance(p, ast.Constant) and p.value is None)]
+        return _item(module, parts[0]) if len(parts) == 1 else None
+    if not isinstance(node, ast.Subscript) or ast.unparse(node.value).split(".")[-1] not in ("tuple", "list"):
+        return None
+    element = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
+    kind, choices = _kind(module, element)
+    return kind if kind in _SCALARS and not choices else None
 
 
 def _call(node: ast.AST, params: tuple[str, ...], convert: Any) -> dict[str, Any]:
