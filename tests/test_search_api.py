@@ -6,18 +6,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import resource
 import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -29,6 +25,7 @@ from openalign.cli import main
 from openalign.search.api import background_server, create_app, load_searcher
 from openalign.search.demo import build_demo_index
 from openalign.search.guard import exposure_warning
+from serve_utils import start_server
 
 MAX_UPLOAD = 200_000
 
@@ -355,27 +352,9 @@ def _cap_address_space() -> None:
 
 @pytest.fixture(scope="module")
 def served(demo_index, tmp_path_factory):
-    from openalign.bench.search import free_port, wait_for_server
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "OPENALIGN_API_KEY" and not k.startswith("MALLOC_")}
-    cmd = [sys.executable, "-m", "openalign.cli", "serve", "--index", str(demo_index), "--port", str(port),
-           "--log-level", "warning", "--body-timeout-s", str(BODY_TIMEOUT_S),
-           "--decode-budget-mb", str(DECODE_BUDGET_MB)]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_cap_address_space)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_server(url, proc, 120)
-        yield SimpleNamespace(url=url, port=port, pid=proc.pid, log=log_path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    flags = ("--body-timeout-s", str(BODY_TIMEOUT_S), "--decode-budget-mb", str(DECODE_BUDGET_MB))
+    with start_server(demo_index, tmp_path_factory.mktemp("serve"), *flags, preexec=_cap_address_space) as server:
+        yield server
 
 
 def memory_mb(pid: int) -> dict[str, float]:

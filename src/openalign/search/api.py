@@ -280,6 +280,7 @@ def create_app(
         limit=max_upload_bytes * 4 // 3 + 64 * 1024,
         timeout_s=body_timeout_s,
         budget=MemoryBudget(request_memory_bytes),
+        shape=body_shape,
     )
     if api_key:
         app.add_middleware(ApiKeyGuard, key=api_key)

@@ -27,7 +27,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from fastapi import HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
@@ -99,13 +98,17 @@ class MemoryBudget:
 
 class BodyGuard:
     """Reads a POST/PUT/PATCH body in full within ``timeout_s`` and ``limit`` bytes, holding its share of
-    ``budget``, before the app sees it (ASGI middleware); other requests pass straight through."""
+    ``budget``, before the app sees it (ASGI middleware); other requests pass straight through.
 
-    def __init__(self, app: Any, limit: int, timeout_s: float, budget: MemoryBudget):
+    With a ``shape``, the body's separators are counted as it arrives (``check_bytes``'s rule): one far larger
+    in structure than any query is answered with a 422 then, and the rest is dropped unstored."""
+
+    def __init__(self, app: Any, limit: int, timeout_s: float, budget: MemoryBudget, shape: BodyShape | None = None):
         self.app = app
         self.limit = limit
         self.timeout_s = timeout_s
         self.budget = budget
+        self.shape = shape
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -146,6 +149,7 @@ class BodyGuard:
         ``deadline``, the part read dropped."""
         chunks: list[bytes] = []
         received, more = 0, True
+        separators = Separators()
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
@@ -158,6 +162,10 @@ class BodyGuard:
             received += len(chunk)
             if received > self.limit:
                 await reply(scope, send, 413, f"request body over {self.limit} bytes")
+                return None
+            if self.shape is not None and (refused := separators.add(chunk, self.shape)) is not None:
+                chunks.clear()
+                await reply(scope, send, 422, refused.detail)
                 return None
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -287,25 +295,32 @@ def _refuse(detail: str) -> HTTPException:
     return HTTPException(422, f"request body: {detail}")
 
 
+class Separators:
+    """Running counts of a body's ``:``, ``,`` and opening brackets, chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.keys = self.items = self.opened = 0
+
+    def add(self, chunk: bytes, shape: BodyShape) -> HTTPException | None:
+        """Count ``chunk``; the 422 to answer once a count passes ``shape.max_tokens``, else None."""
+        self.keys += chunk.count(b":")
+        self.items += chunk.count(b",")
+        self.opened += chunk.count(b"[") + chunk.count(b"{")
+        limit = shape.max_tokens
+        if self.keys > limit:
+            return _refuse(f"more than {limit} keys; a query has a few dozen at most")
+        if self.items > limit:
+            return _refuse(f"more than {limit} items; a list holds at most {shape.max_items}")
+        if self.opened > limit:
+            return _refuse(f"nested too deep or too many lists and objects (more than {limit})")
+        return None
+
+
 def check_bytes(body: bytes, shape: BodyShape) -> None:
-    """Refuse a body whose separators alone show it is far larger in structure than any query.
-
-    The counts run in NumPy, which lets other threads run meanwhile; a body shorter than the limit is within it.
-    """
-    limit = shape.max_tokens
-    if len(body) <= limit:
-        return
-    data = np.frombuffer(body, np.uint8)
-
-    def count(*chars: bytes) -> int:
-        return sum(int(np.count_nonzero(data == ord(char))) for char in chars)
-
-    if count(b":") > limit:
-        raise _refuse(f"more than {limit} keys; a query has a few dozen at most")
-    if count(b",") > limit:
-        raise _refuse(f"more than {limit} items; a list holds at most {shape.max_items}")
-    if count(b"[", b"{") > limit:
-        raise _refuse(f"nested too deep or too many lists and objects (more than {limit})")
+    """Refuse a body whose separators alone show it is far larger in structure than any query (a body
+    shorter than the limit is within it)."""
+    if len(body) > shape.max_tokens and (refused := Separators().add(body, shape)) is not None:
+        raise refused
 
 
 def check_shape(value: Any, shape: BodyShape) -> None:
