@@ -163,6 +163,76 @@ def test_half_negatives_matches_formula_on_drawn_columns() -> None:
     torch.testing.assert_close(loss, reference_loss(x, y, 0.1, eps, columns=drawn), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("eps", [0.1, 0.0])
+@pytest.mark.parametrize("n, block", [(1, 1), (7, 1), (7, 3), (7, 7), (7, 100), (12, 5)])
+def test_blockwise_matches_explicit_formula_and_gradients(n: int, block: int, eps: float) -> None:
+    x = unit_rows(n, 5, n).requires_grad_()
+    y = unit_rows(n, 5, n + 100).requires_grad_()
+    t = torch.tensor(0.15, dtype=torch.float64, requires_grad=True)
+    loss = contrastive_loss(x, y, t, label_smoothing=eps, block_rows=block)
+    expected = reference_loss(x, y, t, eps)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(loss, (x, y, t)), torch.autograd.grad(expected, (x, y, t)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    as_float = contrastive_loss(x.detach(), y.detach(), 0.15, label_smoothing=eps, block_rows=block)
+    torch.testing.assert_close(as_float, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_blockwise_sampled_negatives_match_the_formula_on_the_same_draws() -> None:
+    n, eps = 11, 0.1
+    x, y = unit_rows(n, 4, 7).requires_grad_(), unit_rows(n, 4, 8).requires_grad_()
+    loss = contrastive_loss(x, y, 0.1, eps, negatives_fraction=0.5, generator=torch.Generator().manual_seed(1),
+                            block_rows=4)  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    drawn = [_sample_columns(torch.arange(n), n, 5, generator) for _ in range(2)]
+    expected = reference_loss(x, y, 0.1, eps, columns=drawn)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(loss, (x, y)), torch.autograd.grad(expected, (x, y)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_blockwise_float32_matches_the_dense_loss_at_a_large_batch() -> None:
+    x, y = unit_rows(512, 32, 1).float().requires_grad_(), unit_rows(512, 32, 2).float().requires_grad_()
+    t = torch.tensor(0.05, requires_grad=True)
+    dense = contrastive_loss(x, y, t)
+    lean = contrastive_loss(x, y, t, block_rows=100)
+    torch.testing.assert_close(lean, dense, rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(lean, (x, y, t)), torch.autograd.grad(dense, (x, y, t)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _peak_bytes(step) -> int:
+    """Peak bytes the CPU allocator holds while ``step()`` runs, from the profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    assert prof.profiler is not None
+    live = peak = 0
+    for _, delta in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                           if e.name() == "[memory]"):  # fmt: skip
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def test_blockwise_peak_memory_follows_the_block_not_the_batch() -> None:
+    """At N = 2048 a float32 N x N matrix is 16 MiB and the dense loss holds several at once; the blockwise
+    loss holds a few 64 x N blocks and the N x D inputs' gradients."""
+    n, d, block = 2048, 64, 64
+    x, y = unit_rows(n, d, 3).float(), unit_rows(n, d, 4).float()
+    t = torch.tensor(0.05)
+
+    def step(block_rows: int | None) -> None:
+        a, b, temp = x.clone().requires_grad_(), y.clone().requires_grad_(), t.clone().requires_grad_()
+        contrastive_loss(a, b, temp, block_rows=block_rows).backward()
+
+    dense, lean = _peak_bytes(lambda: step(None)), _peak_bytes(lambda: step(block))
+    square = n * n * 4
+    assert dense > 3 * square, dense / square
+    assert lean < 8 * block * n * 4 + 8 * n * d * 4, (lean, dense)
+
+
 @pytest.mark.parametrize(
     "image, text, kwargs, message",
     [
@@ -181,6 +251,7 @@ def test_half_negatives_matches_formula_on_drawn_columns() -> None:
         (torch.zeros(4, 3), torch.zeros(4, 3), {"temperature": float("nan")}, "temperature"),
         (torch.zeros(4, 3), torch.zeros(4, 3), {"temperature": torch.ones(1)}, "0-dim"),
         (torch.zeros(0, 3), torch.zeros(0, 3), {}, "empty"),
+        (torch.zeros(4, 3), torch.zeros(4, 3), {"block_rows": 0}, "block_rows"),
     ],
 )
 def test_bad_input_raises(image: Tensor, text: Tensor, kwargs: dict, message: str) -> None:
@@ -246,9 +317,18 @@ def _dist_worker(rank: int, world: int) -> dict:
         for grad in grads.values():
             dist.all_reduce(grad)
             grad /= world
+        image_emb, text_emb = model(images[start : start + sizes[rank]], texts[start : start + sizes[rank]])
+        blockwise = contrastive_loss(image_emb, text_emb, model.temperature, label_smoothing=eps, block_rows=2)
+        block_grads = grads_after_loss(model, blockwise)
+        for grad in block_grads.values():
+            dist.all_reduce(grad)
+            grad /= world
+        image_emb, text_emb = model(images[start : start + sizes[rank]], texts[start : start + sizes[rank]])
         logits_i2t, logits_t2i, positives, _ = _local_logits(image_emb, text_emb, model.temperature, True)
         out[layout, eps] = {
             "grads": grads,
+            "block_grads": block_grads,
+            "block_logged": global_loss_value(blockwise),
             "logged": global_loss_value(loss),
             "logits_shapes": (tuple(logits_i2t.shape), tuple(logits_t2i.shape)),
             "positives": positives.tolist(),
@@ -263,6 +343,12 @@ def _dist_worker(rank: int, world: int) -> dict:
     generator = torch.Generator().manual_seed(rank)
     loss = contrastive_loss(image_emb, text_emb, model.temperature, negatives_fraction=0.5, generator=generator)
     out["sampled_grads"] = grads_after_loss(model, loss)
+    image_emb, text_emb = model(images[3 * rank : 3 * rank + 3], texts[3 * rank : 3 * rank + 3])
+    generator = torch.Generator().manual_seed(rank)
+    loss = contrastive_loss(
+        image_emb, text_emb, model.temperature, negatives_fraction=0.5, generator=generator, block_rows=2
+    )
+    out["sampled_block_grads"] = grads_after_loss(model, loss)
     return out
 
 
@@ -281,6 +367,22 @@ def test_distributed_gradients_match_single_process(dist_results, layout: str, e
     for result in results:
         for name, grad in result[layout, eps]["grads"].items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, eps", CASES)
+def test_distributed_blockwise_loss_matches_the_single_process_loss(dist_results, layout: str, eps: float) -> None:
+    world, results = dist_results
+    model, images, texts = make_model_and_batch(sum(SHARDS[world][layout]))
+    expected = contrastive_loss(*model(images, texts), model.temperature, eps)
+    expected_grads = grads_after_loss(model, expected)
+    for result in results:
+        torch.testing.assert_close(result[layout, eps]["block_logged"], expected.detach(), rtol=1e-12, atol=1e-12)
+        for name, grad in result[layout, eps]["block_grads"].items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    for result in results:  # the same per-rank draws give the same sampled loss, a block at a time
+        for name, grad in result["sampled_block_grads"].items():
+            torch.testing.assert_close(grad, result["sampled_grads"][name], rtol=1e-10, atol=1e-12, msg=name)
 
 
 @pytest.mark.slow

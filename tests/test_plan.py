@@ -404,3 +404,13 @@ def test_batch_inputs_are_planned_as_uint8_pixels() -> None:
     mean = torch.tensor(model.pixel_mean).view(1, 3, 1, 1)
     std = torch.tensor(model.pixel_std).view(1, 3, 1, 1)
     assert x.dtype == torch.float32 and torch.allclose(x, (batch["pixel_values"].float() / 255 - mean) / std, atol=1e-6)
+
+
+def test_the_blockwise_loss_is_planned_at_its_blocks_not_the_batch_squared() -> None:
+    from openalign.train.config import load_train_config
+
+    rows, width = 4096, 64
+    dense, _ = P.measure_loss(load_train_config("nano_cpu", {}), rows, width)
+    lean, _ = P.measure_loss(load_train_config("nano_cpu", {"train.loss_block_rows": 256}), rows, width)
+    square = rows * rows * 4
+    assert dense > 3 * square and lean < 8 * 256 * rows * 4 + 8 * rows * width * 4, (dense, lean)

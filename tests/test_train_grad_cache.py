@@ -114,6 +114,22 @@ def test_cached_equals_plain_with_dropout_and_stochastic_depth(chunk: int) -> No
     assert torch.equal(torch.get_rng_state(), want_rng)
 
 
+def test_cached_step_with_the_blockwise_loss_equals_it_with_the_dense_one() -> None:
+    """``train.loss_block_rows``: the loss a block of rows at a time inside gradient caching gives the step
+    the dense loss gives."""
+    from openalign.train.config import LoopConfig
+    from openalign.train.step import step_loss
+
+    model, ref = make_model(), make_model()
+    batch = make_batch()
+    torch.manual_seed(123)
+    want = cached_step(ref, batch, 16, step_loss(LoopConfig()), lambda: ref.temperature)
+    torch.manual_seed(123)
+    got = cached_step(model, batch, 16, step_loss(LoopConfig(loss_block_rows=10)), lambda: model.temperature)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    assert_grads_close(grads(model), grads(ref))
+
+
 def test_without_rng_replay_the_gradients_would_differ(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above is sensitive: with dropout on, skipping the replay changes the gradients."""
     model = make_model(text={"hidden_dropout": 0.2, "attention_dropout": 0.2}, image={"drop_connect_rate": 0.5})

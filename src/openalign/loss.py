@@ -53,11 +53,9 @@ class _AllGatherRows(torch.autograd.Function):
         return grad[ctx.start : ctx.stop], None, None
 
 
-def _local_logits(
-    image_emb: Tensor, text_emb: Tensor, temperature: Tensor | float, gather: bool
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """This rank's rows against every column: (image->text logits [n, N], text->image logits [n, N],
-    global column index of each row's positive [n], number of ranks whose rows were gathered)."""
+def _columns(image_emb: Tensor, text_emb: Tensor, gather: bool) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Every rank's images and texts [N, D] (this rank's alone without ``gather``), the global column index
+    of each of this rank's rows' positive [n], and the number of ranks whose rows were gathered."""
     n = image_emb.shape[0]
     world, rank = _world()
     if gather and world > 1:
@@ -77,9 +75,85 @@ def _local_logits(
     if all_images.shape[0] == 0:
         raise ValueError("contrastive_loss got an empty global batch")
     positives = torch.arange(offset, offset + n, device=image_emb.device)
+    return all_images, all_texts, positives, world
+
+
+def _local_logits(
+    image_emb: Tensor, text_emb: Tensor, temperature: Tensor | float, gather: bool
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """This rank's rows against every column: (image->text logits [n, N], text->image logits [n, N],
+    global column index of each row's positive [n], number of ranks whose rows were gathered)."""
+    all_images, all_texts, positives, world = _columns(image_emb, text_emb, gather)
     logits_i2t = image_emb @ all_texts.T / temperature
     logits_t2i = text_emb @ all_images.T / temperature
     return logits_i2t, logits_t2i, positives, world
+
+
+class _BlockwiseCrossEntropy(torch.autograd.Function):
+    """The summed label-smoothed cross-entropy of ``rows @ cols.T / temperature``, a block of rows at a time.
+
+    Row i's loss is ``lse_i - (1 - eps) z_i,pos - eps / K * sum_j z_ij`` over its K candidate columns (all N,
+    or the sampled ``candidates`` [n, K] with the positive first). Forward keeps only each row's log-sum-exp;
+    backward recomputes a block's logits and takes ``softmax - (1 - eps) onehot - eps / K`` as their
+    gradient, so no [n, N] matrix outlives its block.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        rows: Tensor,
+        cols: Tensor,
+        temperature: Tensor,
+        positives: Tensor,
+        candidates: Tensor | None,
+        label_smoothing: float,
+        block: int,
+    ) -> Tensor:
+        inv_t = 1 / temperature.to(rows.dtype)
+        lse = rows.new_empty(rows.shape[0])
+        total = rows.new_zeros(())
+        for start in range(0, rows.shape[0], block):
+            logits, target = _block_logits(rows, cols, inv_t, positives, candidates, start, block)
+            lse_b = torch.logsumexp(logits, dim=1)
+            positive = logits.gather(1, target[:, None]).squeeze(1)
+            smoothed = label_smoothing / logits.shape[1] * logits.sum(dim=1)
+            total += (lse_b - (1 - label_smoothing) * positive - smoothed).sum()
+            lse[start : start + block] = lse_b
+        ctx.save_for_backward(rows, cols, temperature, positives, lse)
+        ctx.candidates, ctx.label_smoothing, ctx.block = candidates, label_smoothing, block
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, cols, temperature, positives, lse = ctx.saved_tensors
+        candidates, eps, block = ctx.candidates, ctx.label_smoothing, ctx.block
+        inv_t = 1 / temperature.to(rows.dtype)
+        grad_rows, grad_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        grad_t = rows.new_zeros(())
+        for start in range(0, rows.shape[0], block):
+            logits, target = _block_logits(rows, cols, inv_t, positives, candidates, start, block)
+            g = torch.exp(logits - lse[start : start + block, None])
+            g -= eps / logits.shape[1]
+            g[torch.arange(g.shape[0], device=g.device), target] -= 1 - eps
+            grad_t -= (g * logits).sum() * inv_t  # d logits / d t = -logits / t
+            if candidates is not None:  # back onto the columns the candidates name
+                g = torch.zeros(g.shape[0], cols.shape[0], dtype=g.dtype, device=g.device).scatter_add_(
+                    1, candidates[start : start + block], g
+                )
+            grad_rows[start : start + block] = g @ cols * inv_t
+            grad_cols += g.T @ rows[start : start + block] * inv_t
+        return grad_rows * grad, grad_cols * grad, (grad_t * grad).to(temperature.dtype), None, None, None, None
+
+
+def _block_logits(
+    rows: Tensor, cols: Tensor, inv_t: Tensor, positives: Tensor, candidates: Tensor | None, start: int, block: int
+) -> tuple[Tensor, Tensor]:
+    """Logits of rows ``start:start+block`` against their candidate columns, and each row's positive there."""
+    logits = rows[start : start + block] @ cols.T * inv_t
+    if candidates is None:
+        return logits, positives[start : start + block]
+    picked = candidates[start : start + block]
+    return logits.gather(1, picked), torch.zeros(picked.shape[0], dtype=torch.long, device=picked.device)
 
 
 def _num_negatives(num_columns: int, negatives_fraction: float) -> int:
@@ -153,6 +227,7 @@ def contrastive_loss(
     negatives_fraction: float = 1.0,
     gather: bool = True,
     generator: torch.Generator | None = None,
+    block_rows: int | None = None,
 ) -> Tensor:
     """Image-to-text plus text-to-image softmax cross-entropy over in-batch negatives, as a 0-dim tensor.
 
@@ -174,14 +249,48 @@ def contrastive_loss(
     spreading over those columns only. Subsets are drawn from ``generator`` (on the embeddings' device), a
     separate draw per direction; give each rank its own seed, or ranks draw the same subsets for their rows.
     When the subset would be every column nothing is drawn and the loss is the full one.
+
+    ``block_rows`` computes the same loss ``block_rows`` rows at a time, recomputing each block's logits in
+    backward: memory O(block_rows * N + N * D) instead of several [n, N] matrices, at the cost of one more
+    pass of matrix products.
     """
     _validate(image_emb, text_emb, temperature, label_smoothing, negatives_fraction)
+    if block_rows is not None:
+        return _blockwise_loss(
+            image_emb, text_emb, temperature, label_smoothing, negatives_fraction, gather, generator, block_rows
+        )
     logits_i2t, logits_t2i, positives, world = _local_logits(image_emb, text_emb, temperature, gather)
     i2t, t2i = (
         _summed_cross_entropy(logits, positives, label_smoothing, negatives_fraction, generator)
         for logits in (logits_i2t, logits_t2i)
     )
     return (i2t + t2i) * (world / logits_i2t.shape[1])
+
+
+def _blockwise_loss(
+    image_emb: Tensor,
+    text_emb: Tensor,
+    temperature: Tensor | float,
+    label_smoothing: float,
+    negatives_fraction: float,
+    gather: bool,
+    generator: torch.Generator | None,
+    block_rows: int,
+) -> Tensor:
+    """``contrastive_loss`` by ``_BlockwiseCrossEntropy``; negatives are drawn as the dense path draws them."""
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be at least 1, got {block_rows}")
+    all_images, all_texts, positives, world = _columns(image_emb, text_emb, gather)
+    t = temperature if isinstance(temperature, Tensor) else image_emb.new_tensor(float(temperature))
+    num_columns = all_images.shape[0]
+    num_negatives = _num_negatives(num_columns, negatives_fraction)
+    total = image_emb.new_zeros(())
+    for rows, cols in ((image_emb, all_texts), (text_emb, all_images)):
+        picked = None
+        if num_negatives < num_columns - 1:
+            picked = _sample_columns(positives, num_columns, num_negatives, generator)
+        total = total + _BlockwiseCrossEntropy.apply(rows, cols, t, positives, picked, label_smoothing, block_rows)
+    return total * (world / num_columns)
 
 
 def uniform_loss(batch_size: int, negatives_fraction: float = 1.0) -> float:

@@ -94,6 +94,9 @@ class LoopConfig:
     steps: int | None = None  # stop after this step; None = optim.total_steps (the schedule's horizon)
     label_smoothing: float = 0.1  # the paper's 0.1
     negatives_fraction: float = 1.0  # in-batch negatives used (the paper's ablation: 0.5, 0.25)
+    # rows of the loss scored at a time, their logits recomputed in backward: its memory then grows with this,
+    # not with the global batch squared (0: all rows at once)
+    loss_block_rows: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # bf16: autocast over both towers; bf16-image: over the image tower only. auto: bf16 on a GPU that computes in
     # it (Ampere on); on a CPU with AMX, bf16-image when the image tower is the convolutional stack; else fp32
@@ -150,6 +153,8 @@ class TrainConfig:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
         if not 0 < t.negatives_fraction <= 1:
             raise ConfigError(f"train.negatives_fraction must be in (0, 1], got {t.negatives_fraction}")
+        if t.loss_block_rows < 0:
+            raise ConfigError(f"train.loss_block_rows must be 0 (all at once) or more, got {t.loss_block_rows}")
         if t.grad_clip is not None and not 0 < t.grad_clip < math.inf:
             raise ConfigError(f"train.grad_clip must be positive and finite, or null, got {t.grad_clip}")
         if t.max_bad_steps < 1:

@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,7 +27,6 @@ import yaml
 
 from openalign.config import ConfigError, ModelConfig
 from openalign.hardware import out_of_memory_figures
-from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
 from openalign.optim import build_optimizer, build_scheduler
 from openalign.outputs import check_writable
@@ -54,7 +52,7 @@ from openalign.train.distributed import (
 )
 from openalign.train.logging import METRICS_FILE, TENSORBOARD_DIR, say
 from openalign.train.meter import Meter
-from openalign.train.step import StepStats, TrainStep
+from openalign.train.step import StepStats, TrainStep, step_loss
 from openalign.train.towers import Towers, eager_towers
 
 if TYPE_CHECKING:
@@ -445,7 +443,7 @@ class _Run:
 
     def _train_step(self) -> TrainStep:
         t = self.cfg.train
-        loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
+        loss_fn = step_loss(t)
         return TrainStep(
             self.wrapped,
             self.towers,

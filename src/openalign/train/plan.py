@@ -50,7 +50,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from openalign.config import ConfigError
 from openalign.data.transforms import normalize_pixels
-from openalign.loss import contrastive_loss
 from openalign.model.dual_encoder import DualEncoder
 from openalign.model.efficientnet import direct_depthwise
 from openalign.optim import build_optimizer
@@ -58,6 +57,7 @@ from openalign.process import skip_exit_collection
 from openalign.train import flops as flop_formulas
 from openalign.train.config import TrainConfig, resolve_precision, sharded
 from openalign.train.grad_cache import cached_step, plain_step
+from openalign.train.step import step_loss
 from openalign.train.throughput import Measurement, differences, family, load_measurements, lookup, measured_devices
 
 __all__ = [
@@ -402,7 +402,7 @@ def _setup(
     cfg: TrainConfig, model: DualEncoder, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], bf16: bool
 ) -> StepSetup:
     t = cfg.train
-    loss_fn = partial(contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction)
+    loss_fn = step_loss(t)
     fsdp = hasattr(model, "set_requires_gradient_sync")  # an FSDPModule
     return StepSetup(model, optimizer, batch, t.chunk_size, bf16, loss_fn, t.grad_clip, fsdp, pixels_fn(cfg))
 
@@ -639,9 +639,7 @@ def measure_loss(cfg: TrainConfig, rows: int, width: int) -> tuple[int, int]:
             tracker.add(x)
         start = tracker.live
         with tracker:
-            loss = contrastive_loss(
-                image, text, temp, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction
-            )
+            loss = step_loss(t)(image, text, temp)
             grads = torch.autograd.grad(loss, [image, text, temp])
             del loss, grads
         return tracker.peak - start, tracker.flops

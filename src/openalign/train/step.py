@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,20 @@ from openalign.train.distributed import (
 from openalign.train.grad_cache import Batch, LossFn, Pixels, cached_step, plain_step
 from openalign.train.towers import ChunkCaptions, Towers
 
-__all__ = ["BufferSnapshot", "StepStats", "TrainStep"]
+if TYPE_CHECKING:
+    from openalign.train.config import LoopConfig
+
+__all__ = ["BufferSnapshot", "StepStats", "TrainStep", "step_loss"]
+
+
+def step_loss(t: LoopConfig) -> LossFn:
+    """The paper's loss with this run's label smoothing, share of negatives and loss blocks."""
+    from openalign.loss import contrastive_loss
+
+    block = t.loss_block_rows or None
+    return partial(
+        contrastive_loss, label_smoothing=t.label_smoothing, negatives_fraction=t.negatives_fraction, block_rows=block
+    )
 
 
 @dataclass(frozen=True)
