@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dist_utils import run_gloo
+from openalign.bench.loss import allocator_peak
 from openalign.loss import (
     _local_logits,
     _num_negatives,
@@ -201,21 +202,6 @@ def test_blockwise_float32_matches_the_dense_loss_at_a_large_batch() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def _peak_bytes(step) -> int:
-    """Peak bytes the CPU allocator holds while ``step()`` runs, from the profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    assert prof.profiler is not None
-    live = peak = 0
-    for _, delta in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                           if e.name() == "[memory]"):  # fmt: skip
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
 def test_blockwise_peak_memory_follows_the_block_not_the_batch() -> None:
     """At N = 2048 a float32 N x N matrix is 16 MiB and the dense loss holds several at once; the blockwise
     loss holds a few 64 x N blocks and the N x D inputs' gradients."""
@@ -227,7 +213,8 @@ def test_blockwise_peak_memory_follows_the_block_not_the_batch() -> None:
         a, b, temp = x.clone().requires_grad_(), y.clone().requires_grad_(), t.clone().requires_grad_()
         contrastive_loss(a, b, temp, block_rows=block_rows).backward()
 
-    dense, lean = _peak_bytes(lambda: step(None)), _peak_bytes(lambda: step(block))
+    cpu = torch.device("cpu")
+    dense, lean = allocator_peak(lambda: step(None), cpu), allocator_peak(lambda: step(block), cpu)
     square = n * n * 4
     assert dense > 3 * square, dense / square
     assert lean < 8 * block * n * 4 + 8 * n * d * 4, (lean, dense)

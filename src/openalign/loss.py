@@ -145,6 +145,54 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
         return grad_rows * grad, grad_cols * grad, (grad_t * grad).to(temperature.dtype), None, None, None, None
 
 
+class _BlockwiseBothWays(torch.autograd.Function):
+    """Both directions of the loss over one set of pairs (a single process), from one product a block.
+
+    Text-to-image logits are the image-to-text ones transposed, so each block ``S_b = X_b Y^T / t`` gives
+    its rows' log-sum-exp and, kept online (a running maximum and sum per column), the columns'. The sum is
+    ``sum(row lse) + sum(column lse) - 2 (1 - eps) trace(S) - 2 eps / N sum(S)``, and backward recomputes
+    each block: its gradient is the row softmax plus the column softmax less the targets.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, images: Tensor, texts: Tensor, temperature: Tensor, eps: float, block: int) -> Tensor:
+        n = images.shape[0]
+        inv_t = 1 / temperature.to(images.dtype)
+        row_lse = images.new_empty(n)
+        col_max = images.new_full((n,), -math.inf)
+        col_sum = images.new_zeros(n)
+        for start in range(0, n, block):
+            logits = images[start : start + block] @ texts.T * inv_t
+            row_lse[start : start + block] = torch.logsumexp(logits, dim=1)
+            top = torch.maximum(col_max, logits.amax(dim=0))
+            col_sum = col_sum * torch.exp(col_max - top) + torch.exp(logits - top).sum(dim=0)
+            col_max = top
+        col_lse = col_max + torch.log(col_sum)
+        trace = (images * texts).sum() * inv_t
+        total = (images.sum(dim=0) @ texts.sum(dim=0)) * inv_t
+        ctx.save_for_backward(images, texts, temperature, row_lse, col_lse)
+        ctx.eps, ctx.block = eps, block
+        return row_lse.sum() + col_lse.sum() - 2 * (1 - eps) * trace - 2 * eps / n * total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        images, texts, temperature, row_lse, col_lse = ctx.saved_tensors
+        eps, block, n = ctx.eps, ctx.block, images.shape[0]
+        inv_t = 1 / temperature.to(images.dtype)
+        grad_images, grad_texts = torch.zeros_like(images), torch.zeros_like(texts)
+        grad_t = images.new_zeros(())
+        for start in range(0, n, block):
+            logits = images[start : start + block] @ texts.T * inv_t
+            g = torch.exp(logits - row_lse[start : start + block, None]) + torch.exp(logits - col_lse[None, :])
+            g -= 2 * eps / n
+            rows = torch.arange(g.shape[0], device=g.device)
+            g[rows, rows + start] -= 2 * (1 - eps)
+            grad_t -= (g * logits).sum() * inv_t
+            grad_images[start : start + block] = g @ texts * inv_t
+            grad_texts += g.T @ images[start : start + block] * inv_t
+        return grad_images * grad, grad_texts * grad, (grad_t * grad).to(temperature.dtype), None, None
+
+
 def _block_logits(
     rows: Tensor, cols: Tensor, inv_t: Tensor, positives: Tensor, candidates: Tensor | None, start: int, block: int
 ) -> tuple[Tensor, Tensor]:
@@ -255,11 +303,16 @@ def contrastive_loss(
     pass of matrix products.
     """
     _validate(image_emb, text_emb, temperature, label_smoothing, negatives_fraction)
-    if block_rows is not None:
+    if block_rows is not None and block_rows < 1:
+        raise ValueError(f"block_rows must be at least 1, got {block_rows}")
+    all_images, all_texts, positives, world = _columns(image_emb, text_emb, gather)
+    if block_rows is not None and all_images.shape[0] > block_rows:  # one block would hold the dense logits
         return _blockwise_loss(
-            image_emb, text_emb, temperature, label_smoothing, negatives_fraction, gather, generator, block_rows
-        )
-    logits_i2t, logits_t2i, positives, world = _local_logits(image_emb, text_emb, temperature, gather)
+            image_emb, text_emb, all_images, all_texts, positives, world, temperature, label_smoothing,
+            negatives_fraction, generator, block_rows,
+        )  # fmt: skip
+    logits_i2t = image_emb @ all_texts.T / temperature
+    logits_t2i = text_emb @ all_images.T / temperature
     i2t, t2i = (
         _summed_cross_entropy(logits, positives, label_smoothing, negatives_fraction, generator)
         for logits in (logits_i2t, logits_t2i)
@@ -270,20 +323,25 @@ def contrastive_loss(
 def _blockwise_loss(
     image_emb: Tensor,
     text_emb: Tensor,
+    all_images: Tensor,
+    all_texts: Tensor,
+    positives: Tensor,
+    world: int,
     temperature: Tensor | float,
     label_smoothing: float,
     negatives_fraction: float,
-    gather: bool,
     generator: torch.Generator | None,
     block_rows: int,
 ) -> Tensor:
-    """``contrastive_loss`` by ``_BlockwiseCrossEntropy``; negatives are drawn as the dense path draws them."""
-    if block_rows < 1:
-        raise ValueError(f"block_rows must be at least 1, got {block_rows}")
-    all_images, all_texts, positives, world = _columns(image_emb, text_emb, gather)
+    """``contrastive_loss`` a block of rows at a time: both directions from one product per block in a single
+    process with every negative, else each direction by ``_BlockwiseCrossEntropy``, negatives drawn as the
+    dense path draws them."""
     t = temperature if isinstance(temperature, Tensor) else image_emb.new_tensor(float(temperature))
     num_columns = all_images.shape[0]
     num_negatives = _num_negatives(num_columns, negatives_fraction)
+    if world == 1 and num_negatives == num_columns - 1:
+        both: Tensor = _BlockwiseBothWays.apply(image_emb, text_emb, t, label_smoothing, block_rows)
+        return both / num_columns
     total = image_emb.new_zeros(())
     for rows, cols in ((image_emb, all_texts), (text_emb, all_images)):
         picked = None

@@ -108,6 +108,15 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
                  for n in ("clusters", "nearest", "combo", "threshold", "engine", "project_dim", "chunk_size",
                            "memory_limit", "spark_master"))),
     ),
+    "loss": (
+        "openalign.bench.loss:LossBenchSettings",
+        "the contrastive loss dense and a block of rows at a time: time and peak memory",
+        "Forward + backward of the normalised-softmax loss over N embeddings, dense and with --block-rows "
+        "(train.loss_block_rows), in alternating rounds in one process; prints each one's median step, the "
+        "ratio, the peak bytes each adds and how far their values and gradients lie apart.",
+        ("openalign bench loss", "openalign bench loss --batches 1024 16384 --block-rows 512 --device cuda"),
+        (JSON,),
+    ),
     "retrieval": (
         "openalign.bench.retrieval:RetrievalBenchSettings",
         "recall_at_k on given embeddings against the bare matrix product it needs (time, ratio)",
@@ -247,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
         from openalign.bench.towers import run_towers_bench
 
         run_towers_bench(s)
+    elif args.bench == "loss":
+        from openalign.bench.loss import run_loss_bench
+
+        run_loss_bench(s)
     elif args.bench == "retrieval":
         from openalign.bench.retrieval import run_retrieval_bench
 
