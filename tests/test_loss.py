@@ -412,3 +412,19 @@ def test_distributed_sampled_negatives_backward(dist_results) -> None:
     _, results = dist_results
     for result in results:
         assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in result["sampled_grads"].values())
+
+
+def test_bench_loss_prints_both_and_agrees(tmp_path, capsys) -> None:
+    import json
+
+    from openalign.cli import main
+
+    out = tmp_path / "loss.json"
+    argv = ["bench", "loss", "--batches", "8", "96", "--dim", "16", "--block-rows", "32", "--rounds", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "dense ms" in printed and "blockwise ms" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [8, 96]
+    assert rows[0]["apart"] == 0  # within one block: the dense path
+    assert 0 < rows[1]["apart"] < 1e-4 and rows[1]["blockwise_peak_mib"] < rows[1]["dense_peak_mib"]
