@@ -17,7 +17,7 @@ def start_server(
 ) -> Iterator[SimpleNamespace]:
     """``openalign serve --index INDEX FLAGS`` on a free port without an API key or allocator settings from
     the test's environment; stopped on exit. Yields its url, port, pid and log file."""
-    from openalign.bench.search import free_port, wait_for_server
+    from openalign.bench.search import free_port, stop_server, wait_for_server
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "OPENALIGN_API_KEY" and not k.startswith("MALLOC_")}
@@ -31,9 +31,4 @@ def start_server(
         wait_for_server(url, proc, 120)
         yield SimpleNamespace(url=url, port=port, pid=proc.pid, log=log_path)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)

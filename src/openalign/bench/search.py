@@ -191,6 +191,16 @@ def wait_for_server(url: str, proc: subprocess.Popen | None, timeout: float) -> 
     raise RuntimeError(f"the server at {url} did not answer within {timeout:.0f} s")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if the server has not exited within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 QUERY_WORDS = (
     "red",
     "blue",
@@ -281,11 +291,7 @@ def _drive(s: ServeBenchSettings, proc: subprocess.Popen, url: str, index: str, 
         wall = time.perf_counter() - start
         alive = proc.poll() is None and httpx.get(f"{url}/health").status_code == 200
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     total: Counter = Counter()
     for c in statuses:
         total.update(c)
