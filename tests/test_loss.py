@@ -16,6 +16,7 @@ from openalign.loss import (
     _sample_columns,
     contrastive_loss,
     global_loss_value,
+    sigmoid_loss,
     uniform_loss,
 )
 
@@ -220,6 +221,33 @@ def test_blockwise_peak_memory_follows_the_block_not_the_batch() -> None:
     assert lean < 8 * block * n * 4 + 8 * n * d * 4, (lean, dense)
 
 
+def reference_sigmoid_loss(x: Tensor, y: Tensor, t: Tensor | float, b: Tensor | float) -> Tensor:
+    """SigLIP's loss written out pair by pair: -1/N sum_ij log sigmoid(z_ij (x_i . y_j / t + b))."""
+    n = x.shape[0]
+    total = 0.0
+    for i in range(n):
+        for j in range(n):
+            z = 1.0 if i == j else -1.0
+            total = total - torch.log(torch.sigmoid(z * (torch.dot(x[i], y[j]) / t + b)))
+    return total / n
+
+
+@pytest.mark.parametrize("n, block", [(1, None), (6, None), (6, 1), (7, 3), (9, 4), (5, 100)])
+def test_sigmoid_loss_matches_the_pairwise_formula_and_gradients(n: int, block: int | None) -> None:
+    x = unit_rows(n, 5, n).requires_grad_()
+    y = unit_rows(n, 5, n + 50).requires_grad_()
+    t = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(-10.0, dtype=torch.float64, requires_grad=True)  # SigLIP's initial bias
+    loss = sigmoid_loss(x, y, t, b, block_rows=block)
+    expected = reference_sigmoid_loss(x, y, t, b)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(loss, (x, y, t, b)), torch.autograd.grad(expected, (x, y, t, b)),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    floats = sigmoid_loss(x.detach(), y.detach(), 0.1, -10.0, block_rows=block)
+    torch.testing.assert_close(floats, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "image, text, kwargs, message",
     [
@@ -324,6 +352,21 @@ def _dist_worker(rank: int, world: int) -> dict:
             else None,
         }
 
+    for layout in ("equal", "unequal"):
+        sizes = SHARDS[world][layout]
+        start = sum(sizes[:rank])
+        model, images, texts = make_model_and_batch(sum(sizes))
+        bias = nn.Parameter(torch.tensor(-2.0, dtype=torch.float64))
+        for block in (None, 2):
+            image_emb, text_emb = model(images[start : start + sizes[rank]], texts[start : start + sizes[rank]])
+            bias.grad = None
+            loss = sigmoid_loss(image_emb, text_emb, model.temperature, bias, block_rows=block)
+            sig_grads = {**grads_after_loss(model, loss), "bias": bias.grad.clone()}
+            for grad in sig_grads.values():
+                dist.all_reduce(grad)
+                grad /= world
+            out["sigmoid", layout, block] = {"grads": sig_grads, "logged": global_loss_value(loss)}
+
     # Sampled negatives across ranks: a rank-specific seed, and backward must still complete everywhere.
     model, images, texts = make_model_and_batch(3 * world)
     image_emb, text_emb = model(images[3 * rank : 3 * rank + 3], texts[3 * rank : 3 * rank + 3])
@@ -370,6 +413,22 @@ def test_distributed_blockwise_loss_matches_the_single_process_loss(dist_results
     for result in results:  # the same per-rank draws give the same sampled loss, a block at a time
         for name, grad in result["sampled_block_grads"].items():
             torch.testing.assert_close(grad, result["sampled_grads"][name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["equal", "unequal"])
+@pytest.mark.parametrize("block", [None, 2])
+def test_distributed_sigmoid_loss_matches_the_single_process_loss(dist_results, layout: str, block) -> None:
+    world, results = dist_results
+    model, images, texts = make_model_and_batch(sum(SHARDS[world][layout]))
+    bias = nn.Parameter(torch.tensor(-2.0, dtype=torch.float64))
+    expected = sigmoid_loss(*model(images, texts), model.temperature, bias)
+    expected_grads = {**grads_after_loss(model, expected), "bias": bias.grad.clone()}
+    for result in results:
+        got = result["sigmoid", layout, block]
+        torch.testing.assert_close(got["logged"], expected.detach(), rtol=1e-12, atol=1e-12)
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from openalign.model.layers import has_values
 
-__all__ = ["contrastive_loss", "global_loss_value", "uniform_loss"]
+__all__ = ["contrastive_loss", "global_loss_value", "sigmoid_loss", "uniform_loss"]
 
 
 def _world() -> tuple[int, int]:
@@ -348,6 +348,80 @@ def _blockwise_loss(
         if num_negatives < num_columns - 1:
             picked = _sample_columns(positives, num_columns, num_negatives, generator)
         total = total + _BlockwiseCrossEntropy.apply(rows, cols, t, positives, picked, label_smoothing, block_rows)
+    return total * (world / num_columns)
+
+
+class _BlockwiseSigmoid(torch.autograd.Function):
+    """``sum_ij softplus(l_ij) - sum_i l_i,pos`` for ``l = rows @ cols.T / t + b``, a block of rows at a time.
+
+    That is the sigmoid loss's ``-sum_ij log sigmoid(z_ij l_ij)`` (``z`` = +1 for the positive, -1 else),
+    since ``softplus(-x) - softplus(x) = -x``; its gradient in ``l`` is ``sigmoid(l) - onehot``, recomputed
+    block by block in backward, so no [n, N] matrix outlives its block.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, rows: Tensor, cols: Tensor, temperature: Tensor, bias: Tensor, positives: Tensor, block: int
+    ) -> Tensor:
+        inv_t, b = 1 / temperature.to(rows.dtype), bias.to(rows.dtype)
+        total = rows.new_zeros(())
+        for start in range(0, rows.shape[0], block):
+            total += F.softplus(rows[start : start + block] @ cols.T * inv_t + b).sum()
+        total -= (rows * cols[positives]).sum() * inv_t + b * rows.shape[0]
+        ctx.save_for_backward(rows, cols, temperature, bias, positives)
+        ctx.block = block
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, cols, temperature, bias, positives = ctx.saved_tensors
+        inv_t, b = 1 / temperature.to(rows.dtype), bias.to(rows.dtype)
+        grad_rows, grad_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        grad_t, grad_b = rows.new_zeros(()), rows.new_zeros(())
+        for start in range(0, rows.shape[0], ctx.block):
+            products = rows[start : start + ctx.block] @ cols.T
+            g = torch.sigmoid(products * inv_t + b)
+            g[torch.arange(g.shape[0], device=g.device), positives[start : start + ctx.block]] -= 1
+            grad_b += g.sum()
+            grad_t -= (g * products).sum() * inv_t * inv_t  # d l / d t = -products / t^2
+            grad_rows[start : start + ctx.block] = g @ cols * inv_t
+            grad_cols += g.T @ rows[start : start + ctx.block] * inv_t
+        return (
+            grad_rows * grad, grad_cols * grad, (grad_t * grad).to(temperature.dtype), (grad_b * grad).to(bias.dtype),
+            None, None,
+        )  # fmt: skip
+
+
+def sigmoid_loss(
+    image_emb: Tensor,
+    text_emb: Tensor,
+    temperature: Tensor | float,
+    bias: Tensor | float,
+    gather: bool = True,
+    block_rows: int | None = None,
+) -> Tensor:
+    """The sigmoid loss of SigLIP (Zhai et al. 2023): every image-caption pair of the batch a binary decision,
+    ``-1/N sum_ij log sigmoid(z_ij (x_i . y_j / temperature + bias))`` with ``z`` = +1 for the N true pairs
+    and -1 for the others, as a 0-dim tensor.
+
+    ``image_emb`` and ``text_emb`` are this rank's L2-normalised [n, D] embeddings of paired samples. With
+    ``gather`` and more than one rank, each rank scores its images against every rank's captions (N = the sum
+    of the ranks' n), which covers every pair of the global batch once, and returns (W/N) times its sum as
+    ``contrastive_loss`` does, so that DDP's averaged gradients are the global loss's. ``block_rows`` scores
+    that many rows at a time and recomputes them in backward: memory O(block_rows * N + N * D).
+    """
+    _validate(image_emb, text_emb, temperature, 0.0, 1.0)
+    if block_rows is not None and block_rows < 1:
+        raise ValueError(f"block_rows must be at least 1, got {block_rows}")
+    _, all_texts, positives, world = _columns(image_emb, text_emb, gather)
+    t = temperature if isinstance(temperature, Tensor) else image_emb.new_tensor(float(temperature))
+    b = bias if isinstance(bias, Tensor) else image_emb.new_tensor(float(bias))
+    num_columns = all_texts.shape[0]
+    if block_rows is None or num_columns <= block_rows:
+        logits = image_emb @ all_texts.T / t + b
+        positive = logits.gather(1, positives[:, None]).sum()
+        return (F.softplus(logits).sum() - positive) * (world / num_columns)
+    total: Tensor = _BlockwiseSigmoid.apply(image_emb, all_texts, t, b, positives, block_rows)
     return total * (world / num_columns)
 
 
