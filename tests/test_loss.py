@@ -487,3 +487,7 @@ def test_bench_loss_prints_both_and_agrees(tmp_path, capsys) -> None:
     assert [r["batch"] for r in rows] == [8, 96]
     assert rows[0]["apart"] == 0  # within one block: the dense path
     assert 0 < rows[1]["apart"] < 1e-4 and rows[1]["blockwise_peak_mib"] < rows[1]["dense_peak_mib"]
+    assert main([*argv, "--loss", "sigmoid", "--json", str(out)]) == 0
+    assert "sigmoid loss" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["apart"] == 0 and 0 < rows[1]["apart"] < 1e-4

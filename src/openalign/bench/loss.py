@@ -1,9 +1,9 @@
 """The contrastive loss dense and a block of rows at a time: time and peak memory of its forward and backward.
 
-For each batch, ``contrastive_loss`` over N unit embeddings (one process, so N is the global batch) runs
-dense and with ``block_rows``, in alternating rounds in one process. Printed per batch: each one's median
-step, the ratio blockwise / dense, the peak bytes each adds (the CPU allocator's own events on a CPU, the
-CUDA allocator's peak on a GPU) and how far their values and gradients lie apart.
+For each batch, ``contrastive_loss`` (or SigLIP's ``sigmoid_loss``) over N unit embeddings (one process, so N
+is the global batch) runs dense and with ``block_rows``, in alternating rounds in one process. Printed per
+batch: each one's median step, the ratio blockwise / dense, the peak bytes each adds (the CPU allocator's own
+events on a CPU, the CUDA allocator's peak on a GPU) and how far their values and gradients lie apart.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from openalign.loss import contrastive_loss
+from openalign.loss import contrastive_loss, sigmoid_loss
 
 
 @dataclass
@@ -26,6 +26,7 @@ class LossBenchSettings:
     """What ``openalign bench loss`` measures."""
 
     batches: list[int] = field(default_factory=lambda: [64, 256, 1024, 4096])  # global batch sizes N
+    loss: Literal["softmax", "sigmoid"] = "softmax"  # ALIGN's normalised softmax, or SigLIP's sigmoid loss
     dim: int = 640  # embedding width (ALIGN's)
     block_rows: int = 256  # rows the blockwise loss scores at a time
     label_smoothing: float = 0.1  # the paper's
@@ -59,10 +60,14 @@ def allocator_peak(step: Callable[[], Any], device: torch.device) -> int:
 
 
 def _step(
-    images: torch.Tensor, texts: torch.Tensor, temperature: torch.Tensor, eps: float, block: int | None
+    images: torch.Tensor, texts: torch.Tensor, temperature: torch.Tensor, settings: LossBenchSettings, block: int | None
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     x, y, t = (v.detach().requires_grad_() for v in (images, texts, temperature))
-    loss = contrastive_loss(x, y, t, label_smoothing=eps, block_rows=block)
+    if settings.loss == "sigmoid":
+        b = torch.tensor(-10.0, device=x.device, requires_grad=True)  # SigLIP's initial bias
+        loss = sigmoid_loss(x, y, t, b, block_rows=block)
+        return loss.detach(), torch.autograd.grad(loss, (x, y, t, b))
+    loss = contrastive_loss(x, y, t, label_smoothing=settings.label_smoothing, block_rows=block)
     return loss.detach(), torch.autograd.grad(loss, (x, y, t))
 
 
@@ -74,7 +79,7 @@ def _peak(
     block: int | None,
     device: torch.device,
 ) -> int:
-    return allocator_peak(lambda: _step(images, texts, temperature, settings.label_smoothing, block), device)
+    return allocator_peak(lambda: _step(images, texts, temperature, settings, block), device)
 
 
 def _apart(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,7 +94,9 @@ def run_loss_bench(settings: LossBenchSettings) -> list[dict[str, Any]]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(settings.seed)
     rows: list[dict[str, Any]] = []
-    print(f"contrastive loss, forward + backward, D = {settings.dim}, blocks of {settings.block_rows} rows, {device}")
+    print(
+        f"{settings.loss} loss, forward + backward, D = {settings.dim}, blocks of {settings.block_rows} rows, {device}"
+    )
     print(f"{'N':>6} {'dense ms':>10} {'blockwise ms':>13} {'ratio':>6} {'dense MiB':>10} {'blockwise MiB':>14} apart")
     for n in settings.batches:
         images = F.normalize(torch.randn(n, settings.dim, generator=gen), dim=1).to(device)
@@ -102,7 +109,7 @@ def run_loss_bench(settings: LossBenchSettings) -> list[dict[str, Any]]:
             for name, block in contenders.items():
                 sync()
                 start = time.perf_counter()
-                results[name] = _step(images, texts, temperature, settings.label_smoothing, block)
+                results[name] = _step(images, texts, temperature, settings, block)
                 sync()
                 times[name].append(time.perf_counter() - start)
         peaks = {name: _peak(images, texts, temperature, settings, block, device) for name, block in contenders.items()}

@@ -111,10 +111,12 @@ BENCHES: dict[str, tuple[str, str, str, tuple[str, ...], tuple[Alias, ...]]] = {
     "loss": (
         "openalign.bench.loss:LossBenchSettings",
         "the contrastive loss dense and a block of rows at a time: time and peak memory",
-        "Forward + backward of the normalised-softmax loss over N embeddings, dense and with --block-rows "
+        "Forward + backward of the normalised-softmax loss (or, with --loss sigmoid, SigLIP's) over N embeddings, "
+        "dense and with --block-rows "
         "(train.loss_block_rows), in alternating rounds in one process; prints each one's median step, the "
         "ratio, the peak bytes each adds and how far their values and gradients lie apart.",
-        ("openalign bench loss", "openalign bench loss --batches 1024 16384 --block-rows 512 --device cuda"),
+        ("openalign bench loss", "openalign bench loss --loss sigmoid",
+         "openalign bench loss --batches 1024 16384 --block-rows 512 --device cuda"),
         (JSON,),
     ),
     "retrieval": (
