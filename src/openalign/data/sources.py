@@ -1326,7 +1326,8 @@ class Source:
             return _folder_events(self.scan, self.captions, self.max_file_bytes)
         if self.kind == "table":
             assert self.table is not None
-            root = self.image_root if self.image_root is not None else self.table.parent
+            root = self.image_folder()
+            assert root is not None
             events = _table_events(
                 self.table,
                 root,
@@ -1340,6 +1341,17 @@ class Source:
             first = next(events, None)  # column checks happen here, not at the first next() of the caller
             return iter(()) if first is None else _chain(first, events)
         return _shard_events(self.urls, self.max_file_bytes)
+
+    def image_folder(self) -> Path | None:
+        """Where the input's image files lie: an image folder, a table's image root (default the table's
+        folder); None for shards, whose images are inside their tars."""
+        if self.kind == "folder":
+            assert self.scan is not None
+            return self.scan.root
+        if self.kind == "table":
+            assert self.table is not None
+            return self.image_root if self.image_root is not None else self.table.parent
+        return None
 
     def local_paths(self) -> list[str]:
         """The files and folders on this machine that the input reads (the shards a glob or brace spec names,

@@ -151,17 +151,10 @@ def _item(record: Record, on_error: Callable[[str, str], None]) -> Item:
 
 
 def _with_root(roots: list[str], opened: Source) -> list[str]:
-    """``roots`` and the folder ``opened``'s image files lie in (an image folder, a table's image root), which
-    ``serve`` may read an image from when it has no thumbnail; shard samples have none outside their tars."""
-    if opened.kind == "folder":
-        assert opened.scan is not None
-        root: Path | None = opened.scan.root
-    elif opened.kind == "table":
-        assert opened.table is not None
-        root = opened.image_root if opened.image_root is not None else opened.table.parent
-    else:
-        root = None
-    here = [] if root is None else [str(root.resolve())]
+    """``roots`` and the folder ``opened``'s image files lie in, which ``serve`` may read an image from when it
+    has no thumbnail (shard samples have none outside their tars)."""
+    folder = opened.image_folder()
+    here = [] if folder is None else [str(folder.resolve())]
     return [*roots, *(r for r in here if r not in roots)]
 
 
