@@ -502,8 +502,9 @@ def _embed_parts(
 ) -> EmbedShardsResult:
     out, parts, dim = layout.out, int(info["parts"]), int(info["embed_dim"])
     mine = [i for i in range(parts) if i % rank.world == rank.rank]
-    done = [i for i in mine if layout.done(i)]
-    todo = [i for i in mine if not layout.done(i)]
+    finished = {i for i in mine if layout.done(i)}  # each check reads the part's stats
+    done = [i for i in mine if i in finished]
+    todo = [i for i in mine if i not in finished]
     skipped_here: Counter[str] = Counter()
     rows = 0
     from tqdm import tqdm
