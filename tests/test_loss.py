@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from dist_utils import run_gloo
 from openalign.bench.loss import allocator_peak
 from openalign.loss import (
-    _local_logits,
+    _columns,
     _num_negatives,
     _sample_columns,
     contrastive_loss,
@@ -339,7 +339,8 @@ def _dist_worker(rank: int, world: int) -> dict:
             dist.all_reduce(grad)
             grad /= world
         image_emb, text_emb = model(images[start : start + sizes[rank]], texts[start : start + sizes[rank]])
-        logits_i2t, logits_t2i, positives, _ = _local_logits(image_emb, text_emb, model.temperature, True)
+        all_images, all_texts, positives, _ = _columns(image_emb, text_emb, True)
+        logits_i2t, logits_t2i = image_emb @ all_texts.T, text_emb @ all_images.T
         out[layout, eps] = {
             "grads": grads,
             "block_grads": block_grads,

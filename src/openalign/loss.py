@@ -73,20 +73,9 @@ def _columns(image_emb: Tensor, text_emb: Tensor, gather: bool) -> tuple[Tensor,
     else:
         world, all_images, all_texts, offset = 1, image_emb, text_emb, 0
     if all_images.shape[0] == 0:
-        raise ValueError("contrastive_loss got an empty global batch")
+        raise ValueError("the loss got an empty global batch")
     positives = torch.arange(offset, offset + n, device=image_emb.device)
     return all_images, all_texts, positives, world
-
-
-def _local_logits(
-    image_emb: Tensor, text_emb: Tensor, temperature: Tensor | float, gather: bool
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """This rank's rows against every column: (image->text logits [n, N], text->image logits [n, N],
-    global column index of each row's positive [n], number of ranks whose rows were gathered)."""
-    all_images, all_texts, positives, world = _columns(image_emb, text_emb, gather)
-    logits_i2t = image_emb @ all_texts.T / temperature
-    logits_t2i = text_emb @ all_images.T / temperature
-    return logits_i2t, logits_t2i, positives, world
 
 
 class _BlockwiseCrossEntropy(torch.autograd.Function):
@@ -299,8 +288,8 @@ def contrastive_loss(
     When the subset would be every column nothing is drawn and the loss is the full one.
 
     ``block_rows`` computes the same loss ``block_rows`` rows at a time, recomputing each block's logits in
-    backward: memory O(block_rows * N + N * D) instead of several [n, N] matrices, at the cost of one more
-    pass of matrix products.
+    backward: memory O(block_rows * N + N * D) instead of several [n, N] matrices. In one process with every
+    negative both directions share each block's product; otherwise each direction pays one more product.
     """
     _validate(image_emb, text_emb, temperature, label_smoothing, negatives_fraction)
     if block_rows is not None and block_rows < 1:
